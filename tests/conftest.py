@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny local model/tokenizer and a small local Ray cluster.
+
+Nothing is downloaded: HF hub access is switched off for the whole test run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a tiny Qwen2 model + BPE tokenizer (HF format), built once per session."""
+    from verl.utils.tiny_model import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    make_tiny_checkpoint(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster shared by the session's tests (logical CPUs > physical on purpose)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=8,
+            num_gpus=0,
+            object_store_memory=256 * 1024**2,
+            include_dashboard=False,
+            log_to_driver=True,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        )
+    yield ray
+    ray.shutdown()

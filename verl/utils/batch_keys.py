@@ -1,0 +1,61 @@
+"""The one place where DataProto key names are defined.
+
+Shapes: B = batch rows, P = prompt length (left-padded), R = response length
+(right-padded), T = P + R. Every worker method's docstring names the keys it
+reads and writes from this table; code uses these constants (or the identical
+literal) so a typo is caught by `check_known_keys`.
+"""
+
+from __future__ import annotations
+
+# --- tensors, batch[...] ---------------------------------------------------
+INPUT_IDS = "input_ids"              # (B, T) long: prompt + response
+ATTENTION_MASK = "attention_mask"    # (B, T) long: 1 = real token, 0 = pad
+POSITION_IDS = "position_ids"        # (B, T) long: cumsum(attention_mask) - 1, clipped at 0
+PROMPTS = "prompts"                  # (B, P) long, left-padded
+RESPONSES = "responses"              # (B, R) long, right-padded (all turns, observations included)
+INFO_MASK = "info_mask"              # (B, T) long: attention_mask with observation tokens set to 0
+LOSS_MASK = "loss_mask"              # (B, R) long: 1 = token the policy sampled (not pad, not observation)
+RESPONSE_MASK = "response_mask"      # (B, R) long: THE mask every loss / KL / whitening / GAE uses.
+                                     #   = loss_mask when actor.state_masking, else attention_mask[:, P:]
+OLD_LOG_PROBS = "old_log_probs"      # (B, R) float: log-probs of the rollout policy
+REF_LOG_PROB = "ref_log_prob"        # (B, R) float: log-probs of the reference policy
+VALUES = "values"                    # (B, R) float: critic values
+TOKEN_LEVEL_SCORES = "token_level_scores"    # (B, R) float: rule reward, on the last policy token
+TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) float: scores minus in-reward KL penalty
+ADVANTAGES = "advantages"            # (B, R) float
+RETURNS = "returns"                  # (B, R) float
+
+# --- non-tensors, non_tensor_batch[...] (numpy object arrays of length B) -----
+UID = "uid"                          # per-prompt unique id; GRPO / RLOO group key
+DATA_SOURCE = "data_source"          # e.g. "nq"; selects the scorer
+REWARD_MODEL = "reward_model"        # {"style": "rule", "ground_truth": {"target": [...]}}
+EXTRA_INFO = "extra_info"            # {"split": ..., "index": ...}
+INDEX = "index"                      # row index in the source data set
+
+# --- meta_info[...] -----------------------------------------------------------
+META_EOS_TOKEN_ID = "eos_token_id"
+META_PAD_TOKEN_ID = "pad_token_id"
+META_DO_SAMPLE = "do_sample"         # False = greedy (validation)
+META_TEMPERATURE = "temperature"
+META_RESPONSE_LENGTH = "response_length"  # max new tokens for this generation call
+META_STOP = "stop"                   # list[str] stop strings for this generation call
+META_MICRO_BATCH_SIZE = "micro_batch_size"
+META_USE_DYNAMIC_BSZ = "use_dynamic_bsz"
+META_MAX_TOKEN_LEN = "max_token_len"
+META_GLOBAL_TOKEN_NUM = "global_token_num"
+META_METRICS = "metrics"             # dict[str, float | list[float]] returned by update_* methods
+
+TENSOR_KEYS = frozenset({
+    INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PROMPTS, RESPONSES, INFO_MASK, LOSS_MASK,
+    RESPONSE_MASK, OLD_LOG_PROBS, REF_LOG_PROB, VALUES, TOKEN_LEVEL_SCORES,
+    TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS,
+})
+NON_TENSOR_KEYS = frozenset({UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX})
+
+
+def check_known_keys(keys: list[str] | set[str], where: str) -> None:
+    """Raise KeyError naming `where` if a key is not in this table."""
+    unknown = sorted(set(keys) - TENSOR_KEYS - NON_TENSOR_KEYS)
+    if unknown:
+        raise KeyError(f"{where}: unknown batch key(s) {unknown}; known keys live in verl/utils/batch_keys.py")

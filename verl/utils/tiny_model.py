@@ -1,0 +1,127 @@
+"""Build small models and tokenizers locally, with nothing downloaded.
+
+Tests and the offline demo need a real Hugging Face tokenizer and a real
+Qwen2-architecture model. Both are made here from scratch: a byte-level BPE
+tokenizer trained on given text (with the Search-R1 action tags as single
+tokens), and a randomly initialised `Qwen2ForCausalLM` built from a config.
+
+    tok = train_bpe_tokenizer(texts, vocab_size=600)
+    model = build_tiny_qwen2(tok, hidden_size=64, num_layers=2)
+    save_model_and_tokenizer(model, tok, "/tmp/tiny")   # AutoModel/AutoTokenizer load it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+# Action tags are single, non-special tokens: decode keeps them, and a tag is
+# never split across two sampled tokens.
+ACTION_TAGS = (
+    "<think>", "</think>", "<search>", "</search>",
+    "<answer>", "</answer>", "<information>", "</information>",
+)
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|im_end|>"
+BOS_CHAT_TOKEN = "<|im_start|>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_CHAT_TOKEN)
+
+# ChatML, as Qwen2.5 uses: one user turn, then the assistant's turn is opened.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DEFAULT_TEXTS = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
+    "every time you get new information. After reasoning, if you find you lack some knowledge, "
+    "you can call a search engine by <search> query </search> and it will return the top searched "
+    "results between <information> and </information>. You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside "
+    "<answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: where was the author born? Doc 1(Title: Paris) Paris is the capital of France. "
+    "The quick brown fox jumps over the lazy dog. 0123456789 ?!.,;:'\"()[]{}-_/\\@#$%^&*+=<>|~`",
+)
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str] = DEFAULT_TEXTS,
+    vocab_size: int = 600,
+    with_chat_template: bool = True,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `texts`; tags and specials are single tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        padding_side="left",
+    )
+    fast.add_tokens(list(ACTION_TAGS))
+    if with_chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_qwen2(
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 causal LM sized for `tokenizer` (fp32)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def save_model_and_tokenizer(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, path: str | Path) -> Path:
+    """Save both in HF format (safetensors) so `from_pretrained(path)` loads them."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_checkpoint(path: str | Path, texts: Iterable[str] = DEFAULT_TEXTS, vocab_size: int = 600,
+                         **model_kwargs) -> Path:
+    """Tokenizer + tiny model written to `path`; the usual fixture for tests."""
+    tok = train_bpe_tokenizer(texts, vocab_size=vocab_size)
+    model = build_tiny_qwen2(tok, **model_kwargs)
+    return save_model_and_tokenizer(model, tok, path)
