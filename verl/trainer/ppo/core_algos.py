@@ -1,0 +1,271 @@
+"""PPO / GRPO / REINFORCE++ / RLOO algorithm core: advantages, losses, KL.
+
+Names and signatures follow veRL (DESIGN §3.5). One departure from the
+original Search-R1: every function here honours `response_mask` as THE mask
+(1 = token the policy sampled). In particular GAE runs over policy tokens
+only -- an observation span (retrieved passage, invalid-action notice) between
+two policy tokens is not a step of the trajectory, so the next value and the
+running advantage carry across it unchanged.
+
+Shapes: B = rows, R = response length, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl.utils import torch_functional as tf
+
+ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "rloo")
+KL_PENALTY_TYPES = ("kl", "abs", "mse", "low_var_kl")
+
+
+# --------------------------------------------------------------------------- KL controllers
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt; kept so both controllers share one interface."""
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019) proportional controller: moves beta so the KL tracks `target_kl`."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
+        if horizon <= 0:
+            raise ValueError(f"algorithm.kl_ctrl.horizon must be > 0, got {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon."""
+        proportional_error = float(np.clip(float(current_kl) / self.target - 1.0, -0.2, 0.2))
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+
+def get_kl_controller(kl_ctrl_config: Any) -> FixedKLController | AdaptiveKLController:
+    """Build the controller described by the `algorithm.kl_ctrl` config node."""
+    kind = kl_ctrl_config.get("type", "fixed")
+    if kind == "fixed":
+        return FixedKLController(kl_coef=kl_ctrl_config.get("kl_coef"))
+    if kind == "adaptive":
+        return AdaptiveKLController(
+            init_kl_coef=kl_ctrl_config.get("kl_coef"),
+            target_kl=kl_ctrl_config.get("target_kl"),
+            horizon=kl_ctrl_config.get("horizon"),
+        )
+    raise ValueError(f"unknown algorithm.kl_ctrl.type {kind!r}; expected 'fixed' or 'adaptive'")
+
+
+# --------------------------------------------------------------------------- advantages
+def _gae_unwhitened(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                    gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GAE advantages and returns, (B, R) each, zero where the mask is 0.
+
+    Backward recursion over policy tokens only; at a masked-out position the
+    carried `next_value` and `last_gae` pass through untouched, so the result
+    equals GAE over the sequence with every observation span removed. Rewards
+    sitting on masked-out positions are ignored (the reward manager and the KL
+    penalty only ever write onto policy tokens).
+    """
+    batch, length = token_level_rewards.shape
+    mask = response_mask.bool()
+    advantages = torch.zeros_like(token_level_rewards)
+    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    last_gae = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    for t in reversed(range(length)):
+        on_policy = mask[:, t]
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        last_gae = torch.where(on_policy, gae, last_gae)
+        next_value = torch.where(on_policy, values[:, t], next_value)
+        advantages[:, t] = torch.where(on_policy, gae, torch.zeros_like(gae))
+    returns = (advantages + values) * mask.to(values.dtype)
+    return advantages, returns
+
+
+def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
+                                 response_mask: torch.Tensor, gamma: float,
+                                 lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over policy tokens; advantages whitened over `response_mask`.  -> (advantages_BR, returns_BR)"""
+    with torch.no_grad():
+        advantages, returns = _gae_unwhitened(token_level_rewards, values, response_mask, gamma, lam)
+        mask = response_mask.to(advantages.dtype)
+        advantages = tf.masked_whiten(advantages, mask) * mask
+    return advantages, returns
+
+
+def _group_rows(index: np.ndarray) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = defaultdict(list)
+    for row, uid in enumerate(index):
+        groups[uid].append(row)
+    return groups
+
+
+def _check_index(index: np.ndarray, batch: int) -> None:
+    if len(index) != batch:
+        raise ValueError(f"non-tensor key 'uid' (GRPO/RLOO group index) has {len(index)} rows, batch has {batch}")
+
+
+def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   index: np.ndarray, epsilon: float = 1e-6,
+                                   norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-normalised outcome advantage: (score - group mean) / (group std + eps) on every policy token.
+
+    `index` holds a per-prompt uid for each row, so rows sampled from the same
+    prompt form one group. A group of one has mean 0 and std 1 (its advantage
+    is its raw score). std is the unbiased sample std, as in veRL / DeepSeekMath.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    _check_index(index, scores.shape[0])
+    with torch.no_grad():
+        normalised = torch.empty_like(scores)
+        for rows in _group_rows(index).values():
+            group = scores[rows]
+            if len(rows) == 1:
+                mean, std = 0.0, 1.0
+            else:
+                mean, std = group.mean(), group.std()
+            centred = group - mean
+            normalised[rows] = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+        advantages = normalised.unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages
+
+
+def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out baseline: score_i - mean of the other scores in its group (a group of one: score_i)."""
+    scores = token_level_rewards.sum(dim=-1)
+    _check_index(index, scores.shape[0])
+    with torch.no_grad():
+        baselined = scores.clone()
+        for rows in _group_rows(index).values():
+            n = len(rows)
+            if n > 1:
+                group = scores[rows]
+                baselined[rows] = group - (group.sum() - group) / (n - 1)
+        advantages = baselined.unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages
+
+
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                                  gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Discounted return-to-go over policy tokens (observation spans skipped), whitened over the mask."""
+    with torch.no_grad():
+        mask = response_mask.to(token_level_rewards.dtype)
+        returns = torch.zeros_like(token_level_rewards)
+        running = torch.zeros(token_level_rewards.shape[0], dtype=returns.dtype, device=returns.device)
+        for t in reversed(range(token_level_rewards.shape[1])):
+            on_policy = response_mask[:, t].bool()
+            running = torch.where(on_policy, token_level_rewards[:, t] + gamma * running, running)
+            returns[:, t] = torch.where(on_policy, running, torch.zeros_like(running))
+        advantages = tf.masked_whiten(returns, mask) * mask
+    return advantages, returns
+
+
+def compute_advantage(adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                      values: torch.Tensor | None = None, index: np.ndarray | None = None,
+                      gamma: float = 1.0, lam: float = 1.0,
+                      norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch on `algorithm.adv_estimator`.  -> (advantages_BR, returns_BR)"""
+    if adv_estimator == "gae":
+        if values is None:
+            raise ValueError("algorithm.adv_estimator=gae needs the batch key 'values' (a critic)")
+        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+    if adv_estimator in ("grpo", "rloo") and index is None:
+        raise ValueError(f"algorithm.adv_estimator={adv_estimator} needs the non-tensor key 'uid' as index")
+    if adv_estimator == "grpo":
+        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
+                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    if adv_estimator == "rloo":
+        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+    if adv_estimator == "reinforce_plus_plus":
+        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
+    raise ValueError(f"unknown algorithm.adv_estimator {adv_estimator!r}; expected one of {ADV_ESTIMATORS}")
+
+
+# --------------------------------------------------------------------------- KL
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference (Schulman's k1 / k2 / k3).
+
+    kl: logp - logq (k1); abs: |logp - logq|; mse: 0.5 (logp - logq)^2 (k2);
+    low_var_kl: exp(logq - logp) - (logq - logp) - 1 (k3), clamped to [-10, 10].
+    """
+    return _kl_estimate(logprob, ref_logprob, kl_penalty)
+
+
+def _kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    # Separate from kl_penalty() because veRL's parameter name shadows the function
+    # inside apply_kl_penalty.
+    diff = logprob - ref_logprob
+    if kl_penalty == "kl":
+        return diff
+    if kl_penalty == "abs":
+        return diff.abs()
+    if kl_penalty == "mse":
+        return 0.5 * diff.square()
+    if kl_penalty == "low_var_kl":
+        log_ratio = ref_logprob - logprob
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, min=-10.0, max=10.0)
+    raise ValueError(f"unknown kl penalty type {kl_penalty!r}; expected one of {KL_PENALTY_TYPES}")
+
+
+def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor,
+                     response_mask: torch.Tensor, kl_ctrl: FixedKLController | AdaptiveKLController,
+                     kl_penalty: str = "kl") -> tuple[torch.Tensor, dict[str, float]]:
+    """rewards = scores - beta * kl on policy tokens; updates the controller with the masked mean KL."""
+    mask = response_mask.to(token_level_scores.dtype)
+    kld = _kl_estimate(old_log_probs, ref_log_prob, kl_penalty) * mask
+    beta = kl_ctrl.value
+    token_level_rewards = token_level_scores - beta * kld
+    current_kl = tf.masked_mean(kld, mask, axis=-1).mean().item()
+    kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
+    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    return token_level_rewards, metrics
+
+
+# --------------------------------------------------------------------------- losses
+def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, cliprange: float,
+                        loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate.  -> (pg_loss, pg_clipfrac, ppo_kl), all scalars.
+
+    pg_clipfrac is the fraction of policy tokens whose clipped term was the active one.
+    """
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    ppo_kl = tf.masked_mean(-log_ratio, mask)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = tf.agg_loss(torch.max(unclipped, clipped), mask, loss_agg_mode)
+    pg_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
+    return pg_loss, pg_clipfrac, ppo_kl
+
+
+def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor,
+                         loss_agg_mode: str = "token-mean") -> torch.Tensor:
+    """Aggregated entropy of the policy over policy tokens; logits (B, R, V)."""
+    entropy = tf.entropy_from_logits(logits)
+    return tf.agg_loss(entropy, response_mask.to(entropy.dtype), loss_agg_mode)
+
+
+def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
+                       response_mask: torch.Tensor, cliprange_value: float,
+                       loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2).  -> (vf_loss, vf_clipfrac)"""
+    mask = response_mask.to(vpreds.dtype)
+    vpred_clipped = tf.clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
+    unclipped = (vpreds - returns).square()
+    clipped = (vpred_clipped - returns).square()
+    vf_loss = 0.5 * tf.agg_loss(torch.max(unclipped, clipped), mask, loss_agg_mode)
+    vf_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
+    return vf_loss, vf_clipfrac
