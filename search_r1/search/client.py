@@ -1,0 +1,246 @@
+"""HTTP client for any server that speaks the /retrieve API (DESIGN §3.1).
+
+The generation manager owns one ``RetrievalClient`` and calls ``retrieve`` once per
+turn with every active trajectory's query. Failures surface as a typed
+``RetrievalError`` so the caller can turn them into a counted observation instead of
+crashing a training step (DESIGN §4.9).
+
+Transport choices, and why:
+
+- one pooled ``requests.Session`` so that a rollout's hundreds of calls reuse TCP
+  connections instead of opening one per turn;
+- retries are urllib3's ``Retry`` on the adapter: connection failures and 5xx answers
+  are retried with exponential backoff (POST included, since /retrieve is read-only);
+  4xx answers are never retried, as the same body will be refused again;
+- a read timeout is *not* retried: the server has the request and is slow, so sending
+  it again only adds load to an overloaded server and multiplies the caller's wait;
+- a long query list is sent in chunks of ``max_batch_queries`` (servers cap the number
+  of queries per request) and the answers are joined back in query order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from search_r1.search.schema import Hit
+
+RETRYABLE_STATUS = (500, 502, 503, 504)
+
+
+class RetrievalError(RuntimeError):
+    """A /retrieve call that did not produce results.
+
+    ``status`` is the HTTP status when the server answered (None when it never did),
+    ``url`` the endpoint that was called.
+    """
+
+    def __init__(self, message: str, status: int | None = None, url: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.url = url
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep the typed fields when the error crosses a Ray / multiprocessing boundary.
+        return (type(self), (self.message, self.status, self.url))
+
+
+class RetrievalTimeout(RetrievalError):
+    """The server did not answer within the client's timeout."""
+
+
+class RetrievalUnavailable(RetrievalError):
+    """The server could not be reached, or kept answering 5xx after every retry."""
+
+
+class RetrievalBadRequest(RetrievalError):
+    """The server refused the request (4xx); retrying the same body cannot help."""
+
+
+def _error_detail(response: requests.Response) -> str:
+    """The server's own message for a refused request (FastAPI puts it in ``detail``)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])[:500]
+    return str(body)[:500]
+
+
+class RetrievalClient:
+    """Pooled, retrying client for POST /retrieve.
+
+    ``url`` is the full endpoint, as in the trainer's ``retriever.url``
+    (e.g. ``http://127.0.0.1:8000/retrieve``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        topk: int = 3,
+        timeout: float = 30.0,
+        max_retries: int = 3,
+        backoff_factor: float = 0.5,
+        max_batch_queries: int = 512,
+        pool_size: int = 16,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
+        for name, value in (
+            ("topk", topk),
+            ("max_batch_queries", max_batch_queries),
+            ("pool_size", pool_size),
+        ):
+            if value < 1:
+                raise ValueError(f"RetrievalClient.{name} must be >= 1, got {value}")
+        if timeout <= 0:
+            raise ValueError(f"RetrievalClient.timeout must be > 0, got {timeout}")
+        if max_retries < 0:
+            raise ValueError(f"RetrievalClient.max_retries must be >= 0, got {max_retries}")
+        self.url = url
+        self.topk = topk
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff_factor = backoff_factor
+        self.max_batch_queries = max_batch_queries
+        self.pool_size = pool_size
+        self._session = self._make_session()
+
+    def _make_session(self) -> requests.Session:
+        retry = Retry(
+            total=self.max_retries,
+            connect=self.max_retries,
+            status=self.max_retries,
+            read=False,  # False re-raises the read error itself, so a timeout stays a timeout
+            other=0,
+            redirect=0,
+            allowed_methods=frozenset({"GET", "POST"}),
+            status_forcelist=RETRYABLE_STATUS,
+            backoff_factor=self.backoff_factor,
+            # Hand the last 5xx back to us instead of raising, so its message is kept.
+            raise_on_status=False,
+            # A Retry-After of minutes would stall a whole rollout; our own backoff decides.
+            respect_retry_after_header=False,
+        )
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.pool_size, max_retries=retry)
+        session = requests.Session()
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        return session
+
+    # A requests.Session holds sockets and locks; ship the settings and rebuild it.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_session"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._session = self._make_session()
+
+    def __repr__(self) -> str:
+        return f"RetrievalClient(url={self.url!r}, topk={self.topk}, timeout={self.timeout})"
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> RetrievalClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def health_url(self) -> str:
+        base = self.url[: -len("/retrieve")] if self.url.endswith("/retrieve") else self.url.rstrip("/")
+        return base + "/health"
+
+    def health(self) -> bool:
+        """True when GET /health answers 200 (no retries: this is a probe)."""
+        try:
+            response = requests.get(self.health_url, timeout=self.timeout)
+        except requests.RequestException:
+            return False
+        return response.status_code == 200
+
+    def retrieve(
+        self, queries: Sequence[str], topk: int | None = None, return_scores: bool = True
+    ) -> list[list[Hit]]:
+        """Hits for each query, in query order, best first.
+
+        Without ``return_scores`` the server sends bare documents and every
+        ``Hit.score`` is 0.0. Raises ``RetrievalError`` (or a subclass) on failure.
+        """
+        if isinstance(queries, str):
+            raise TypeError("queries must be a sequence of strings, not a single string")
+        topk = self.topk if topk is None else topk
+        results: list[list[Hit]] = []
+        for start in range(0, len(queries), self.max_batch_queries):
+            chunk = list(queries[start : start + self.max_batch_queries])
+            results.extend(self._post_chunk(chunk, topk, return_scores))
+        return results
+
+    def _post_chunk(self, queries: list[str], topk: int, return_scores: bool) -> list[list[Hit]]:
+        payload = {"queries": queries, "topk": topk, "return_scores": return_scores}
+        try:
+            response = self._session.post(self.url, json=payload, timeout=self.timeout)
+        except requests.Timeout as exc:
+            raise RetrievalTimeout(
+                f"retrieval server did not answer within {self.timeout}s ({type(exc).__name__})",
+                None,
+                self.url,
+            ) from exc
+        except requests.ConnectionError as exc:
+            raise RetrievalUnavailable(
+                f"retrieval server unreachable after {self.max_retries} retries ({type(exc).__name__})",
+                None,
+                self.url,
+            ) from exc
+        except requests.RequestException as exc:
+            raise RetrievalError(f"retrieval request failed: {exc}", None, self.url) from exc
+
+        status = response.status_code
+        if 400 <= status < 500:
+            raise RetrievalBadRequest(
+                f"retrieval server refused the request: {_error_detail(response)}", status, self.url
+            )
+        if status >= 500:
+            raise RetrievalUnavailable(
+                f"retrieval server answered HTTP {status} after {self.max_retries} retries: {_error_detail(response)}",
+                status,
+                self.url,
+            )
+        return self._parse(response, n_queries=len(queries))
+
+    def _parse(self, response: requests.Response, n_queries: int) -> list[list[Hit]]:
+        status = response.status_code
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise RetrievalError(
+                "retrieval server answered with a body that is not JSON", status, self.url
+            ) from exc
+        result = body.get("result") if isinstance(body, dict) else None
+        if not isinstance(result, list):
+            raise RetrievalError("retrieval server answer has no 'result' list", status, self.url)
+        if len(result) != n_queries:
+            raise RetrievalError(
+                f"retrieval server answered {len(result)} result lists for {n_queries} queries",
+                status,
+                self.url,
+            )
+        hits: list[list[Hit]] = []
+        for i, per_query in enumerate(result):
+            if not isinstance(per_query, list):
+                raise RetrievalError(f"result[{i}] is not a list", status, self.url)
+            try:
+                hits.append([Hit.from_wire(obj) for obj in per_query])
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise RetrievalError(f"result[{i}] holds a malformed hit: {exc}", status, self.url) from exc
+        return hits
