@@ -1,0 +1,301 @@
+"""Ray backend of the single controller: placement groups, named worker actors, colocated roles.
+
+The driver builds a RayResourcePool (one placement group per node, one bundle per process),
+then a RayWorkerGroup that starts one actor per bundle with its rank/rendezvous environment,
+and binds the worker class's @register methods on itself. On a machine without GPUs the
+bundles are CPU-only and everything (gloo process groups included) runs the same way.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+from ray.actor import ActorClass
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from verl.single_controller.base.decorator import MAGIC_ATTR, MethodSpec
+from verl.single_controller.base.worker import Worker, get_availale_master_addr_port, get_free_port
+from verl.single_controller.base.worker_group import (
+    ClassWithInitArgs,
+    ResourcePool,
+    WorkerGroup,
+    registered_methods,
+)
+
+PLACEMENT_GROUP_TIMEOUT_S = 120
+
+
+def _unwrap_actor_class(cls: Any) -> type:
+    """The plain Python class behind a @ray.remote class (or cls itself)."""
+    return cls.__ray_actor_class__ if isinstance(cls, ActorClass) else cls
+
+
+class RayResourcePool(ResourcePool):
+    """Processes per node, reserved as Ray placement groups (created on first use)."""
+
+    def __init__(
+        self,
+        process_on_nodes: list[int] | None = None,
+        use_gpu: bool = True,
+        name_prefix: str = "",
+        max_colocate_count: int = 1,
+        detached: bool = False,
+    ) -> None:
+        super().__init__(process_on_nodes, max_colocate_count)
+        self.use_gpu = use_gpu
+        self.name_prefix = name_prefix
+        self.detached = detached
+        self.pgs: list[PlacementGroup] | None = None
+
+    def gpus_in_use(self) -> bool:
+        """GPU bundles only when asked for and the cluster has GPUs; otherwise CPU-only bundles."""
+        return bool(self.use_gpu and ray.cluster_resources().get("GPU", 0) > 0)
+
+    def bundle(self) -> dict[str, float]:
+        # max_colocate_count actors (one per colocated group) share each bundle.
+        bundle = {"CPU": float(self.max_colocate_count)}
+        if self.gpus_in_use():
+            bundle["GPU"] = 1.0
+        return bundle
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK") -> list[PlacementGroup]:
+        if self.pgs is not None:
+            return self.pgs
+        bundle = self.bundle()
+        lifetime = "detached" if self.detached else None
+        pgs = []
+        for node, count in enumerate(self._store):
+            name = f"{self.name_prefix}verl_group_{node}" if self.name_prefix else ""
+            pgs.append(placement_group([dict(bundle) for _ in range(count)], strategy=strategy, name=name, lifetime=lifetime))
+        try:
+            ray.get([pg.ready() for pg in pgs], timeout=PLACEMENT_GROUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as err:
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise RuntimeError(
+                f"RayResourcePool(process_on_nodes={self._store}) could not reserve bundles {bundle} within "
+                f"{PLACEMENT_GROUP_TIMEOUT_S}s; cluster has {ray.available_resources()} available"
+            ) from err
+        self.pgs = pgs
+        return pgs
+
+    def release(self) -> None:
+        """Give the reserved bundles back to the cluster (kill the pool's actors first)."""
+        for pg in self.pgs or []:
+            remove_placement_group(pg)
+        self.pgs = None
+
+
+class RayClassWithInitArgs(ClassWithInitArgs):
+    """A (ray.remote or plain) worker class, its init arguments, and extra actor options."""
+
+    def __init__(self, cls: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(cls, *args, **kwargs)
+        self._options: dict[str, Any] = {}
+
+    @property
+    def user_cls(self) -> type:
+        return _unwrap_actor_class(self.cls)
+
+    def update_options(self, options: dict[str, Any]) -> None:
+        self._options.update(options)
+
+    def create_actor(
+        self,
+        placement_group: PlacementGroup,
+        bundle_index: int,
+        env_vars: dict[str, str],
+        name: str,
+        num_cpus: float,
+        num_gpus: float,
+        detached: bool = False,
+    ) -> ray.actor.ActorHandle:
+        remote_cls = self.cls if isinstance(self.cls, ActorClass) else ray.remote(self.cls)
+        options = dict(self._options)
+        # User-supplied env vars are kept; the rank/rendezvous ones must win.
+        runtime_env = dict(options.pop("runtime_env", None) or {})
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env_vars}
+        options.update(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=bundle_index
+            ),
+            runtime_env=runtime_env,
+            name=name,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+        )
+        if detached:
+            options["lifetime"] = "detached"
+        return remote_cls.options(**options).remote(*self.args, **self.kwargs)
+
+
+def _rendezvous_for(pg: PlacementGroup) -> tuple[str, str]:
+    """(MASTER_ADDR, MASTER_PORT) on the node of the pool's first bundle, where rank 0 will run."""
+    node_of_bundle = ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+    if node_of_bundle == ray.get_runtime_context().get_node_id():
+        return ray.util.get_node_ip_address(), str(get_free_port())
+    probe = ray.remote(num_cpus=0)(get_availale_master_addr_port).options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    )
+    return ray.get(probe.remote())
+
+
+class RayWorkerGroup(WorkerGroup):
+    """world_size named Ray actors of one worker class, placed in a RayResourcePool's bundles."""
+
+    def __init__(
+        self,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: list[str] | None = None,
+    ) -> None:
+        super().__init__(resource_pool)
+        self.ray_cls_with_init = ray_cls_with_init
+        self.name_prefix = name_prefix if name_prefix is not None else uuid.uuid4().hex[:6]
+        self._detached = detached
+        self.master_addr: str | None = None
+        self.master_port: str | None = None
+        if ray_cls_with_init is None:
+            return  # an empty shell, filled in by spawn()
+        if worker_names is not None:
+            self._workers = [ray.get_actor(name) for name in worker_names]
+            self._worker_names = list(worker_names)
+        else:
+            if resource_pool is None:
+                raise ValueError("RayWorkerGroup needs a resource_pool (or worker_names of detached workers)")
+            self._start_workers(resource_pool, ray_cls_with_init)
+        self._bind_worker_method(ray_cls_with_init.user_cls)
+
+    def _start_workers(self, pool: RayResourcePool, cia: RayClassWithInitArgs) -> None:
+        pgs = pool.get_placement_groups()
+        use_gpu = pool.gpus_in_use()
+        self.master_addr, self.master_port = _rendezvous_for(pgs[0])
+        world_size = pool.world_size
+        rank = 0
+        for node, (pg, local_world_size) in enumerate(zip(pgs, pool.store, strict=True)):
+            for local_rank in range(local_world_size):
+                env = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(local_world_size),
+                    "MASTER_ADDR": self.master_addr,
+                    "MASTER_PORT": self.master_port,
+                    "WG_PREFIX": self.name_prefix,
+                    "WG_BACKEND": "ray",
+                }
+                name = f"{self.name_prefix}{cia.user_cls.__name__}_{node}:{local_rank}"
+                # Ray sets CUDA_VISIBLE_DEVICES for actors that hold a GPU share; CPU actors hold none.
+                actor = cia.create_actor(
+                    pg,
+                    bundle_index=local_rank,
+                    env_vars=env,
+                    name=name,
+                    num_cpus=1,
+                    num_gpus=1 / pool.max_colocate_count if use_gpu else 0,
+                    detached=self._detached,
+                )
+                self._workers.append(actor)
+                self._worker_names.append(name)
+                rank += 1
+
+    @classmethod
+    def from_detached(cls, worker_names: list[str], ray_cls_with_init: RayClassWithInitArgs) -> RayWorkerGroup:
+        """Reattach to detached actors by name (e.g. from another driver)."""
+        return cls(resource_pool=None, ray_cls_with_init=ray_cls_with_init, worker_names=worker_names)
+
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+        """Per-role views of a colocated group: group[role].method calls `{role}_method` on the actors."""
+        groups = {}
+        for prefix in prefix_set:
+            group = RayWorkerGroup(name_prefix=self.name_prefix)
+            group.ray_cls_with_init = self.ray_cls_with_init
+            group._resource_pool = self._resource_pool
+            group._workers = self._workers
+            group._worker_names = self._worker_names
+            group.master_addr, group.master_port = self.master_addr, self.master_port
+            user_cls = self.ray_cls_with_init.user_cls
+            known_roles = getattr(user_cls, "role_methods", {})
+            if prefix not in known_roles:
+                raise KeyError(f"spawn: role {prefix!r} is not one of {sorted(known_roles)} in {user_cls.__name__}")
+            full_names = {f"{prefix}_{short}": short for short in known_roles[prefix]}
+            group._bind_worker_method(user_cls, only=set(full_names))
+            for full_name, short in full_names.items():
+                if hasattr(type(group), short):
+                    raise ValueError(f"role {prefix!r} method {short!r} clashes with RayWorkerGroup.{short}")
+                setattr(group, short, getattr(group, full_name))
+                group.bound_methods[short] = group.bound_methods[full_name]
+            groups[prefix] = group
+        return groups
+
+    # ------------------------------------------------------------------ execution
+    def _execute_ranks(
+        self, method_name: str, ranks: list[int], rank_args: list[tuple], rank_kwargs: list[dict]
+    ) -> list[ray.ObjectRef]:
+        return [
+            getattr(self._workers[rank], method_name).remote(*args, **kwargs)
+            for rank, args, kwargs in zip(ranks, rank_args, rank_kwargs, strict=True)
+        ]
+
+    def _resolve(self, handles: list[ray.ObjectRef]) -> list[Any]:
+        return ray.get(handles)
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Call method_name with the same arguments on every worker; returns object refs."""
+        ranks = list(range(self.world_size))
+        return self._execute_ranks(method_name, ranks, [args] * len(ranks), [kwargs] * len(ranks))
+
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return ray.get(self.execute_all_async(method_name, *args, **kwargs))
+
+    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.execute_all(method_name, *args, **kwargs)
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        return self._execute_ranks(method_name, [0], [args], [kwargs])[0]
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return ray.get(self.execute_rank_zero_async(method_name, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        """Kill this group's actors (views from spawn() share them, so they go too)."""
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+        self._workers = []
+
+
+def _role_method(role: str, method_name: str, spec: MethodSpec) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker_dict[role], method_name)(*args, **kwargs)
+
+    method.__name__ = f"{role}_{method_name}"
+    setattr(method, MAGIC_ATTR, spec)
+    return method
+
+
+def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
+    """One actor class holding an instance per role; role methods appear as `{role}_{method}`."""
+    if not class_dict:
+        raise ValueError("create_colocated_worker_cls needs at least one role")
+    roles = {role: (cia.user_cls, cia.args, cia.kwargs) for role, cia in class_dict.items()}
+    role_methods: dict[str, list[str]] = {}
+
+    class WorkerDict(Worker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.worker_dict = {role: user_cls(*args, **kwargs) for role, (user_cls, args, kwargs) in roles.items()}
+
+    for role, (user_cls, _, _) in roles.items():
+        for method_name, spec in registered_methods(user_cls).items():
+            setattr(WorkerDict, f"{role}_{method_name}", _role_method(role, method_name, spec))
+            role_methods.setdefault(role, []).append(method_name)
+    # spawn() reads this map, because with roles like "actor" and "actor_rollout" a name prefix is ambiguous.
+    WorkerDict.role_methods = role_methods
+    WorkerDict.__name__ = WorkerDict.__qualname__ = "WorkerDict_" + "_".join(roles)
+    return RayClassWithInitArgs(ray.remote(WorkerDict))
