@@ -1,0 +1,133 @@
+"""The rollout's text protocol (DESIGN §3.3): pure functions on text, no tokens.
+
+A policy turn is parsed into an `Action`; retrieved hits are rendered into the
+`<information>` observation; the notices the environment inserts (invalid action,
+search budget spent, search failed) are fixed strings. The generation manager is the
+only place where these strings become token ids.
+
+Each way a trajectory can end is a small named function returning its reason, so
+the manager can count why rows stopped (STYLE §6).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from search_r1.search.schema import Hit
+
+SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+INFORMATION_OPEN = "\n\n<information>"
+INFORMATION_CLOSE = "</information>\n\n"
+
+# The engine stops a turn as soon as one of these is written (DESIGN §4.2).
+STOP_STRINGS: tuple[str, ...] = (SEARCH_CLOSE, ANSWER_CLOSE)
+
+# Observations, not policy text: they are masked out of the loss. The examples
+# use "..." rather than a word inside the tags, so even a careless answer
+# extractor reading the whole sequence cannot pull an answer out of them.
+INVALID_ACTION_NOTICE = (
+    "\nMy previous action is invalid. "
+    "If I want to search, I should put the query between the search tags, as in <search> ... </search>. "
+    "If I want to give the final answer, I should put it between the answer tags, as in <answer> ... </answer>. "
+    "Let me try again.\n"
+)
+SEARCH_BUDGET_NOTICE = (
+    "\nMy search budget is spent: this search was not run, and I cannot search any more.\n"
+)
+SEARCH_FAILED_TEXT = "The search engine failed to answer this query; no documents were retrieved."
+
+# Matches the first complete action; a tag name must close with the same name.
+_ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+ActionKind = Literal["search", "answer", "invalid"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """What a policy turn asked for. `end` is the character offset just past the action
+    in the parsed text (0 for an invalid action), so the caller can cut the turn there."""
+
+    kind: ActionKind
+    content: str
+    end: int = 0
+
+    @property
+    def is_valid(self) -> bool:
+        return self.kind != "invalid"
+
+
+def parse_action(text: str) -> Action:
+    """The first complete `<search>q</search>` or `<answer>a</answer>` in `text`.
+
+    A search with an empty query is invalid: it could not be sent to the server
+    without failing the whole batch's request.
+    """
+    match = _ACTION_RE.search(text)
+    if match is None:
+        return Action(kind="invalid", content="")
+    kind = match.group(1)
+    content = match.group(2).strip()
+    if kind == "search" and not content:
+        return Action(kind="invalid", content="")
+    return Action(kind="search" if kind == "search" else "answer", content=content, end=match.end())
+
+
+def has_complete_action(text: str) -> bool:
+    """True once `text` contains a complete action (monotone in text prefixes)."""
+    return parse_action(text).is_valid
+
+
+def render_passages(hits: list[Hit]) -> str:
+    """`Doc {i}(Title: {title}) {text}\\n` per hit, numbered from 1."""
+    return "".join(f"Doc {i}(Title: {hit.title}) {hit.text}\n" for i, hit in enumerate(hits, start=1))
+
+
+def render_observation(hits: list[Hit]) -> str:
+    """The observation appended after a search: passages inside `<information>`."""
+    return INFORMATION_OPEN + render_passages(hits) + INFORMATION_CLOSE
+
+
+def render_search_failure() -> str:
+    """The observation appended when the retrieval server could not answer."""
+    return INFORMATION_OPEN + SEARCH_FAILED_TEXT + INFORMATION_CLOSE
+
+
+# --- stop rules: each returns the reason a row ends, or None to keep going -------
+
+ANSWERED = "answered"
+EOS = "eos"
+MAX_TURNS = "max_turns"
+CONTEXT_FULL = "context_full"
+INVALID_ACTION = "invalid_action"
+STOP_REASONS: tuple[str, ...] = (ANSWERED, EOS, MAX_TURNS, CONTEXT_FULL, INVALID_ACTION)
+
+
+def stop_if_answered(action: Action) -> str | None:
+    """An answer ends the trajectory."""
+    return ANSWERED if action.kind == "answer" else None
+
+
+def stop_if_eos(action: Action, emitted_eos: bool) -> str | None:
+    """EOS without an action: the model closed its turn, nothing left to do."""
+    return EOS if emitted_eos and not action.is_valid else None
+
+
+def stop_if_final_turn(action: Action, is_final_turn: bool) -> str | None:
+    """The turn after the last allowed search ends the row whatever it did.
+
+    A search there gets the budget notice; anything else that is not an answer
+    (caught earlier) is an invalid action.
+    """
+    if not is_final_turn:
+        return None
+    return MAX_TURNS if action.kind == "search" else INVALID_ACTION
+
+
+def stop_if_context_full(response_len: int, turn_budget: int, max_total_response_length: int | None) -> str | None:
+    """A row that could not fit one more turn (policy + observation) stops before it."""
+    if max_total_response_length is None:
+        return None
+    return CONTEXT_FULL if response_len + turn_budget > max_total_response_length else None

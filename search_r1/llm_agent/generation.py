@@ -1,0 +1,411 @@
+"""Multi-turn rollout with search and state masking (the Search-R1 generation manager).
+
+`LLMGenerationManager.run_llm_loop` runs every prompt of a batch for several turns:
+the policy writes until it closes `</search>` or `</answer>` (stop strings in the
+engine); a search is sent to the retrieval server (one HTTP call per turn for all
+rows) and the rendered `<information>` block is appended as an observation; an
+answer, or EOS, ends the row. After `max_turns` turns one final turn is allowed in
+which a search is not run.
+
+Departures from the original Search-R1 (DESIGN §4):
+- Token exactness: the sampled ids are kept as the engine returned them and cut at
+  the first complete action by token position; text is decoded only to parse the
+  action. Observations are tokenized once and appended. The trained response is
+  exactly the sampled one, EOS included where emitted.
+- One mask: each row carries a 0/1 list built as tokens are appended (policy = 1,
+  observation = 0); `info_mask` and `loss_mask` come from it, never from comparing
+  ids with the pad id.
+- Observation truncation keeps the closing `</information>` and is counted.
+- A failed retrieval becomes an observation and is counted; the run goes on.
+- The rolling context keeps the whole prompt (its start holds the instructions)
+  and drops the oldest turns when it exceeds `max_prompt_length`; a prompt longer
+  than `max_start_length` is rejected with the row's index instead of being cut.
+- `no_think_rl` is not supported: it would need decoding the policy's tokens and
+  re-encoding the action, which breaks token exactness. Configuring it raises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from search_r1.llm_agent import actions
+from search_r1.llm_agent.actions import Action
+from search_r1.llm_agent.tensor_helper import left_pad, position_ids_from_mask, real_tokens, right_pad
+from verl.utils import batch_keys as K
+
+
+@dataclass
+class GenerationConfig:
+    """Rollout settings; field names follow the original Search-R1 `GenerationConfig`.
+
+    `num_gpus` is kept for compatibility only: the worker group pads batches that do
+    not divide by its size, so the manager never pads by hand.
+    `max_total_response_length` bounds all turns of a row together (None: bounded
+    only by the turn count); a row that could not fit one more turn stops with
+    reason `context_full`.
+    """
+
+    max_turns: int
+    max_start_length: int
+    max_prompt_length: int
+    max_response_length: int
+    max_obs_length: int
+    num_gpus: int = 1
+    no_think_rl: bool = False
+    search_url: str | None = None
+    topk: int = 3
+    retrieval_timeout: float = 30.0
+    retrieval_max_retries: int = 3
+    stop: tuple[str, ...] = actions.STOP_STRINGS
+    max_total_response_length: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_start_length", "max_prompt_length", "max_response_length", "max_obs_length", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GenerationConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_turns < 0:
+            raise ValueError(f"GenerationConfig.max_turns must be >= 0, got {self.max_turns}")
+        if self.max_start_length >= self.max_prompt_length:
+            raise ValueError(
+                f"GenerationConfig.max_start_length ({self.max_start_length}) must be < max_prompt_length "
+                f"({self.max_prompt_length}): the rolling context keeps the whole prompt plus recent turns"
+            )
+        if self.no_think_rl:
+            raise ValueError(
+                "GenerationConfig.no_think_rl (algorithm.no_think_rl) is not supported: it re-encodes "
+                "decoded policy text, which breaks token-exact rollouts"
+            )
+        turn_budget = self.max_response_length + self.max_obs_length
+        if self.max_total_response_length is not None and self.max_total_response_length < turn_budget:
+            raise ValueError(
+                f"GenerationConfig.max_total_response_length ({self.max_total_response_length}) must fit one turn: "
+                f"max_response_length + max_obs_length = {turn_budget}"
+            )
+        self.stop = tuple(self.stop)
+
+
+@dataclass
+class _Row:
+    """One trajectory while it is being rolled out."""
+
+    prompt_ids: list[int]
+    # Each turn: (policy ids, observation ids); observation may be empty.
+    turns: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    response_len: int = 0
+    stop_reason: str | None = None
+    n_turns: int = 0
+    n_valid_actions: int = 0
+    n_searches: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.stop_reason is None
+
+    def append_turn(self, policy_ids: list[int], obs_ids: list[int]) -> None:
+        self.turns.append((policy_ids, obs_ids))
+        self.response_len += len(policy_ids) + len(obs_ids)
+
+    def response(self) -> tuple[list[int], list[int]]:
+        """All turns' ids and the matching mask (1 = sampled by the policy, 0 = observation)."""
+        ids: list[int] = []
+        mask: list[int] = []
+        for policy_ids, obs_ids in self.turns:
+            ids += policy_ids + obs_ids
+            mask += [1] * len(policy_ids) + [0] * len(obs_ids)
+        return ids, mask
+
+
+@dataclass(frozen=True)
+class _TurnResult:
+    """A policy turn after cutting at its first action."""
+
+    kept_ids: list[int]
+    action: Action
+    emitted_eos: bool
+    generated: int
+
+
+class LLMGenerationManager:
+    """Runs multi-turn search rollouts through `actor_rollout_wg.generate_sequences`."""
+
+    def __init__(self, tokenizer: Any, actor_rollout_wg: Any, config: GenerationConfig,
+                 is_validation: bool = False, retrieval_client: Any | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.actor_rollout_wg = actor_rollout_wg
+        self.config = config
+        self.is_validation = is_validation
+        self._client = retrieval_client
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("tokenizer must define both pad_token_id and eos_token_id")
+        self._close_ids = self._encode(actions.INFORMATION_CLOSE)
+        self._invalid_ids = self._encode(actions.INVALID_ACTION_NOTICE)
+        self._budget_ids = self._encode(actions.SEARCH_BUDGET_NOTICE)
+        for name, ids in (("the invalid-action notice", self._invalid_ids),
+                          ("the search-budget notice", self._budget_ids),
+                          ("the </information> closing", self._close_ids)):
+            if len(ids) > config.max_obs_length:
+                raise ValueError(f"max_obs_length ({config.max_obs_length}) is shorter than {name} "
+                                 f"({len(ids)} tokens)")
+
+    # --- text <-> tokens --------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
+        """Keep the sampled ids up to the token that completes the first action.
+
+        With stop strings in the engine the action already ends the turn; without
+        them (or with an engine that overshoots) the tail is dropped here by token
+        position. Decoded text is used only to find that position.
+        """
+        text = self._decode(sampled)
+        action = actions.parse_action(text)
+        kept = sampled
+        if action.is_valid and text[action.end:]:
+            # Smallest prefix that already holds a complete action; the predicate is
+            # monotone in the prefix length, so binary search needs O(log n) decodes.
+            lo, hi = 1, len(sampled)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if actions.has_complete_action(self._decode(sampled[:mid])):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            kept = sampled[:lo]
+            action = actions.parse_action(self._decode(kept))
+        emitted_eos = bool(kept) and kept[-1] in eos_token_ids
+        return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled))
+
+    def _observation_ids(self, text: str) -> tuple[list[int], bool]:
+        """Tokenize an observation once; if too long, cut the body but keep `</information>\\n\\n`.
+
+        Returns (ids, truncated).
+        """
+        if not text.endswith(actions.INFORMATION_CLOSE):
+            ids = self._encode(text)
+            return ids[: self.config.max_obs_length], len(ids) > self.config.max_obs_length
+        body = self._encode(text[: -len(actions.INFORMATION_CLOSE)])
+        room = self.config.max_obs_length - len(self._close_ids)
+        if len(body) <= room:
+            return body + self._close_ids, False
+        return body[:room] + self._close_ids, True
+
+    # --- the rolling context ----------------------------------------------------
+
+    def _context(self, row: _Row) -> tuple[list[int], bool]:
+        """Prompt + the newest turns that fit in `max_prompt_length`. Returns (ids, was_cut).
+
+        Whole oldest turns are dropped first; if the newest turn alone does not fit,
+        its tail is kept. The prompt itself (<= max_start_length < max_prompt_length)
+        is never cut, so the instructions and question stay in view.
+        """
+        room = self.config.max_prompt_length - len(row.prompt_ids)
+        kept: list[list[int]] = []
+        used = 0
+        cut = False
+        for policy_ids, obs_ids in reversed(row.turns):
+            turn = policy_ids + obs_ids
+            if used + len(turn) <= room:
+                kept.append(turn)
+                used += len(turn)
+                continue
+            cut = True
+            if not kept:
+                kept.append(turn[len(turn) - room:])
+            break
+        tail = [tok for turn in reversed(kept) for tok in turn]
+        return row.prompt_ids + tail, cut
+
+    # --- engine and retriever -----------------------------------------------------
+
+    def _generation_meta(self, gen_batch: Any) -> dict[str, Any]:
+        meta = dict(gen_batch.meta_info)
+        meta[K.META_EOS_TOKEN_ID] = meta.get(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
+        meta[K.META_PAD_TOKEN_ID] = meta.get(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
+        # Validation is greedy whatever the batch says: same data, same score.
+        meta[K.META_DO_SAMPLE] = False if self.is_validation else bool(meta.get(K.META_DO_SAMPLE, True))
+        meta[K.META_TEMPERATURE] = float(meta.get(K.META_TEMPERATURE, 1.0))
+        meta[K.META_RESPONSE_LENGTH] = self.config.max_response_length
+        meta[K.META_STOP] = list(self.config.stop)
+        return meta
+
+    def _generate(self, contexts: list[list[int]], meta: dict[str, Any]) -> list[list[int]]:
+        """One engine call for the active rows; returns each row's sampled ids."""
+        from verl.protocol import DataProto
+
+        input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id)
+        batch = DataProto.from_dict(
+            tensors={K.INPUT_IDS: input_ids, K.ATTENTION_MASK: attention_mask,
+                     K.POSITION_IDS: position_ids_from_mask(attention_mask)},
+            meta_info=dict(meta),
+        )
+        out = self.actor_rollout_wg.generate_sequences(batch)
+        responses = out.batch[K.RESPONSES]
+        if responses.shape[0] != len(contexts):
+            raise ValueError(f"generate_sequences returned {responses.shape[0]} rows of '{K.RESPONSES}' "
+                             f"for {len(contexts)} prompts")
+        response_mask = out.batch[K.ATTENTION_MASK][:, -responses.shape[1]:]
+        return real_tokens(responses, response_mask)
+
+    def _retriever(self) -> Any:
+        if self._client is None:
+            from search_r1.search.client import RetrievalClient
+
+            if not self.config.search_url:
+                raise ValueError("GenerationConfig.search_url (retriever.url) is required when the policy searches")
+            self._client = RetrievalClient(self.config.search_url, topk=self.config.topk,
+                                           timeout=self.config.retrieval_timeout,
+                                           max_retries=self.config.retrieval_max_retries)
+        return self._client
+
+    def _search(self, queries: list[str]) -> tuple[list[str], int]:
+        """One retrieval call for all of a turn's queries. Returns (observations, n_failed)."""
+        if not queries:
+            return [], 0
+        from search_r1.search.client import RetrievalError
+
+        try:
+            results = self._retriever().retrieve(queries, topk=self.config.topk, return_scores=True)
+        except RetrievalError:
+            return [actions.render_search_failure() for _ in queries], len(queries)
+        if len(results) != len(queries):
+            raise ValueError(f"retrieval returned {len(results)} result lists for {len(queries)} queries")
+        return [actions.render_observation(hits) for hits in results], 0
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def _initial_rows(self, gen_batch: Any, initial_input_ids: torch.Tensor) -> tuple[list[_Row], torch.Tensor]:
+        """Per-row prompt ids, checked against `max_start_length`; returns (rows, prompt mask (B, P))."""
+        input_ids = gen_batch.batch[K.INPUT_IDS]
+        attention_mask = gen_batch.batch[K.ATTENTION_MASK]
+        width = initial_input_ids.shape[1]
+        if initial_input_ids.shape[0] != input_ids.shape[0] or width > input_ids.shape[1]:
+            raise ValueError(f"initial_input_ids {tuple(initial_input_ids.shape)} does not fit gen_batch "
+                             f"'{K.INPUT_IDS}' {tuple(input_ids.shape)}")
+        if not torch.equal(input_ids[:, input_ids.shape[1] - width:].long(), initial_input_ids.long()):
+            raise ValueError(f"initial_input_ids must be the last columns of gen_batch '{K.INPUT_IDS}'")
+        prompt_mask = attention_mask[:, attention_mask.shape[1] - width:].long()
+        lengths = attention_mask.long().sum(dim=-1)
+        for i, (total, kept) in enumerate(zip(lengths.tolist(), prompt_mask.sum(dim=-1).tolist(), strict=True)):
+            if total != kept or kept > self.config.max_start_length:
+                raise ValueError(f"prompt of row {i} has {total} tokens; max_start_length is "
+                                 f"{self.config.max_start_length} (filter over-long prompts in the dataset)")
+        rows = [_Row(prompt_ids=ids) for ids in real_tokens(initial_input_ids.long(), prompt_mask)]
+        return rows, prompt_mask
+
+    def run_llm_loop(self, gen_batch: Any, initial_input_ids: torch.Tensor) -> Any:
+        """Roll out every row of `gen_batch`; returns the composed batch (see `_compose_final_output`).
+
+        Reads gen_batch '{input_ids, attention_mask}' (left-padded) and meta_info
+        'do_sample'/'temperature'; `initial_input_ids` is the prompt (last columns of
+        input_ids) that becomes 'prompts'.
+        """
+        rows, prompt_mask = self._initial_rows(gen_batch, initial_input_ids)
+        meta = self._generation_meta(gen_batch)
+        eos = meta[K.META_EOS_TOKEN_ID]
+        eos_ids = frozenset(int(e) for e in eos) if isinstance(eos, list | tuple) else frozenset({int(eos)})
+        turn_budget = self.config.max_response_length + self.config.max_obs_length
+        stats: Counter[str] = Counter()
+        timing = {"generate": 0.0, "retrieval": 0.0}
+
+        for turn in range(self.config.max_turns + 1):
+            is_final = turn == self.config.max_turns
+            for row in rows:
+                if row.active:
+                    row.stop_reason = actions.stop_if_context_full(
+                        row.response_len, turn_budget, self.config.max_total_response_length)
+            active = [i for i, row in enumerate(rows) if row.active]
+            if not active:
+                break
+            contexts = []
+            for i in active:
+                ids, cut = self._context(rows[i])
+                contexts.append(ids)
+                stats["context_cuts"] += int(cut)
+
+            start = time.perf_counter()
+            sampled = self._generate(contexts, meta)
+            timing["generate"] += time.perf_counter() - start
+            results = [self._cut_turn(ids, eos_ids) for ids in sampled]
+
+            searching = [k for k, res in enumerate(results) if res.action.kind == "search" and not is_final]
+            start = time.perf_counter()
+            observations, n_failed = self._search([results[k].action.content for k in searching])
+            timing["retrieval"] += time.perf_counter() - start
+            stats["search_failures"] += n_failed
+            search_obs = dict(zip(searching, observations, strict=True))
+
+            for k, (i, res) in enumerate(zip(active, results, strict=True)):
+                stats["generated_tokens"] += res.generated
+                stats["kept_tokens"] += len(res.kept_ids)
+                self._apply_turn(rows[i], res, search_obs.get(k), is_final, stats)
+
+        return self._compose_final_output(rows, initial_input_ids.long(), prompt_mask, stats, timing)
+
+    def _apply_turn(self, row: _Row, res: _TurnResult, search_obs: str | None, is_final: bool,
+                    stats: Counter[str]) -> None:
+        """Append a turn and its observation to `row` and decide whether the row ends."""
+        row.n_turns += 1
+        row.n_valid_actions += int(res.action.is_valid)
+        reason = (actions.stop_if_answered(res.action)
+                  or actions.stop_if_eos(res.action, res.emitted_eos)
+                  or actions.stop_if_final_turn(res.action, is_final))
+        obs_text = ""
+        if search_obs is not None:
+            row.n_searches += 1
+            obs_text = search_obs
+        elif reason == actions.MAX_TURNS:
+            obs_text = actions.SEARCH_BUDGET_NOTICE
+        elif reason is None:
+            obs_text = actions.INVALID_ACTION_NOTICE
+        obs_ids, truncated = self._observation_ids(obs_text) if obs_text else ([], False)
+        stats["obs_truncated"] += int(truncated)
+        row.append_turn(res.kept_ids, obs_ids)
+        row.stop_reason = reason
+
+    def _compose_final_output(self, rows: list[_Row], prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                              stats: Counter[str], timing: dict[str, float]) -> Any:
+        """Writes prompts (B,P), responses (B,R), input_ids, attention_mask, position_ids,
+        info_mask (B,P+R) and loss_mask (B,R), plus rollout statistics in meta_info."""
+        from verl.protocol import DataProto
+
+        ids_and_masks = [row.response() for row in rows]
+        width = max(1, max(len(ids) for ids, _ in ids_and_masks))
+        responses = right_pad([ids for ids, _ in ids_and_masks], self.tokenizer.pad_token_id, width)
+        response_attention = right_pad([[1] * len(ids) for ids, _ in ids_and_masks], 0, width)
+        loss_mask = right_pad([mask for _, mask in ids_and_masks], 0, width)
+        attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
+        tensors = {
+            K.PROMPTS: prompts,
+            K.RESPONSES: responses,
+            K.INPUT_IDS: torch.cat([prompts, responses], dim=1),
+            K.ATTENTION_MASK: attention_mask,
+            K.POSITION_IDS: position_ids_from_mask(attention_mask),
+            K.INFO_MASK: torch.cat([prompt_mask, loss_mask], dim=1),
+            K.LOSS_MASK: loss_mask,
+        }
+        reasons = Counter(row.stop_reason or "unfinished" for row in rows)
+        meta_info = {
+            "turns_stats": [row.n_turns for row in rows],
+            # Rows that ran out of budget without answering, as in the original.
+            "active_mask": [row.stop_reason not in (actions.ANSWERED, actions.EOS) for row in rows],
+            "valid_action_stats": [row.n_valid_actions for row in rows],
+            "valid_search_stats": [row.n_searches for row in rows],
+            "search_failures": int(stats["search_failures"]),
+            "obs_truncated": int(stats["obs_truncated"]),
+            "context_cuts": int(stats["context_cuts"]),
+            "generated_tokens": int(stats["generated_tokens"]),
+            "kept_tokens": int(stats["kept_tokens"]),
+            "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},
+            "timing_s": dict(timing),
+        }
+        return DataProto.from_dict(tensors=tensors, meta_info=meta_info)
