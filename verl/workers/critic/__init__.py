@@ -1,0 +1,3 @@
+from .dp_critic import DataParallelPPOCritic
+
+__all__ = ["DataParallelPPOCritic"]

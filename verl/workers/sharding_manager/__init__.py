@@ -1,0 +1,3 @@
+from .fsdp_hf import FSDPHFShardingManager, FSDPUnshardedForGeneration
+
+__all__ = ["FSDPHFShardingManager", "FSDPUnshardedForGeneration"]

@@ -1,0 +1,64 @@
+"""Sequence-length balancing: partitions, token budgets, and restoring the original order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from verl.utils.seqlen_balancing import (
+    get_reverse_idx,
+    get_seqlen_balanced_partitions,
+    log_seqlen_unbalance,
+    rearrange_micro_batches,
+    split_micro_batches,
+)
+
+
+def test_partitions_cover_every_row_once_and_balance_tokens():
+    rng = random.Random(0)
+    seqlens = [rng.randint(1, 500) for _ in range(64)]
+    parts = get_seqlen_balanced_partitions(seqlens, k_partitions=8, equal_size=True)
+    assert sorted(i for p in parts for i in p) == list(range(64))
+    assert all(len(p) == 8 for p in parts)
+    sums = [sum(seqlens[i] for i in p) for p in parts]
+    naive = [sum(seqlens[i * 8:(i + 1) * 8]) for i in range(8)]
+    assert max(sums) - min(sums) < max(naive) - min(naive)
+    assert max(sums) - min(sums) <= max(seqlens)
+    metrics = log_seqlen_unbalance(seqlens, parts, prefix="global_seqlen")
+    assert metrics["global_seqlen/minmax_diff"] == max(sums) - min(sums)
+
+
+def test_partition_arguments_are_checked():
+    with pytest.raises(ValueError, match="divide evenly"):
+        get_seqlen_balanced_partitions([1, 2, 3], 2, equal_size=True)
+    with pytest.raises(ValueError, match="k_partitions"):
+        get_seqlen_balanced_partitions([1, 2], 3, equal_size=False)
+
+
+def _batch(lengths: list[int], width: int = 16) -> TensorDict:
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    return TensorDict({"attention_mask": mask, "row": torch.arange(len(lengths))}, batch_size=[len(lengths)])
+
+
+def test_micro_batches_respect_the_token_budget_and_reverse_restores_order():
+    lengths = [16, 3, 9, 12, 1, 7, 5, 14]
+    micro_batches, indices = rearrange_micro_batches(_batch(lengths), max_token_len=20)
+    assert all(int(mb["attention_mask"].sum()) <= 20 for mb in micro_batches)
+    assert sorted(i for p in indices for i in p) == list(range(len(lengths)))
+    flat = [i for p in indices for i in p]
+    rows = torch.cat([mb["row"] for mb in micro_batches])
+    assert rows[torch.tensor(get_reverse_idx(flat))].tolist() == list(range(len(lengths)))
+
+
+def test_a_sequence_longer_than_the_budget_is_refused():
+    with pytest.raises(ValueError, match="max_token_len=8"):
+        rearrange_micro_batches(_batch([9, 2]), max_token_len=8)
+
+
+def test_fixed_micro_batches_keep_order():
+    micro_batches, indices = split_micro_batches(_batch([1, 2, 3, 4, 5]), 2, False, None)
+    assert indices is None
+    assert [mb["row"].tolist() for mb in micro_batches] == [[0, 1], [2, 3], [4]]

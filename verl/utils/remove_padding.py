@@ -1,0 +1,89 @@
+"""Pack a padded batch into one row of real tokens ("remove padding"), and back.
+
+A rollout batch is mostly padding (left-padded prompts, right-padded responses).
+Packing drops every pad token and lays the sequences end to end in a single row;
+position ids restart at 0 for each sequence. Hugging Face models given
+`attention_mask=None` and such restarting `position_ids` build a block-diagonal
+causal mask (sdpa / eager; flash-attn varlen on GPU), so no token attends across a
+sequence boundary and the result equals the padded forward.
+
+    packed = pack_batch(input_ids, attention_mask, position_ids)
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                   attention_mask=None, use_cache=False).logits      # (1, N, V)
+    token_logp_BT = unpack_to_padded(logp_N, packed)                  # (B, T)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """The non-pad tokens of a (B, T) batch laid end to end."""
+
+    input_ids: torch.Tensor      # (1, N) long
+    position_ids: torch.Tensor   # (1, N) long, restarting at 0 per sequence
+    indices: torch.Tensor        # (N,) flat indices into the (B*T) padded layout
+    batch_size: int
+    seqlen: int
+
+
+def pack_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> PackedBatch:
+    """Keep the tokens where attention_mask == 1, row after row."""
+    if input_ids.shape != attention_mask.shape or input_ids.shape != position_ids.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)}, attention_mask {tuple(attention_mask.shape)} and "
+            f"position_ids {tuple(position_ids.shape)} must have the same (B, T) shape")
+    batch_size, seqlen = input_ids.shape
+    indices = torch.nonzero(attention_mask.reshape(-1) == 1, as_tuple=False).squeeze(-1)
+    # Positions are recomputed from the mask so each packed sequence starts at 0 even if
+    # the caller's position_ids were offset; the packing detector in transformers relies on it.
+    real_positions = (torch.cumsum(attention_mask, dim=-1) - 1).clamp(min=0)
+    return PackedBatch(
+        input_ids=input_ids.reshape(-1)[indices].unsqueeze(0),
+        position_ids=real_positions.reshape(-1)[indices].unsqueeze(0),
+        indices=indices,
+        batch_size=batch_size,
+        seqlen=seqlen,
+    )
+
+
+def next_token_labels(packed: PackedBatch) -> torch.Tensor:
+    """(N,) label of each packed position: the next packed token.
+
+    At a sequence's last token the label is the next sequence's first token, which
+    is wrong but harmless: that position never predicts a response token.
+    """
+    return torch.roll(packed.input_ids.squeeze(0), shifts=-1, dims=0)
+
+
+def unpack_to_padded(values_N: torch.Tensor, packed: PackedBatch, fill: float = 0.0) -> torch.Tensor:
+    """Scatter per-token values (N, ...) back into the padded (B, T, ...) layout."""
+    trailing = values_N.shape[1:]
+    out = values_N.new_full((packed.batch_size * packed.seqlen, *trailing), fill)
+    out = out.index_put((packed.indices,), values_N)
+    return out.reshape(packed.batch_size, packed.seqlen, *trailing)
+
+
+@torch.no_grad()
+def check_packing_isolates_sequences(module: torch.nn.Module, vocab_size: int) -> None:
+    """Raise if `module` lets packed sequences attend to each other.
+
+    Packing relies on the model reading sequence boundaries from restarting
+    position_ids; an architecture that ignores them would silently mix sequences.
+    Two tiny forwards (the same on every rank, so FSDP's collectives line up).
+    """
+    device = next(module.parameters()).device
+    first = torch.tensor([[1 % vocab_size, 2 % vocab_size, 3 % vocab_size]], device=device)
+    second = torch.tensor([[4 % vocab_size, 5 % vocab_size]], device=device)
+    packed_ids = torch.cat([first, second], dim=-1)
+    packed_pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+    packed = module(input_ids=packed_ids, position_ids=packed_pos, attention_mask=None, use_cache=False).logits
+    alone = module(input_ids=second, position_ids=packed_pos[:, 3:], attention_mask=None, use_cache=False).logits
+    if not torch.allclose(packed[:, 3:].float(), alone.float(), atol=1e-2, rtol=1e-2):
+        raise ValueError(
+            f"{type(module).__name__} attends across packed sequences (it ignores restarting position_ids); "
+            "set model.use_remove_padding=False for this architecture")

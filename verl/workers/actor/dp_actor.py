@@ -1,0 +1,194 @@
+"""Data-parallel PPO actor: log-probs and PPO updates on one (FSDP-sharded) policy.
+
+Every loss term (clipped policy loss, entropy bonus, KL-to-reference loss) is
+masked with `response_mask`, the policy-token mask the driver builds, so
+retrieved passages and padding never carry gradient.
+
+    actor = DataParallelPPOActor(cfg.actor_rollout_ref.actor, fsdp_module, optimizer)
+    log_probs_BR, _ = actor.compute_log_prob(batch)           # meta_info: micro_batch_size, temperature...
+    metrics = actor.update_policy(batch)                       # {"actor/pg_loss": [...], ...}
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from verl.trainer.ppo import core_algos
+from verl.utils import batch_keys as K
+from verl.utils import torch_functional as tf
+from verl.utils.remove_padding import (
+    check_packing_isolates_sequences,
+    next_token_labels,
+    pack_batch,
+    unpack_to_padded,
+)
+from verl.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
+from verl.workers.actor.base import BasePPOActor
+
+_FORWARD_KEYS = [K.RESPONSES, K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS]
+
+
+def _meta(data: Any, key: str) -> Any:
+    if key not in data.meta_info:
+        raise KeyError(f"meta_info[{key!r}] is required here; the worker sets it from the rollout / ref config")
+    return data.meta_info[key]
+
+
+def clip_and_check_grad(module: nn.Module, grad_clip: float | None) -> tuple[float, bool]:
+    """Clip grads to `grad_clip` (when set); returns (total norm, whether it is finite)."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    max_norm = float(grad_clip) if grad_clip else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    # FSDP2 returns a replicated DTensor; every rank holds the same value.
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    value = float(norm)
+    return value, math.isfinite(value)
+
+
+class DataParallelPPOActor(BasePPOActor):
+    """PPO actor over an HF causal LM wrapped by FSDP (or a plain module in one process)."""
+
+    def __init__(self, config: Any, actor_module: nn.Module, actor_optimizer: torch.optim.Optimizer | None = None,
+                 use_remove_padding: bool | None = None) -> None:
+        super().__init__(config)
+        self.actor_module = actor_module
+        self.actor_optimizer = actor_optimizer
+        self._packing_checked = False
+        self.use_remove_padding = bool(config.get("use_remove_padding", False)
+                                       if use_remove_padding is None else use_remove_padding)
+
+    # ------------------------------------------------------------------ forward
+    def _forward_micro_batch(self, micro: Any, temperature: float, calculate_entropy: bool
+                             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """-> (entropy (B, R) or None, log_probs (B, R)) of the response tokens."""
+        responses = micro[K.RESPONSES]
+        input_ids, attention_mask, position_ids = micro[K.INPUT_IDS], micro[K.ATTENTION_MASK], micro[K.POSITION_IDS]
+        response_length = responses.shape[-1]
+        if self.use_remove_padding:
+            if not self._packing_checked:
+                check_packing_isolates_sequences(self.actor_module, self.actor_module.config.vocab_size)
+                self._packing_checked = True
+            packed = pack_batch(input_ids, attention_mask, position_ids)
+            logits_NV = self.actor_module(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                          attention_mask=None, use_cache=False).logits.squeeze(0)
+            logits_NV = logits_NV / temperature
+            log_probs_BT = unpack_to_padded(tf.logprobs_from_logits(logits_NV, next_token_labels(packed)), packed)
+            # Position t predicts token t+1: the response's log-probs sit at [P-1, T-1).
+            log_probs = log_probs_BT[:, -response_length - 1:-1]
+            entropy = None
+            if calculate_entropy:
+                entropy_BT = unpack_to_padded(tf.entropy_from_logits(logits_NV), packed)
+                entropy = entropy_BT[:, -response_length - 1:-1]
+            return entropy, log_probs
+        logits = self.actor_module(input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids, use_cache=False).logits
+        logits_BRV = logits[:, -response_length - 1:-1] / temperature
+        log_probs = tf.logprobs_from_logits(logits_BRV, responses)
+        entropy = tf.entropy_from_logits(logits_BRV) if calculate_entropy else None
+        return entropy, log_probs
+
+    def compute_log_prob(self, data: Any, calculate_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (B, R) of `responses`; reads input_ids, attention_mask, position_ids, responses.
+
+        meta_info: micro_batch_size, temperature, use_dynamic_bsz, max_token_len (when dynamic).
+        """
+        temperature = float(_meta(data, K.META_TEMPERATURE))
+        use_dynamic_bsz = bool(data.meta_info.get(K.META_USE_DYNAMIC_BSZ, False))
+        batch = data.select(batch_keys=_FORWARD_KEYS).batch
+        micro_batches, indices = split_micro_batches(
+            batch, data.meta_info.get(K.META_MICRO_BATCH_SIZE), use_dynamic_bsz,
+            data.meta_info.get(K.META_MAX_TOKEN_LEN))
+        log_probs_parts, entropy_parts = [], []
+        with torch.no_grad():
+            for micro in micro_batches:
+                entropy, log_probs = self._forward_micro_batch(micro, temperature, calculate_entropy)
+                log_probs_parts.append(log_probs)
+                if entropy is not None:
+                    entropy_parts.append(entropy)
+        log_probs = torch.cat(log_probs_parts, dim=0)
+        entropys = torch.cat(entropy_parts, dim=0) if calculate_entropy else None
+        if indices is not None:
+            reverse = torch.tensor(get_reverse_idx([i for part in indices for i in part]), dtype=torch.long)
+            log_probs = log_probs[reverse]
+            entropys = entropys[reverse] if entropys is not None else None
+        return log_probs, entropys
+
+    # ------------------------------------------------------------------ update
+    def _optimizer_step(self) -> tuple[float, bool]:
+        grad_norm, finite = clip_and_check_grad(self.actor_module, self.config.get("grad_clip"))
+        if finite:
+            self.actor_optimizer.step()
+        # A non-finite norm means a bad batch (overflow, inf advantage): skip the step
+        # rather than poison the weights and Adam moments.
+        self.actor_optimizer.zero_grad(set_to_none=True)
+        return grad_norm, finite
+
+    def _mini_batches(self, batch: Any, epoch: int) -> list:
+        mini_size = int(self.config.ppo_mini_batch_size)
+        if self.config.get("shuffle", False):
+            generator = torch.Generator().manual_seed(epoch)
+            batch = batch[torch.randperm(batch.batch_size[0], generator=generator)]
+        return list(batch.split(mini_size))
+
+    def _micro_batch_loss(self, micro: Any, temperature: float, metrics: dict[str, list[float]]) -> torch.Tensor:
+        """Clipped policy loss - entropy bonus (+ KL-to-reference loss), all over response_mask."""
+        cfg = self.config
+        loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
+        response_mask = micro[K.RESPONSE_MASK].float()
+        entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=True)
+        pg_loss, pg_clipfrac, ppo_kl = core_algos.compute_policy_loss(
+            micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask, cfg.clip_ratio, loss_agg_mode)
+        entropy_loss = tf.agg_loss(entropy, response_mask, loss_agg_mode)
+        policy_loss = pg_loss - float(cfg.get("entropy_coeff", 0.0)) * entropy_loss
+        if cfg.get("use_kl_loss", False):
+            kld = core_algos.kl_penalty(log_prob, micro[K.REF_LOG_PROB], cfg.kl_loss_type)
+            kl_loss = tf.agg_loss(kld, response_mask, loss_agg_mode)
+            policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
+            metrics["actor/kl_loss"].append(kl_loss.item())
+            metrics["actor/kl_coef"].append(float(cfg.kl_loss_coef))
+        metrics["actor/pg_loss"].append(pg_loss.item())
+        metrics["actor/pg_clipfrac"].append(pg_clipfrac.item())
+        metrics["actor/ppo_kl"].append(ppo_kl.item())
+        metrics["actor/entropy"].append(entropy_loss.item())
+        return policy_loss
+
+    def update_policy(self, data: Any) -> dict[str, list[float]]:
+        """PPO epochs x mini-batches x micro-batches; one optimizer step per mini-batch.
+
+        Reads responses, input_ids, attention_mask, position_ids, old_log_probs,
+        advantages, response_mask (+ ref_log_prob when use_kl_loss); meta_info temperature.
+        """
+        if self.actor_optimizer is None:
+            raise RuntimeError("update_policy needs an optimizer; this actor was built for inference only")
+        self.actor_module.train()
+        cfg = self.config
+        temperature = float(_meta(data, K.META_TEMPERATURE))
+        keys = _FORWARD_KEYS + [K.OLD_LOG_PROBS, K.ADVANTAGES, K.RESPONSE_MASK]
+        if cfg.get("use_kl_loss", False):
+            keys.append(K.REF_LOG_PROB)
+        batch = data.select(batch_keys=keys).batch
+        metrics: dict[str, list[float]] = defaultdict(list)
+        grad_nonfinite = 0
+        for epoch in range(int(cfg.get("ppo_epochs", 1))):
+            for mini in self._mini_batches(batch, epoch):
+                micro_batches, _ = split_micro_batches(
+                    mini, cfg.get("ppo_micro_batch_size"), bool(cfg.get("use_dynamic_bsz", False)),
+                    cfg.get("ppo_max_token_len_per_gpu"))
+                self.actor_optimizer.zero_grad(set_to_none=True)
+                for micro in micro_batches:
+                    loss = self._micro_batch_loss(micro, temperature, metrics)
+                    # Each micro-batch weighs its share of the mini-batch rows (veRL's rule):
+                    # exact for the seq-mean modes, a row-weighted average for token-mean.
+                    (loss * (micro.batch_size[0] / mini.batch_size[0])).backward()
+                grad_norm, finite = self._optimizer_step()
+                grad_nonfinite += int(not finite)
+                metrics["actor/grad_norm"].append(grad_norm)
+        metrics["actor/grad_nonfinite"].append(float(grad_nonfinite))
+        return dict(metrics)

@@ -1,0 +1,391 @@
+"""FSDP2 workers: the actor / rollout / reference worker and the critic worker.
+
+The driver builds a worker group of these and calls their registered methods;
+each method's docstring names the DataProto keys it reads and writes
+(verl/utils/batch_keys.py). Batch sizes in the config are global (per training
+step); each worker turns them into per-rank sizes in __init__, veRL style.
+
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
+                                                   role="actor_rollout_ref"))
+    wg.init_model()
+    out = wg.generate_sequences(prompts); out = out.union(wg.compute_log_prob(out))
+    metrics = wg.update_actor(batch).meta_info["metrics"]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import open_dict
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from verl.protocol import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils import batch_keys as K
+from verl.utils import fsdp_utils
+from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+from verl.utils.device import get_device_name, get_dist_backend
+from verl.utils.model import get_model_flops_info, load_causal_lm, load_value_model
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+from verl.workers.critic.dp_critic import DataParallelPPOCritic
+from verl.workers.rollout import build_rollout
+from verl.workers.sharding_manager.fsdp_hf import FSDPUnshardedForGeneration
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+_SAMPLING_SEED = 1000
+
+
+def _per_rank(node: Any, key: str, world_size: int, where: str, multiplier: int = 1) -> None:
+    """node[key] = node[key] * multiplier // world_size, refusing sizes that do not divide."""
+    total = int(node[key]) * multiplier
+    if total % world_size != 0 or total < world_size:
+        raise ValueError(f"{where}.{key}={node[key]} (x{multiplier}) is not divisible by the "
+                         f"{world_size} data-parallel workers")
+    with open_dict(node):
+        node[key] = total // world_size
+
+
+def _check_micro_divides_mini(node: Any, mini_key: str, micro_key: str, where: str) -> None:
+    if node.get("use_dynamic_bsz", False):
+        return
+    if int(node[mini_key]) % int(node[micro_key]) != 0:
+        raise ValueError(f"{where}.{mini_key}={node[mini_key]} per worker is not a multiple of "
+                         f"{where}.{micro_key}={node[micro_key]} per worker")
+
+
+def normalize_actor_batch_sizes(config: Any, role: str, world_size: int) -> None:
+    """Global -> per-rank batch sizes for an ActorRolloutRefWorker config (in place)."""
+    if role in ("actor", "actor_rollout", "actor_rollout_ref"):
+        actor = config.actor
+        n_agent = int(config.rollout.get("n_agent", 1))
+        _per_rank(actor, "ppo_mini_batch_size", world_size, "actor_rollout_ref.actor", multiplier=n_agent)
+        _per_rank(actor, "ppo_micro_batch_size", world_size, "actor_rollout_ref.actor")
+        _check_micro_divides_mini(actor, "ppo_mini_batch_size", "ppo_micro_batch_size", "actor_rollout_ref.actor")
+    if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
+        _per_rank(config.rollout, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.rollout")
+    if role in ("ref", "actor_rollout_ref"):
+        _per_rank(config.ref, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.ref")
+
+
+def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
+    """Global -> per-rank batch sizes for a CriticWorker config (in place).
+
+    `critic.rollout_n` (default 1), if the driver sets it, plays the role of n_agent.
+    """
+    n_agent = int(config.get("rollout_n", 1))
+    _per_rank(config, "ppo_mini_batch_size", world_size, "critic", multiplier=n_agent)
+    _per_rank(config, "ppo_micro_batch_size", world_size, "critic")
+    _per_rank(config, "forward_micro_batch_size", world_size, "critic")
+    _check_micro_divides_mini(config, "ppo_mini_batch_size", "ppo_micro_batch_size", "critic")
+
+
+def check_supported(node: Any, where: str) -> None:
+    """Refuse settings this FSDP2 build does not implement, naming the key, instead of ignoring them."""
+    if node.get("strategy", "fsdp") != "fsdp":
+        raise ValueError(f"{where}.strategy={node.strategy!r}: only 'fsdp' (FSDP2) is supported")
+    if int(node.get("ulysses_sequence_parallel_size", 1)) != 1:
+        raise NotImplementedError(f"{where}.ulysses_sequence_parallel_size="
+                                  f"{node.ulysses_sequence_parallel_size}: sequence parallelism is not supported")
+
+
+def check_fsdp_size(fsdp_cfg: Any, world_size: int, where: str) -> None:
+    size = int(fsdp_cfg.get("fsdp_size", -1))
+    if size not in (-1, world_size):
+        raise NotImplementedError(f"{where}.fsdp_size={size}: hybrid sharding is not supported; "
+                                  f"use -1 (shard over all {world_size} workers)")
+
+
+class _FSDPWorkerBase(Worker):
+    """Process-group set-up, model wrapping and offload shared by both workers."""
+
+    def _init_distributed(self) -> None:
+        if not dist.is_initialized():
+            dist.init_process_group(backend=get_dist_backend(), rank=self.rank, world_size=self.world_size)
+        self.device = get_device_name()
+        if self.device == "cuda":
+            # Ray may show each actor only its own GPU, which is then cuda:0.
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        self.device_mesh = init_device_mesh(self.device, (self.world_size,), mesh_dim_names=("fsdp",))
+
+    def _attn_implementation(self, use_remove_padding: bool) -> str | None:
+        if self.device == "cuda" and use_remove_padding and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        return None
+
+    def _wrap(self, module: nn.Module, model_cfg: Any, trainable: bool) -> nn.Module:
+        """Gradient checkpointing, freezing, then FSDP2 over every decoder layer and the root."""
+        if trainable and model_cfg.get("enable_gradient_checkpointing", False):
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not trainable:
+            module.requires_grad_(False)
+        mixed_precision = fsdp_utils.gpu_mixed_precision() if self.device == "cuda" else None
+        module = fsdp_utils.apply_fsdp2(module, self.device_mesh, mixed_precision)
+        if self.device == "cuda":
+            module.to(self.device)
+        return module
+
+    # Offload: params / grads / optimizer state live on the host between calls when asked.
+    def _onload(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp_cfg: Any) -> None:
+        if fsdp_cfg.get("param_offload", False):
+            fsdp_utils.load_fsdp_model_to_device(module, self.device)
+        if fsdp_cfg.get("grad_offload", False):
+            fsdp_utils.load_fsdp_grad(module, self.device)
+        if optimizer is not None and fsdp_cfg.get("optimizer_offload", False):
+            fsdp_utils.load_fsdp_optimizer(optimizer, self.device)
+
+    def _offload(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, fsdp_cfg: Any) -> None:
+        if fsdp_cfg.get("param_offload", False):
+            fsdp_utils.offload_fsdp_model_to_cpu(module)
+        if fsdp_cfg.get("grad_offload", False):
+            fsdp_utils.offload_fsdp_grad(module)
+        if optimizer is not None and fsdp_cfg.get("optimizer_offload", False):
+            fsdp_utils.offload_fsdp_optimizer(optimizer)
+
+
+class ActorRolloutRefWorker(_FSDPWorkerBase):
+    """The policy in its roles: trainer (actor), generator (rollout), frozen reference (ref)."""
+
+    def __init__(self, config: Any, role: str) -> None:
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"ActorRolloutRefWorker role {role!r} is not one of {ROLES}")
+        self.config = config
+        self.role = role
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref")
+        check_supported(config.actor, "actor_rollout_ref.actor")
+        check_fsdp_size(config.actor.fsdp_config, self.world_size, "actor_rollout_ref.actor.fsdp_config")
+        if self._is_ref:
+            check_fsdp_size(config.ref.fsdp_config, self.world_size, "actor_rollout_ref.ref.fsdp_config")
+        normalize_actor_batch_sizes(self.config, role, self.world_size)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join the process group, load and shard the models, build optimizer / rollout / ref."""
+        self._init_distributed()
+        from transformers import AutoTokenizer
+
+        model_cfg = self.config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+        use_rmpad = bool(model_cfg.get("use_remove_padding", False))
+        attn = self._attn_implementation(use_rmpad)
+        self.actor_module = self.actor_optimizer = self.actor_lr_scheduler = None
+        if self._is_actor or self._is_rollout:
+            # Same seed on every rank: any freshly initialised weight is identical everywhere.
+            torch.manual_seed(0)
+            module = load_causal_lm(model_cfg.path, model_cfg.get("override_config"), torch.float32, attn)
+            self.actor_module = self._wrap(module, model_cfg, trainable=self._is_actor)
+            if self._is_actor:
+                self.actor_optimizer, self.actor_lr_scheduler = fsdp_utils.build_optimizer(
+                    self.actor_module, self.config.actor.optim)
+            self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
+                                              use_remove_padding=use_rmpad)
+        if self._is_rollout:
+            self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer)
+            self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
+        if self._is_ref:
+            torch.manual_seed(0)
+            ref = load_causal_lm(model_cfg.path, model_cfg.get("override_config"), torch.float32, attn)
+            self.ref_module = self._wrap(ref, model_cfg, trainable=False)
+            self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module, None,
+                                                   use_remove_padding=use_rmpad)
+            self._offload(self.ref_module, None, self.config.ref.fsdp_config)
+        if self._is_actor:
+            self.checkpoint_manager = FSDPCheckpointManager(
+                self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer)
+        if self.actor_module is not None:
+            self._offload(self.actor_module, self.actor_optimizer, self.config.actor.fsdp_config)
+        # Model building reseeded every rank alike; sampling should differ between ranks.
+        torch.manual_seed(_SAMPLING_SEED + self.rank)
+
+    def _require(self, flag: bool, method: str) -> None:
+        if not flag:
+            raise RuntimeError(f"{method} is not available for role {self.role!r}")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Reads input_ids, attention_mask, position_ids (left-padded prompts) and meta_info
+        eos_token_id, pad_token_id, do_sample, temperature, response_length, stop.
+        Writes prompts, responses, input_ids, attention_mask, position_ids."""
+        self._require(self._is_rollout, "generate_sequences")
+        fsdp_cfg = self.config.actor.fsdp_config
+        prompts = prompts.to(self.device)
+        prompts.meta_info.setdefault(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
+        prompts.meta_info.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
+        self._onload(self.actor_module, None, fsdp_cfg)
+        with self.rollout_sharding_manager:
+            output = self.rollout.generate_sequences(prompts)
+        self._offload(self.actor_module, None, fsdp_cfg)
+        return output.to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """Reads input_ids, attention_mask, position_ids, responses. Writes old_log_probs."""
+        self._require(self._is_actor, "compute_log_prob")
+        rollout = self.config.rollout
+        data = data.to(self.device)
+        data.meta_info.update({
+            K.META_MICRO_BATCH_SIZE: rollout.log_prob_micro_batch_size,
+            K.META_MAX_TOKEN_LEN: rollout.log_prob_max_token_len_per_gpu,
+            K.META_USE_DYNAMIC_BSZ: rollout.log_prob_use_dynamic_bsz,
+            K.META_TEMPERATURE: rollout.temperature,
+        })
+        self._onload(self.actor_module, None, self.config.actor.fsdp_config)
+        log_probs, _ = self.actor.compute_log_prob(data)
+        self._offload(self.actor_module, None, self.config.actor.fsdp_config)
+        return DataProto.from_dict(tensors={K.OLD_LOG_PROBS: log_probs.cpu()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """Reads input_ids, attention_mask, position_ids, responses. Writes ref_log_prob."""
+        self._require(self._is_ref, "compute_ref_log_prob")
+        ref = self.config.ref
+        data = data.to(self.device)
+        data.meta_info.update({
+            K.META_MICRO_BATCH_SIZE: ref.log_prob_micro_batch_size,
+            K.META_MAX_TOKEN_LEN: ref.log_prob_max_token_len_per_gpu,
+            K.META_USE_DYNAMIC_BSZ: ref.log_prob_use_dynamic_bsz,
+            K.META_TEMPERATURE: self.config.rollout.temperature,
+        })
+        self._onload(self.ref_module, None, ref.fsdp_config)
+        log_probs, _ = self.ref_policy.compute_log_prob(data)
+        self._offload(self.ref_module, None, ref.fsdp_config)
+        return DataProto.from_dict(tensors={K.REF_LOG_PROB: log_probs.cpu()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """Reads responses, input_ids, attention_mask, position_ids, old_log_probs, advantages,
+        response_mask (+ ref_log_prob with use_kl_loss). Writes meta_info["metrics"]."""
+        self._require(self._is_actor, "update_actor")
+        fsdp_cfg = self.config.actor.fsdp_config
+        data = data.to(self.device)
+        data.meta_info[K.META_TEMPERATURE] = self.config.rollout.temperature
+        self._onload(self.actor_module, self.actor_optimizer, fsdp_cfg)
+        metrics: dict[str, Any] = self.actor.update_policy(data)
+        metrics["actor/lr"] = float(self.actor_lr_scheduler.get_last_lr()[0])
+        self.actor_lr_scheduler.step()
+        self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
+        return DataProto(meta_info={K.META_METRICS: metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, hf_path: str | None = None) -> None:
+        """Each rank writes its shard of model + optimizer, and its scheduler / RNG state, into local_path."""
+        self._require(self._is_actor, "save_checkpoint")
+        fsdp_cfg = self.config.actor.fsdp_config
+        self._onload(self.actor_module, self.actor_optimizer, fsdp_cfg)
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, hf_path=hf_path)
+        self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> int:
+        """Restore model, optimizer, LR schedule and RNG from local_path; returns the saved step."""
+        self._require(self._is_actor, "load_checkpoint")
+        fsdp_cfg = self.config.actor.fsdp_config
+        self._onload(self.actor_module, self.actor_optimizer, fsdp_cfg)
+        step = self.checkpoint_manager.load_checkpoint(local_path)
+        self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
+        return step
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_model_flops_info(self) -> Any:
+        """Hidden size, layer count, head count, vocab and parameter count of the policy."""
+        module = self.actor_module if self.actor_module is not None else self.ref_module
+        return get_model_flops_info(module)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_state_fingerprint(self) -> dict[str, float]:
+        """Sum of each full (gathered) parameter, as this rank sees it: equal on every rank unless
+        the ranks diverged. For tests and debugging; a collective, so every rank must call it."""
+        module = self.actor_module if self.actor_module is not None else self.ref_module
+        self._onload(module, None, self.config.actor.fsdp_config)
+        fingerprint = {name: float(_full(p).double().sum()) for name, p in module.named_parameters()}
+        self._offload(module, None, self.config.actor.fsdp_config)
+        return fingerprint
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
+class CriticWorker(_FSDPWorkerBase):
+    """The value model: token-classification head with one label, trained by clipped value loss."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        check_supported(config, "critic")
+        check_fsdp_size(config.model.fsdp_config, self.world_size, "critic.model.fsdp_config")
+        normalize_critic_batch_sizes(self.config, self.world_size)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join the process group, load the critic (value head), shard it, build its optimizer."""
+        self._init_distributed()
+        from transformers import AutoTokenizer
+
+        model_cfg = self.config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.get("tokenizer_path") or model_cfg.path)
+        use_rmpad = bool(model_cfg.get("use_remove_padding", False))
+        torch.manual_seed(0)
+        module = load_value_model(model_cfg.path, model_cfg.get("override_config"), torch.float32,
+                                  self._attn_implementation(use_rmpad))
+        self.critic_module = self._wrap(module, model_cfg, trainable=True)
+        self.critic_optimizer, self.critic_lr_scheduler = fsdp_utils.build_optimizer(
+            self.critic_module, self.config.optim)
+        self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer,
+                                            use_remove_padding=use_rmpad)
+        self.checkpoint_manager = FSDPCheckpointManager(
+            self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.tokenizer)
+        self._offload(self.critic_module, self.critic_optimizer, model_cfg.fsdp_config)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """Reads input_ids, attention_mask, position_ids, responses. Writes values."""
+        data = data.to(self.device)
+        data.meta_info.update({
+            K.META_MICRO_BATCH_SIZE: self.config.forward_micro_batch_size,
+            K.META_MAX_TOKEN_LEN: self.config.forward_max_token_len_per_gpu,
+            K.META_USE_DYNAMIC_BSZ: self.config.use_dynamic_bsz,
+        })
+        fsdp_cfg = self.config.model.fsdp_config
+        self._onload(self.critic_module, None, fsdp_cfg)
+        values = self.critic.compute_values(data)
+        self._offload(self.critic_module, None, fsdp_cfg)
+        return DataProto.from_dict(tensors={K.VALUES: values.cpu()})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """Reads responses, input_ids, attention_mask, position_ids, values, returns, response_mask.
+        Writes meta_info["metrics"]."""
+        fsdp_cfg = self.config.model.fsdp_config
+        data = data.to(self.device)
+        self._onload(self.critic_module, self.critic_optimizer, fsdp_cfg)
+        metrics: dict[str, Any] = self.critic.update_critic(data)
+        metrics["critic/lr"] = float(self.critic_lr_scheduler.get_last_lr()[0])
+        self.critic_lr_scheduler.step()
+        self._offload(self.critic_module, self.critic_optimizer, fsdp_cfg)
+        return DataProto(meta_info={K.META_METRICS: metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, hf_path: str | None = None) -> None:
+        """Each rank writes its shard of model + optimizer, and its scheduler / RNG state, into local_path."""
+        fsdp_cfg = self.config.model.fsdp_config
+        self._onload(self.critic_module, self.critic_optimizer, fsdp_cfg)
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, hf_path=hf_path)
+        self._offload(self.critic_module, self.critic_optimizer, fsdp_cfg)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> int:
+        """Restore model, optimizer, LR schedule and RNG from local_path; returns the saved step."""
+        fsdp_cfg = self.config.model.fsdp_config
+        self._onload(self.critic_module, self.critic_optimizer, fsdp_cfg)
+        step = self.checkpoint_manager.load_checkpoint(local_path)
+        self._offload(self.critic_module, self.critic_optimizer, fsdp_cfg)
+        return step
+
