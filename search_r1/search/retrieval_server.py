@@ -1,0 +1,296 @@
+"""The retrieval server: FastAPI over a dense (FAISS) or BM25 retriever.
+
+HTTP contract (DESIGN §3.1, unchanged from the original Search-R1 so its clients work):
+``POST /retrieve {"queries": [...], "topk": k, "return_scores": bool}`` ->
+``{"result": [[hit, ...], ...]}``; ``GET /health``.
+
+Differences from the original: concurrent requests are coalesced into one batched
+search (``coalescer.Coalescer``; ``--no_coalesce`` turns it off), repeated
+(query, topk) pairs are answered from an LRU cache, every request is checked against
+``ServerLimits`` (4xx with a message, never a crash), and it binds 127.0.0.1 by default.
+
+    python -m search_r1.search.retrieval_server --index_path index/bm25 \\
+        --corpus_path example/corpus.jsonl --retriever_name bm25 --topk 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    # Run as a file, as the original's `python search_r1/search/<script>.py ...` did:
+    # make the repository root importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+from search_r1.search.coalescer import Coalescer  # noqa: E402
+from search_r1.search.retrievers import BaseRetriever, build_retriever  # noqa: E402
+from search_r1.search.schema import Hit, RequestError, RetrieveRequest, ServerLimits, validate_request  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+# An oversized body is drained (not stored) so the client reads our 413 instead of a reset;
+# past this much we stop reading and let the connection drop.
+_MAX_DRAIN_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Serving behaviour, independent of which retriever answers."""
+
+    default_topk: int = 3
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    coalesce: bool = True
+    max_wait_ms: float = 5.0
+    max_batch_queries: int = 512
+    cache_size: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_topk <= self.limits.max_topk:
+            raise ValueError(f"default_topk must be in [1, max_topk={self.limits.max_topk}], got {self.default_topk}")
+        if self.cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {self.cache_size}")
+
+
+class HitCache:
+    """LRU of (query, topk) -> hits; lives on the event loop, so no lock is needed."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[tuple[str, int], list[Hit]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, query: str, topk: int) -> list[Hit] | None:
+        key = (query, topk)
+        found = self._items.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return found
+
+    def put(self, query: str, topk: int, hits: list[Hit]) -> None:
+        if self.capacity == 0:
+            return
+        self._items[(query, topk)] = hits
+        self._items.move_to_end((query, topk))
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            too_big = True
+            chunks.clear()
+            if size > _MAX_DRAIN_BYTES:
+                break
+        elif not too_big:
+            chunks.append(chunk)
+    if too_big:
+        raise RequestError(f"request body exceeds this server's limit of {limit} bytes", status_code=413)
+    return b"".join(chunks)
+
+
+def _parse_request(body: bytes) -> RetrieveRequest:
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"request body is not valid JSON: {err}", status_code=400) from err
+    try:
+        return RetrieveRequest.model_validate(payload)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in e['loc']) or 'body'}': {e['msg']}" for e in err.errors()
+        )
+        raise RequestError(f"invalid request: {problems}") from err
+
+
+class RetrievalService:
+    """Cache in front of the coalescer in front of the retriever."""
+
+    def __init__(self, retriever: BaseRetriever, config: ServerConfig) -> None:
+        self.retriever = retriever
+        self.config = config
+        self.cache = HitCache(config.cache_size)
+        self.coalescer = Coalescer(
+            retriever.search_batch,
+            enabled=config.coalesce,
+            max_wait_s=config.max_wait_ms / 1000.0,
+            max_batch_queries=config.max_batch_queries,
+        )
+        self.rejected = 0
+
+    async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        results: list[list[Hit] | None] = [self.cache.get(q, topk) for q in queries]
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            found = await self.coalescer.search([queries[i] for i in missing], topk)
+            for i, hits in zip(missing, found, strict=True):
+                results[i] = hits
+                self.cache.put(queries[i], topk, hits)
+        return results  # type: ignore[return-value]
+
+    def health(self) -> dict:
+        return {
+            "status": "ok",
+            "retriever": self.retriever.kind,
+            "corpus_size": len(self.retriever.corpus),
+            "default_topk": self.config.default_topk,
+            "coalesce": self.config.coalesce,
+            "limits": asdict(self.config.limits),
+            "counters": {
+                **self.coalescer.stats.as_dict(),
+                "cache_hits": self.cache.hits,
+                "cache_misses": self.cache.misses,
+                "rejected": self.rejected,
+            },
+        }
+
+
+def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``retriever``; importable so tests can run it under uvicorn."""
+    config = config or ServerConfig()
+    service = RetrievalService(retriever, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await service.coalescer.start()
+        yield
+        await service.coalescer.stop()
+
+    app = FastAPI(title="Search-R1 retrieval server", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(RequestError)
+    async def _refuse(_: Request, err: RequestError) -> JSONResponse:
+        service.rejected += 1
+        return JSONResponse(status_code=err.status_code, content={"detail": err.message})
+
+    @app.exception_handler(Exception)
+    async def _failed(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("search failed", exc_info=err)
+        return JSONResponse(status_code=500, content={"detail": f"search failed: {type(err).__name__}: {err}"})
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> JSONResponse:
+        body = await _read_body(request, config.limits.max_body_bytes)
+        valid = validate_request(_parse_request(body), config.limits, config.default_topk)
+        results = await service.search(valid.queries, valid.topk)
+        return JSONResponse(
+            {"result": [[hit.to_wire(valid.return_scores) for hit in hits] for hits in results]}
+        )
+
+    @app.get("/health")
+    async def health() -> dict:
+        return service.health()
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Serve a retrieval index over HTTP (Search-R1 API).")
+    p.add_argument("--index_path", default="./index/bm25", help="FAISS .index file or BM25 folder")
+    p.add_argument("--corpus_path", default="./data/corpus.jsonl")
+    p.add_argument("--topk", type=int, default=3, help="hits per query when a request gives no topk")
+    p.add_argument("--retriever_name", default="e5", help="bm25, e5, bge, or another dense encoder name")
+    p.add_argument("--retriever_model", default="intfloat/e5-base-v2", help="encoder name or path (dense)")
+    p.add_argument("--faiss_gpu", action="store_true", default=False, help="shard the FAISS index over GPUs")
+    p.add_argument("--pooling_method", default="auto", choices=["auto", "mean", "cls", "pooler"])
+    p.add_argument("--max_length", type=int, default=256, help="encoder max tokens per query")
+    p.add_argument("--use_fp16", action="store_true", default=False)
+    p.add_argument("--encode_batch_size", type=int, default=128)
+    p.add_argument(
+        "--num_threads", type=int, default=0,
+        help="CPU threads for torch and FAISS (0: library default); 1 is fastest on a busy machine",
+    )
+    p.add_argument("--switch_interval_ms", type=float, default=0.5, help="Python GIL switch interval")
+    p.add_argument("--corpus_cache_dir", default=None, help="where the corpus Arrow store is cached")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max_queries_per_request", type=int, default=ServerLimits.max_queries_per_request)
+    p.add_argument("--max_query_chars", type=int, default=ServerLimits.max_query_chars)
+    p.add_argument("--max_topk", type=int, default=ServerLimits.max_topk)
+    p.add_argument("--max_body_bytes", type=int, default=ServerLimits.max_body_bytes)
+    p.add_argument("--no_coalesce", action="store_true", default=False, help="search each request alone")
+    p.add_argument("--coalesce_wait_ms", type=float, default=5.0)
+    p.add_argument("--coalesce_max_queries", type=int, default=512)
+    p.add_argument("--cache_size", type=int, default=10_000, help="LRU entries; 0 disables the cache")
+    return p.parse_args(argv)
+
+
+def set_num_threads(n: int) -> None:
+    """Bound torch and FAISS thread pools: oversubscribed OpenMP threads spin and stall."""
+    import faiss
+    import torch
+
+    torch.set_num_threads(n)
+    faiss.omp_set_num_threads(n)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    limits = ServerLimits(
+        max_queries_per_request=args.max_queries_per_request,
+        max_query_chars=args.max_query_chars,
+        max_topk=args.max_topk,
+        max_body_bytes=args.max_body_bytes,
+    )
+    return ServerConfig(
+        default_topk=args.topk,
+        limits=limits,
+        coalesce=not args.no_coalesce,
+        max_wait_ms=args.coalesce_wait_ms,
+        max_batch_queries=args.coalesce_max_queries,
+        cache_size=args.cache_size,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    config = config_from_args(args)
+    if args.num_threads > 0:
+        set_num_threads(args.num_threads)
+    # The search thread re-takes the GIL after every torch op; with the default 5 ms
+    # switch interval a busy event loop makes it wait on each one (a GIL convoy).
+    sys.setswitchinterval(args.switch_interval_ms / 1000.0)
+    retriever = build_retriever(
+        retriever_name=args.retriever_name,
+        index_path=args.index_path,
+        corpus_path=args.corpus_path,
+        retriever_model=args.retriever_model,
+        faiss_gpu=args.faiss_gpu,
+        pooling=args.pooling_method,
+        max_length=args.max_length,
+        use_fp16=args.use_fp16,
+        batch_size=args.encode_batch_size,
+        corpus_cache_dir=args.corpus_cache_dir,
+    )
+    logger.info(
+        "serving %s retriever over %d passages on http://%s:%d (coalesce=%s)",
+        retriever.kind, len(retriever.corpus), args.host, args.port, config.coalesce,
+    )
+    uvicorn.run(create_app(retriever, config), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
