@@ -19,7 +19,7 @@ EXTRAS = {
     "retriever": [
         "faiss-cpu>=1.8",
         "fastapi>=0.110",
-        "uvicorn>=0.29",
+        "uvicorn[standard]>=0.29",
         "bm25s>=0.2.6",
         "PyStemmer>=2.2",
         "httpx>=0.27",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 
 import pytest
 
@@ -16,6 +17,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Corpus Arrow stores built by tests go to a throwaway folder, not ~/.cache.
+os.environ.setdefault("SEARCH_R1_CACHE", tempfile.mkdtemp(prefix="search_r1_cache_"))
 
 
 def free_port() -> int:
