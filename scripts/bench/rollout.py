@@ -238,37 +238,19 @@ def serve_bm25(corpus: list[dict[str, str]], folder: Path, topk: int = 3, cache_
 
     The server's hit cache is off by default, so a repeated run pays for its searches again.
     """
-    import socket
-    import threading
-
-    import uvicorn
-
     from search_r1.search.corpus import Corpus
     from search_r1.search.index_builder import build_bm25_index
     from search_r1.search.retrieval_server import ServerConfig, create_app
     from search_r1.search.retrievers import BM25Retriever
+    from search_r1.search.serving import serve_in_background
 
     corpus_path = folder / "corpus.jsonl"
     corpus_path.write_text("".join(json.dumps(c) + "\n" for c in corpus))
     opened = Corpus.open(corpus_path, cache_dir=folder)
     retriever = BM25Retriever(str(build_bm25_index(opened, folder)), opened)
     app = create_app(retriever, ServerConfig(default_topk=topk, cache_size=cache_size))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError(f"BM25 server on port {port} did not start within 30 s")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/retrieve"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_background(app) as base_url:
+        yield f"{base_url}/retrieve"
 
 
 def main() -> None:

@@ -33,13 +33,14 @@ from typing import Any
 from urllib.parse import quote, quote_plus
 
 import requests
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from requests.adapters import HTTPAdapter
+from starlette.concurrency import run_in_threadpool
 from urllib3.util.retry import Retry
 
-from search_r1.search.rerank_server import install_request_guards
-from search_r1.search.schema import Hit, RetrieveRequest, ServerLimits, validate_request
+from search_r1.search.schema import Hit, RetrieveRequest, ServerLimits, ValidRequest, validate_request
+from search_r1.search.serving import configure_logging, install_request_errors, read_json_body
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,18 @@ def _make_hits(items: Sequence[tuple[str, str, str]], topk: int) -> list[Hit]:
     ]
 
 
+def _items(payload: Any, *path: str) -> list[dict[str, Any]]:
+    """``payload[path...]`` as a list of result dicts; absent means no results."""
+    node = payload
+    for key in path:
+        if not isinstance(node, dict):
+            raise UpstreamError(f"search API answer has no object at '{key}'")
+        node = node.get(key, [])
+    if not isinstance(node, list):
+        raise UpstreamError(f"search API answer field '{'.'.join(path)}' is not a list")
+    return [item for item in node if isinstance(item, dict)]
+
+
 @dataclass(frozen=True)
 class UpstreamCall:
     """One HTTP GET to the search API; holds credentials, so it is never logged or shown."""
@@ -152,6 +165,10 @@ class SearchEngine(ABC):
     base_url_env: str = ""
     key_envs: tuple[str, ...] = ()
     max_topk: int = 10
+    # Where the answer keeps its result list, and each result's URL and snippet fields.
+    results_path: tuple[str, ...] = ()
+    url_field: str = "link"
+    snippet_field: str = "snippet"
 
     def __init__(self, base_url: str, secrets: Mapping[str, Secret]) -> None:
         self.base_url = base_url
@@ -171,20 +188,17 @@ class SearchEngine(ABC):
     @abstractmethod
     def build_call(self, query: str, topk: int) -> UpstreamCall: ...
 
-    @abstractmethod
-    def parse(self, payload: Any, topk: int) -> list[Hit]: ...
-
-
-def _items(payload: Any, *path: str) -> list[dict[str, Any]]:
-    """``payload[path...]`` as a list of result dicts; absent means no results."""
-    node = payload
-    for key in path:
-        if not isinstance(node, dict):
-            raise UpstreamError(f"search API answer has no object at '{key}'")
-        node = node.get(key, [])
-    if not isinstance(node, list):
-        raise UpstreamError(f"search API answer field '{'.'.join(path)}' is not a list")
-    return [item for item in node if isinstance(item, dict)]
+    def parse(self, payload: Any, topk: int) -> list[Hit]:
+        """The answer's results, in engine order, as Hits; a result without a URL gets ``<engine>-<i>``."""
+        rows = [
+            (
+                str(r.get(self.url_field, f"{self.name}-{i}")),
+                _plain(r.get("title")),
+                _plain(r.get(self.snippet_field)),
+            )
+            for i, r in enumerate(_items(payload, *self.results_path))
+        ]
+        return _make_hits(rows, topk)
 
 
 class SerpApiEngine(SearchEngine):
@@ -193,6 +207,7 @@ class SerpApiEngine(SearchEngine):
     base_url_env = "SERPAPI_BASE_URL"
     key_envs = ("SERP_API_KEY",)
     max_topk = 100
+    results_path = ("organic_results",)
 
     def __init__(self, base_url: str, secrets: Mapping[str, Secret], serp_engine: str = "google") -> None:
         super().__init__(base_url, secrets)
@@ -203,14 +218,6 @@ class SerpApiEngine(SearchEngine):
         params = {"engine": self.serp_engine, "q": query, "num": topk, "api_key": self._key("SERP_API_KEY")}
         return UpstreamCall(self.base_url, params, {})
 
-    def parse(self, payload: Any, topk: int) -> list[Hit]:
-        items = _items(payload, "organic_results")
-        rows = [
-            (str(r.get("link", f"serpapi-{i}")), _plain(r.get("title")), _plain(r.get("snippet")))
-            for i, r in enumerate(items)
-        ]
-        return _make_hits(rows, topk)
-
 
 class GoogleCseEngine(SearchEngine):
     name = "google"
@@ -218,19 +225,12 @@ class GoogleCseEngine(SearchEngine):
     base_url_env = "GOOGLE_CSE_BASE_URL"
     key_envs = ("GOOGLE_API_KEY", "GOOGLE_CSE_ID")
     max_topk = 10  # the API's cap on ``num``
+    results_path = ("items",)
 
     def build_call(self, query: str, topk: int) -> UpstreamCall:
         # Google APIs take the key in a header, which keeps it out of URLs altogether.
         params = {"cx": self._key("GOOGLE_CSE_ID"), "q": query, "num": topk}
         return UpstreamCall(self.base_url, params, {"X-goog-api-key": self._key("GOOGLE_API_KEY")})
-
-    def parse(self, payload: Any, topk: int) -> list[Hit]:
-        items = _items(payload, "items")
-        rows = [
-            (str(r.get("link", f"google-{i}")), _plain(r.get("title")), _plain(r.get("snippet")))
-            for i, r in enumerate(items)
-        ]
-        return _make_hits(rows, topk)
 
 
 class BraveEngine(SearchEngine):
@@ -239,18 +239,13 @@ class BraveEngine(SearchEngine):
     base_url_env = "BRAVE_BASE_URL"
     key_envs = ("BRAVE_API_KEY",)
     max_topk = 20  # the API's cap on ``count``
+    results_path = ("web", "results")
+    url_field = "url"
+    snippet_field = "description"
 
     def build_call(self, query: str, topk: int) -> UpstreamCall:
         headers = {"X-Subscription-Token": self._key("BRAVE_API_KEY"), "Accept": "application/json"}
         return UpstreamCall(self.base_url, {"q": query, "count": topk}, headers)
-
-    def parse(self, payload: Any, topk: int) -> list[Hit]:
-        items = _items(payload, "web", "results")
-        rows = [
-            (str(r.get("url", f"brave-{i}")), _plain(r.get("title")), _plain(r.get("description")))
-            for i, r in enumerate(items)
-        ]
-        return _make_hits(rows, topk)
 
 
 ENGINE_CLASSES: dict[str, type[SearchEngine]] = {
@@ -273,6 +268,7 @@ class OnlineSearchConfig:
     backoff_factor: float = 0.3
     serp_engine: str = "google"
     max_queries_per_request: int = 64
+    max_body_bytes: int = ServerLimits.max_body_bytes
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_CLASSES:
@@ -350,14 +346,14 @@ def create_online_search_app(service: OnlineSearchService) -> FastAPI:
     """FastAPI app answering POST /retrieve from the web, and GET /health (which calls nothing upstream)."""
     config = service.config
     limits = ServerLimits(
-        max_queries_per_request=config.max_queries_per_request, max_topk=service.engine.max_topk
+        max_queries_per_request=config.max_queries_per_request,
+        max_topk=service.engine.max_topk,
+        max_body_bytes=config.max_body_bytes,
     )
     app = FastAPI(title=f"Search-R1 online search ({service.engine.name})")
-    install_request_guards(app, limits)
+    install_request_errors(app)
 
-    @app.post("/retrieve")
-    def retrieve(body: RetrieveRequest) -> Any:
-        valid = validate_request(body, limits, config.default_topk)
+    def search(valid: ValidRequest) -> Any:
         try:
             results = service.search_batch(valid.queries, valid.topk)
         except UpstreamError as exc:
@@ -367,6 +363,13 @@ def create_online_search_app(service: OnlineSearchService) -> FastAPI:
             )
             return JSONResponse({"detail": f"upstream search failed: {message}"}, status_code=502)
         return {"result": [[h.to_wire(valid.return_scores) for h in hits] for hits in results]}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> Any:
+        body = await read_json_body(request, RetrieveRequest, limits.max_body_bytes)
+        valid = validate_request(body, limits, config.default_topk)
+        # search_batch waits on the upstream calls; keep that wait off the event loop.
+        return await run_in_threadpool(search, valid)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -389,6 +392,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--upstream_retries", type=int, default=2, help="Retries on connection errors, 429 and 5xx."
     )
     p.add_argument("--max_queries_per_request", type=int, default=64)
+    p.add_argument("--max_body_bytes", type=int, default=ServerLimits.max_body_bytes)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     return p.parse_args(argv)
@@ -397,7 +401,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args = parse_args(argv)
     config = OnlineSearchConfig(
         engine=args.search_engine,
@@ -408,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         upstream_retries=args.upstream_retries,
         serp_engine=args.serp_engine,
         max_queries_per_request=args.max_queries_per_request,
+        max_body_bytes=args.max_body_bytes,
     )
     service = OnlineSearchService(load_engine(config), config)
     try:

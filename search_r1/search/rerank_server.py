@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from search_r1.search.schema import Hit, RequestError, RetrieveRequest, ServerLimits, validate_request
+from search_r1.search.serving import configure_logging, install_request_errors, read_json_body
 
 SCORER_TYPES = ("cross_encoder", "bi_encoder")
 # The original Search-R1 flag value; it named a sentence-transformers CrossEncoder.
@@ -172,24 +172,6 @@ class RerankRequest(BaseModel):
     return_scores: bool = False
 
 
-def install_request_guards(app: FastAPI, limits: ServerLimits) -> None:
-    """Answer oversized bodies with 413 and ``RequestError`` with its own status and message."""
-
-    @app.middleware("http")
-    async def refuse_oversized_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-            return JSONResponse(
-                {"detail": f"request body is {length} bytes; the limit is {limits.max_body_bytes}"},
-                status_code=413,
-            )
-        return await call_next(request)
-
-    @app.exception_handler(RequestError)
-    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse({"detail": exc.message}, status_code=exc.status_code)
-
-
 def parse_candidates(documents: list[list[dict[str, Any]]]) -> list[list[Hit]]:
     """Wire hits (either shape) into ``Hit``s; a malformed one is a 422 naming its position."""
     parsed: list[list[Hit]] = []
@@ -210,10 +192,11 @@ def create_rerank_app(
     """FastAPI app with POST /rerank and GET /health."""
     limits = limits or ServerLimits()
     app = FastAPI(title="Search-R1 reranker")
-    install_request_guards(app, limits)
+    install_request_errors(app)
 
     @app.post("/rerank")
-    def rerank_endpoint(body: RerankRequest) -> dict[str, Any]:
+    async def rerank_endpoint(request: Request) -> dict[str, Any]:
+        body = await read_json_body(request, RerankRequest, limits.max_body_bytes)
         valid = validate_request(
             RetrieveRequest(queries=body.queries, topk=body.rerank_topk, return_scores=body.return_scores),
             limits,
@@ -224,7 +207,8 @@ def create_rerank_app(
                 f"field 'documents' has {len(body.documents)} candidate lists for {len(valid.queries)} queries"
             )
         hits = parse_candidates(body.documents)
-        reranked = reranker.rerank(valid.queries, hits, valid.topk)
+        # Model forward passes block; run them off the event loop.
+        reranked = await run_in_threadpool(reranker.rerank, valid.queries, hits, valid.topk)
         return {"result": [[h.to_wire(valid.return_scores) for h in row] for row in reranked]}
 
     @app.get("/health")
@@ -265,11 +249,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    import uvicorn
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = parse_args(argv)
+def reranker_from_args(args: argparse.Namespace) -> Reranker:
+    """The ``Reranker`` that the flags of ``add_reranker_args`` describe."""
     scorer = load_scorer(
         args.reranker_type,
         args.reranker_model,
@@ -277,7 +258,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.reranker_max_length,
         args.device,
     )
-    app = create_rerank_app(Reranker(scorer), default_topk=args.reranking_topk)
+    return Reranker(scorer)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import uvicorn
+
+    configure_logging()
+    args = parse_args(argv)
+    app = create_rerank_app(reranker_from_args(args), default_topk=args.reranking_topk)
     uvicorn.run(app, host=args.host, port=args.port)
 
 

@@ -16,7 +16,6 @@ search (``coalescer.Coalescer``; ``--no_coalesce`` turns it off), repeated
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections import OrderedDict
@@ -31,18 +30,13 @@ if __name__ == "__main__" and not __package__:
 
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
 
 from search_r1.search.coalescer import Coalescer  # noqa: E402
 from search_r1.search.retrievers import BaseRetriever, build_retriever  # noqa: E402
-from search_r1.search.schema import Hit, RequestError, RetrieveRequest, ServerLimits, validate_request  # noqa: E402
+from search_r1.search.schema import Hit, RetrieveRequest, ServerLimits, validate_request  # noqa: E402
+from search_r1.search.serving import configure_logging, install_request_errors, read_json_body  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-# An oversized body is drained (not stored) so the client reads our 413 instead of a reset;
-# past this much we stop reading and let the connection drop.
-_MAX_DRAIN_BYTES = 64 * 1024 * 1024
-
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -88,39 +82,6 @@ class HitCache:
         self._items.move_to_end((query, topk))
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    too_big = declared.isdigit() and int(declared) > limit
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_big = True
-            chunks.clear()
-            if size > _MAX_DRAIN_BYTES:
-                break
-        elif not too_big:
-            chunks.append(chunk)
-    if too_big:
-        raise RequestError(f"request body exceeds this server's limit of {limit} bytes", status_code=413)
-    return b"".join(chunks)
-
-
-def _parse_request(body: bytes) -> RetrieveRequest:
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"request body is not valid JSON: {err}", status_code=400) from err
-    try:
-        return RetrieveRequest.model_validate(payload)
-    except ValidationError as err:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in e['loc']) or 'body'}': {e['msg']}" for e in err.errors()
-        )
-        raise RequestError(f"invalid request: {problems}") from err
 
 
 class RetrievalService:
@@ -179,10 +140,10 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
     app = FastAPI(title="Search-R1 retrieval server", lifespan=lifespan)
     app.state.service = service
 
-    @app.exception_handler(RequestError)
-    async def _refuse(_: Request, err: RequestError) -> JSONResponse:
+    def _count_rejected() -> None:
         service.rejected += 1
-        return JSONResponse(status_code=err.status_code, content={"detail": err.message})
+
+    install_request_errors(app, on_reject=_count_rejected)
 
     @app.exception_handler(Exception)
     async def _failed(_: Request, err: Exception) -> JSONResponse:
@@ -191,8 +152,8 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
-        body = await _read_body(request, config.limits.max_body_bytes)
-        valid = validate_request(_parse_request(body), config.limits, config.default_topk)
+        body = await read_json_body(request, RetrieveRequest, config.limits.max_body_bytes)
+        valid = validate_request(body, config.limits, config.default_topk)
         results = await service.search(valid.queries, valid.topk)
         return JSONResponse(
             {"result": [[hit.to_wire(valid.return_scores) for hit in hits] for hits in results]}
@@ -265,7 +226,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args = parse_args(argv)
     config = config_from_args(args)
     if args.num_threads > 0:

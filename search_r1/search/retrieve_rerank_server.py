@@ -19,16 +19,17 @@ index in memory) can feed several rerankers, and either side restarts on its own
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from search_r1.search.client import RetrievalClient, RetrievalError
-from search_r1.search.rerank_server import Reranker, add_reranker_args, install_request_guards, load_scorer
-from search_r1.search.schema import RetrieveRequest, ServerLimits, validate_request
+from search_r1.search.rerank_server import Reranker, add_reranker_args, reranker_from_args
+from search_r1.search.schema import RetrieveRequest, ServerLimits, ValidRequest, validate_request
+from search_r1.search.serving import configure_logging, install_request_errors, read_json_body
 
 
 def create_retrieve_rerank_app(
@@ -43,11 +44,9 @@ def create_retrieve_rerank_app(
         raise ValueError(f"retrieval_topk must be >= 1, got {retrieval_topk}")
     limits = limits or ServerLimits()
     app = FastAPI(title="Search-R1 retrieve-then-rerank")
-    install_request_guards(app, limits)
+    install_request_errors(app)
 
-    @app.post("/retrieve")
-    def retrieve(body: RetrieveRequest) -> Any:
-        valid = validate_request(body, limits, default_topk)
+    def retrieve_and_rerank(valid: ValidRequest) -> Any:
         # Fewer candidates than asked-for hits would make reranking a no-op cut.
         n_candidates = max(retrieval_topk, valid.topk)
         try:
@@ -58,6 +57,13 @@ def create_retrieve_rerank_app(
             )
         reranked = reranker.rerank(valid.queries, candidates, valid.topk)
         return {"result": [[h.to_wire(valid.return_scores) for h in row] for row in reranked]}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> Any:
+        body = await read_json_body(request, RetrieveRequest, limits.max_body_bytes)
+        valid = validate_request(body, limits, default_topk)
+        # The upstream call and the model both block; run them off the event loop.
+        return await run_in_threadpool(retrieve_and_rerank, valid)
 
     @app.get("/health")
     def health() -> Any:
@@ -92,20 +98,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args = parse_args(argv)
-
-    scorer = load_scorer(
-        args.reranker_type,
-        args.reranker_model,
-        args.reranker_batch_size,
-        args.reranker_max_length,
-        args.device,
-    )
     upstream = RetrievalClient(args.upstream_url, topk=args.retrieval_topk, timeout=args.upstream_timeout)
     app = create_retrieve_rerank_app(
         upstream,
-        Reranker(scorer),
+        reranker_from_args(args),
         retrieval_topk=args.retrieval_topk,
         default_topk=args.reranking_topk,
         limits=ServerLimits(max_topk=args.max_topk),

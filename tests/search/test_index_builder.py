@@ -12,7 +12,8 @@ import requests
 from search_r1.search.index_builder import build_index, index_file_name, main
 from search_r1.search.retrieval_server import ServerConfig, create_app
 from search_r1.search.retrievers import build_retriever
-from tests.search.conftest import DISTINCT_TITLES, TINY_CORPUS_SIZE, serve_app
+from search_r1.search.serving import serve_in_background
+from tests.search.conftest import DISTINCT_TITLES, TINY_CORPUS_SIZE
 
 
 def _ask(url: str, title: str) -> str:
@@ -31,7 +32,7 @@ def test_bm25_cli_build_then_serve_round_trip(tmp_path: Path, tiny_corpus_path: 
     index_dir = tmp_path / "bm25"
     assert index_dir.is_dir()
     retriever = build_retriever("bm25", str(index_dir), tiny_corpus_path)
-    with serve_app(create_app(retriever, ServerConfig())) as url:
+    with serve_in_background(create_app(retriever, ServerConfig())) as url:
         for title, doc_id in DISTINCT_TITLES.items():
             assert _ask(url, title) == doc_id
 
@@ -49,7 +50,7 @@ def test_dense_hnsw_cli_build_then_serve_round_trip(tmp_path: Path, tiny_corpus_
     assert emb.shape == (TINY_CORPUS_SIZE, 384)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
     retriever = build_retriever("minilm", str(index_path), tiny_corpus_path, retriever_model=minilm_path)
-    with serve_app(create_app(retriever, ServerConfig())) as url:
+    with serve_in_background(create_app(retriever, ServerConfig())) as url:
         for title, doc_id in DISTINCT_TITLES.items():
             assert _ask(url, title) == doc_id
 

@@ -11,6 +11,7 @@ import requests
 
 from search_r1.search.retrieval_server import ServerConfig, create_app, parse_args
 from search_r1.search.schema import ServerLimits
+from search_r1.search.serving import serve_in_background
 from tests.search.conftest import DISTINCT_TITLES, read_rows
 
 LIMITS = ServerLimits(max_queries_per_request=8, max_query_chars=200, max_topk=10, max_body_bytes=4096)
@@ -20,9 +21,7 @@ LIMITS = ServerLimits(max_queries_per_request=8, max_query_chars=200, max_topk=1
 def server_url(request):
     """One server per retriever kind for the module's tests."""
     retriever = request.getfixturevalue(request.param)
-    from tests.search.conftest import serve_app
-
-    with serve_app(create_app(retriever, ServerConfig(default_topk=3, limits=LIMITS))) as url:
+    with serve_in_background(create_app(retriever, ServerConfig(default_topk=3, limits=LIMITS))) as url:
         yield url
 
 
@@ -123,12 +122,10 @@ def _concurrent_payloads(tiny_corpus_path: str, n: int) -> tuple[list[dict], lis
 def test_200_concurrent_requests_each_get_their_own_results_in_order(
     bm25_retriever, tiny_corpus_path: str, coalesce: bool
 ) -> None:
-    from tests.search.conftest import serve_app
-
     payloads, expected = _concurrent_payloads(tiny_corpus_path, 200)
     config = ServerConfig(coalesce=coalesce, cache_size=0, max_wait_ms=20.0)
     app = create_app(bm25_retriever, config)
-    with serve_app(app) as url:
+    with serve_in_background(app) as url:
         responses = asyncio.run(_fire(url, payloads))
         health = requests.get(f"{url}/health", timeout=30).json()
     for payload, want, resp in zip(payloads, expected, responses, strict=True):
@@ -164,11 +161,9 @@ class _FailsOnBoom:
 
 
 def test_failing_search_fails_only_its_own_request(bm25_retriever) -> None:
-    from tests.search.conftest import serve_app
-
     payloads = [{"queries": ["Glacier"], "topk": 1}] * 20 + [{"queries": ["boom"]}] + [{"queries": ["Moon"], "topk": 1}] * 20
     app = create_app(_FailsOnBoom(bm25_retriever), ServerConfig(cache_size=0, max_wait_ms=50.0))
-    with serve_app(app) as url:
+    with serve_in_background(app) as url:
         responses = asyncio.run(_fire(url, payloads))
         after = post(url, {"queries": ["Lighthouse"], "topk": 1})
         counters = requests.get(f"{url}/health", timeout=30).json()["counters"]
@@ -181,9 +176,7 @@ def test_failing_search_fails_only_its_own_request(bm25_retriever) -> None:
 
 
 def test_repeated_queries_are_answered_from_the_cache(bm25_retriever) -> None:
-    from tests.search.conftest import serve_app
-
-    with serve_app(create_app(bm25_retriever, ServerConfig(cache_size=100))) as url:
+    with serve_in_background(create_app(bm25_retriever, ServerConfig(cache_size=100))) as url:
         first = post(url, {"queries": ["Glacier", "Moon"], "topk": 2}).json()
         second = post(url, {"queries": ["Moon", "Glacier"], "topk": 2}).json()
         counters = requests.get(f"{url}/health", timeout=30).json()["counters"]
