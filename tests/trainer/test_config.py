@@ -1,0 +1,120 @@
+"""Start-up config validation: the users' override files pass, contradictions name their keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from verl.trainer.config_check import ConfigError, check_runtime, trainer_flag, validate_config
+from verl.trainer.main_ppo import compose_config
+
+FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
+if not FIXTURES.is_dir():
+    FIXTURES = Path("/work/shared/fixtures")
+
+
+def _fixture_overrides(name: str) -> list[str]:
+    return [line.strip() for line in (FIXTURES / name).read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("name", ["seed_grpo_overrides.txt", "seed_ppo_overrides.txt"])
+def test_users_override_files_parse_and_validate_verbatim(name: str) -> None:
+    cfg = compose_config(_fixture_overrides(name))
+    validate_config(cfg)
+    assert trainer_flag(cfg, "val_only") is False
+    assert cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+def test_vllm_without_package_or_gpu_is_a_runtime_error_naming_the_key() -> None:
+    cfg = compose_config(_fixture_overrides("seed_grpo_overrides.txt"))
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.name=vllm"):
+        check_runtime(cfg, has_gpu=False)
+
+
+def test_optional_trainer_flags_default_when_not_appended() -> None:
+    cfg = compose_config([])
+    assert trainer_flag(cfg, "val_only") is False
+    assert trainer_flag(cfg, "val_before_train") is True
+    cfg = compose_config(["+trainer.val_only=true", "+trainer.val_before_train=false"])
+    assert trainer_flag(cfg, "val_only") is True
+    assert trainer_flag(cfg, "val_before_train") is False
+
+
+def test_unknown_keys_are_rejected_by_struct_mode() -> None:
+    with pytest.raises(Exception, match="trainer.no_such_key"):
+        compose_config(["trainer.no_such_key=1"])
+    cfg = compose_config([])
+    validate_config(cfg)
+    with pytest.raises((ConfigAttributeError, ConfigKeyError)):
+        cfg.trainer.no_such_key = 1
+
+
+SMALL = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+         "actor_rollout_ref.actor.ppo_micro_batch_size=2", "critic.ppo_micro_batch_size=2",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size=2", "actor_rollout_ref.ref.log_prob_micro_batch_size=2"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator='ppo2' is unknown"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=3"], "actor_rollout_ref.actor.ppo_mini_batch_size=3"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], "data.train_batch_size=8 must be a multiple"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size=8"], "ppo_micro_batch_size=8 is larger than the mini-batch"),
+    (["actor_rollout_ref.rollout.n_agent=3", "actor_rollout_ref.actor.ppo_micro_batch_size=8"],
+     "ppo_mini_batch_size*rollout.n_agent/world_size=6 is not divisible by actor_rollout_ref.actor.ppo_micro_batch_size/world_size=4"),
+    (["trainer.n_gpus_per_node=3"], "trainer.nnodes*trainer.n_gpus_per_node=3"),
+    (["critic.model.path=null"], "algorithm.adv_estimator=gae needs a critic: set critic.model.path"),
+    (["algorithm.no_think_rl=true"], "algorithm.no_think_rl=true is not supported"),
+    (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name='sglang' is unknown"),
+    (["trainer.logger=[console,mlflow]"], "unknown backend 'mlflow'"),
+    (["data.max_start_length=5000"], "data.max_start_length=5000 < data.max_prompt_length=4096"),
+    (["+trainer.val_only=maybe"], "trainer.val_only='maybe'"),
+])
+def test_each_contradiction_fails_with_a_message_naming_its_keys(overrides: list[str], message: str) -> None:
+    cfg = compose_config(SMALL + overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert message in str(info.value)
+
+
+def test_the_small_baseline_is_valid() -> None:
+    validate_config(compose_config(SMALL))
+    validate_config(compose_config([*SMALL, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n_agent=3",
+                                    "actor_rollout_ref.actor.use_kl_loss=true"]))
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script_overrides(script: str) -> list[str]:
+    """The Hydra overrides a train_*.sh passes, with its shell defaults substituted."""
+    import re
+    import shlex
+
+    text = (REPO / script).read_text()
+    block = text.split("python3 -m verl.trainer.main_ppo", 1)[1].split('"$@"', 1)[0]
+    env = {"DATA_DIR": "data/nq_search", "BASE_MODEL": "Qwen/Qwen2.5-3B", "N_GPUS": "8",
+           "WAND_PROJECT": "Search-R1", "EXPERIMENT_NAME": "exp", "RETRIEVER_URL": "http://127.0.0.1:8000/retrieve"}
+    block = re.sub(r"\$(\w+)", lambda m: env[m.group(1)], block.replace('"${VAL_FLAGS[@]}"', "+trainer.val_only=false"))
+    return shlex.split(block.replace("\\\n", " "))
+
+
+@pytest.mark.parametrize("script", ["train_ppo.sh", "train_grpo.sh"])
+def test_training_scripts_pass_a_valid_config(script: str) -> None:
+    overrides = _script_overrides(script)
+    assert len(overrides) > 40
+    cfg = compose_config(overrides)
+    validate_config(cfg)
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-3B"
+
+
+def test_hydra_entry_point_rejects_a_contradiction_before_starting_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=ppo2",
+                           f"hydra.run.dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "algorithm.adv_estimator='ppo2' is unknown" in proc.stderr

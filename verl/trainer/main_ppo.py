@@ -1,0 +1,130 @@
+"""Entry point for PPO / GRPO training (the Ray driver, i.e. the single controller).
+
+    python -m verl.trainer.main_ppo algorithm.adv_estimator=grpo data.train_files=... \\
+        actor_rollout_ref.model.path=... trainer.n_gpus_per_node=2 +trainer.val_before_train=false
+
+Hydra composes `config/ppo_trainer.yaml` with the overrides (struct mode: an unknown key
+fails); `validate_config` rejects contradictions before anything starts. Ray is started
+locally (on a machine with no GPU, `trainer.n_gpus_per_node` CPU worker processes) or
+joined at `trainer.ray_address` ("auto" or host:port, e.g. under Slurm). The driver loop
+runs in this process; workers are Ray actors. Unlike the original, the driver is not a
+Ray task, which keeps it importable and testable: `run_ppo(config)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from verl.trainer.config_check import check_runtime, need_critic, validate_config, world_size
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "config"
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer") -> DictConfig:
+    """The config `python -m verl.trainer.main_ppo <overrides>` would see (for tests and scripts)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def _has_gpu(config: DictConfig) -> bool:
+    if config.trainer.device == "cpu":
+        return False
+    from verl.utils.device import is_cuda_available
+
+    return bool(is_cuda_available())
+
+
+def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
+    """Start or join Ray; returns True when this call started it (so it shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    address = config.trainer.ray_address
+    if address:
+        ray.init(address=address, runtime_env=runtime_env)
+    else:
+        # One CPU per worker process plus one for the driver's own tasks.
+        ray.init(num_cpus=world_size(config) + 1, num_gpus=None if use_gpu else 0,
+                 include_dashboard=False, runtime_env=runtime_env)
+    return True
+
+
+def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None) -> RayPPOTrainer:
+    """Validate, load the tokenizer, map roles to worker classes and pools; workers not yet spawned."""
+    from transformers import AutoTokenizer
+
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+
+    validate_config(config)
+    use_gpu = _has_gpu(config)
+    check_runtime(config, has_gpu=use_gpu)
+    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    default_reward = reward_fn is None
+    if default_reward:
+        from verl.trainer.ppo.reward import load_reward_managers
+
+        # Validation reports plain EM through the same scorer the training reward uses.
+        reward_fn, default_val_fn = load_reward_managers(config, tokenizer)
+        val_reward_fn = val_reward_fn or default_val_fn
+
+    role_worker_mapping: dict[Role, type] = {Role.ActorRollout: ActorRolloutRefWorker}
+    mapping = {Role.ActorRollout: "global_pool"}
+    if need_critic(config):
+        role_worker_mapping[Role.Critic] = CriticWorker
+        mapping[Role.Critic] = "global_pool"
+    pools = ResourcePoolManager(
+        resource_pool_spec={"global_pool": [int(config.trainer.n_gpus_per_node)] * int(config.trainer.nnodes)},
+        mapping=mapping, use_gpu=use_gpu)
+    trainer = RayPPOTrainer(config, tokenizer, role_worker_mapping, pools, reward_fn=reward_fn,
+                            val_reward_fn=val_reward_fn)
+    if default_reward:
+        from verl.utils.reward_score import validate_data_sources
+
+        # Fail before any worker starts, not at the first reward of the first step.
+        validate_data_sources(set(trainer.train_dataset.data_source) | set(trainer.val_dataset.data_source))
+    return trainer
+
+
+def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None) -> list[dict[str, float]]:
+    """Train per `config`; returns the per-step metrics. `reward_fn` replaces the rule reward (tests)."""
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    # Config, data and reward checks all happen before Ray starts: a bad run fails in seconds.
+    trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)
+    started_ray = _init_ray(config, use_gpu=_has_gpu(config))
+    try:
+        trainer.init_workers()
+        return trainer.fit()
+    finally:
+        trainer.shutdown()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO)
+    logger.info("config:\n%s", OmegaConf.to_yaml(config))
+    run_ppo(config)
+
+
+if __name__ == "__main__":
+    main()

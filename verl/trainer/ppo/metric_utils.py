@@ -1,0 +1,144 @@
+"""Per-step metrics computed by the driver from the batch it sees (plain dicts of floats)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl.utils import batch_keys as K
+
+
+@contextmanager
+def timer(name: str, timing_s: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of the block to timing_s[name]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing_s[name] = timing_s.get(name, 0.0) + time.perf_counter() - start
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def compute_data_metrics(batch: Any, use_critic: bool) -> dict[str, float]:
+    """score / rewards / advantages / returns / values, response and prompt lengths, state tokens."""
+    tensors = batch.batch
+    responses = tensors[K.RESPONSES]
+    response_len_max = responses.shape[-1]
+    attention_mask = tensors[K.ATTENTION_MASK]
+    prompt_mask = attention_mask[:, :-response_len_max].bool()
+    response_attn = attention_mask[:, -response_len_max:]
+    response_mask_BR = tensors[K.RESPONSE_MASK].bool()
+
+    prompt_length = prompt_mask.sum(-1).float()
+    response_length = response_attn.sum(-1).float()
+    metrics: dict[str, float] = {}
+    metrics.update(_stats("critic/score", tensors[K.TOKEN_LEVEL_SCORES].sum(-1)))
+    metrics.update(_stats("critic/rewards", tensors[K.TOKEN_LEVEL_REWARDS].sum(-1)))
+    metrics.update(_stats("critic/advantages", tensors[K.ADVANTAGES][response_mask_BR]))
+    metrics.update(_stats("critic/returns", tensors[K.RETURNS][response_mask_BR]))
+    if use_critic and K.VALUES in tensors.keys():
+        values = tensors[K.VALUES][response_mask_BR]
+        returns = tensors[K.RETURNS][response_mask_BR]
+        metrics.update(_stats("critic/values", values))
+        if returns.numel() > 1:
+            var_returns = torch.var(returns)
+            metrics["critic/vf_explained_var"] = (1.0 - torch.var(returns - values) / (var_returns + 1e-5)).item()
+    metrics.update(_stats("response_length", response_length))
+    metrics["response_length/clip_ratio"] = (response_length == response_len_max).float().mean().item()
+    metrics.update(_stats("prompt_length", prompt_length))
+    metrics["prompt_length/clip_ratio"] = (prompt_length == prompt_mask.shape[-1]).float().mean().item()
+    if K.INFO_MASK in tensors.keys():
+        # state tokens = response tokens that are inserted observations, not sampled by the policy
+        info_resp = tensors[K.INFO_MASK][:, -response_len_max:]
+        state_tokens = (response_attn - info_resp).clamp(min=0).sum().float()
+        metrics["state_tokens/total"] = state_tokens.item()
+        metrics["state_tokens/coverage"] = (state_tokens / response_attn.sum().clamp(min=1)).item()
+    return metrics
+
+
+def compute_timing_metrics(batch: Any, timing_s: dict[str, float]) -> dict[str, float]:
+    """timing_s/<stage> and timing_per_token_ms/<stage> (per token the stage processed)."""
+    tensors = batch.batch
+    response_len_max = tensors[K.RESPONSES].shape[-1]
+    attention_mask = tensors[K.ATTENTION_MASK]
+    n_response_tokens = attention_mask[:, -response_len_max:].sum().item()
+    n_all_tokens = attention_mask.sum().item()
+    tokens_of_stage = {"gen": n_response_tokens}
+    metrics = {f"timing_s/{name}": value for name, value in timing_s.items()}
+    for name, value in timing_s.items():
+        if name in ("step", "testing", "save_checkpoint"):
+            continue
+        n = tokens_of_stage.get(name, n_all_tokens)
+        metrics[f"timing_per_token_ms/{name}"] = value * 1000.0 / max(n, 1)
+    return metrics
+
+
+def compute_throughput_metrics(batch: Any, timing_s: dict[str, float], n_workers: int) -> dict[str, float]:
+    total_tokens = float(batch.batch[K.ATTENTION_MASK].sum().item())
+    step_time = max(timing_s.get("step", 0.0), 1e-9)
+    return {"perf/total_num_tokens": total_tokens, "perf/time_per_step": step_time,
+            "perf/throughput": total_tokens / step_time / max(n_workers, 1)}
+
+
+def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
+    """env/* from the generation manager's per-trajectory statistics (do_search=true)."""
+    metrics: dict[str, float] = {}
+    if "turns_stats" in meta_info:
+        metrics.update(_stats("env/number_of_actions", torch.as_tensor(np.asarray(meta_info["turns_stats"]))))
+    if "active_mask" in meta_info:
+        active = np.asarray(meta_info["active_mask"], dtype=np.float64)
+        metrics["env/finish_ratio"] = float(1.0 - active.mean()) if active.size else 0.0
+    if "valid_action_stats" in meta_info:
+        valid = np.asarray(meta_info["valid_action_stats"], dtype=np.float64)
+        metrics["env/number_of_valid_action"] = float(valid.mean()) if valid.size else 0.0
+        if "turns_stats" in meta_info:
+            turns = np.asarray(meta_info["turns_stats"], dtype=np.float64)
+            metrics["env/ratio_of_valid_action"] = float((valid / np.maximum(turns, 1)).mean()) if valid.size else 0.0
+    if "valid_search_stats" in meta_info:
+        searches = np.asarray(meta_info["valid_search_stats"], dtype=np.float64)
+        metrics["env/number_of_valid_search"] = float(searches.mean()) if searches.size else 0.0
+    for key in ("search_failures", "obs_truncated", "context_cuts"):
+        if key in meta_info:
+            metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
+    reasons = meta_info.get("stop_reasons") or {}
+    n_rows = sum(reasons.values())
+    for reason, count in reasons.items():
+        # why trajectories ended, as a fraction of rows (answered, max_turns, context_full, ...)
+        metrics[f"env/stop_reason/{reason}"] = count / max(n_rows, 1)
+    for stage, seconds in (meta_info.get("timing_s") or {}).items():
+        metrics[f"timing_s/gen_{stage}"] = float(seconds)
+    return metrics
+
+
+def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """Lists of per-micro-batch values (from update_*) become their mean."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, list | tuple | np.ndarray):
+            out[key] = float(np.mean(value)) if len(value) else float("nan")
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.float().mean().item()
+        else:
+            out[key] = float(value)
+    return out
+
+
+def score_by_data_source(scores_B: torch.Tensor, data_sources: Any) -> dict[str, float]:
+    """val/test_score/<data_source>: mean score per source."""
+    grouped: dict[str, list[float]] = defaultdict(list)
+    for score, source in zip(scores_B.tolist(), list(data_sources), strict=True):
+        grouped[str(source)].append(score)
+    return {f"val/test_score/{source}": float(np.mean(values)) for source, values in sorted(grouped.items())}

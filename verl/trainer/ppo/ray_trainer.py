@@ -1,0 +1,418 @@
+"""The single controller: the PPO / GRPO loop, run in the driver, over Ray worker groups.
+
+The driver sees the whole batch; heavy work (generation, log-probs, updates) is
+dispatched to worker groups by registered methods. One step:
+
+    prompts -> uid per prompt -> repeat n_agent (interleaved) -> generate (single turn, or the
+    multi-turn search loop) -> response_mask -> balance across workers -> old log-prob ->
+    ref log-prob -> values -> reward -> in-reward KL -> advantages -> critic update ->
+    actor update -> validate (every test_freq) -> checkpoint (every save_freq)
+
+Departures from the original Search-R1 trainer: the GRPO group key is a per-prompt
+uuid (never a per-source index); validation is greedy, keeps every row and scores
+with the training reward; checkpoints are atomic and carry the dataloader position,
+driver RNG and KL-controller state, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, open_dict
+from tqdm import tqdm
+
+from verl.protocol import DataProto
+from verl.trainer import config_check
+from verl.trainer.ppo import checkpointing, core_algos
+from verl.trainer.ppo import metric_utils as mu
+from verl.utils import batch_keys as K
+from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
+from verl.utils.tracking import Tracking
+
+logger = logging.getLogger(__name__)
+
+GEN_INPUT_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS)
+
+
+class Role(Enum):
+    ActorRollout = "actor_rollout"        # actor + rollout (+ ref) fused in one worker
+    Critic = "critic"
+
+
+@dataclass
+class ResourcePoolManager:
+    """One pool of worker processes per name; every role is placed on a pool.
+
+    On a machine with no GPU a "GPU" slot is a CPU worker process.
+    """
+
+    resource_pool_spec: dict[str, list[int]]          # pool name -> processes per node
+    mapping: dict[Role, str]                           # role -> pool name
+    use_gpu: bool = False
+    resource_pool_dict: dict[str, Any] = field(default_factory=dict)
+
+    def create_resource_pool(self) -> None:
+        from verl.single_controller.ray import RayResourcePool
+
+        for name, process_on_nodes in self.resource_pool_spec.items():
+            # max_colocate_count=1: all roles of a pool share one process (FSDP wants that)
+            self.resource_pool_dict[name] = RayResourcePool(
+                process_on_nodes=process_on_nodes, use_gpu=self.use_gpu, max_colocate_count=1)
+
+    def get_resource_pool(self, role: Role) -> Any:
+        return self.resource_pool_dict[self.mapping[role]]
+
+
+class RayPPOTrainer:
+    """Owns the data, the worker groups, the reward functions, the logger and the step loop."""
+
+    def __init__(
+        self,
+        config: DictConfig,
+        tokenizer: Any,
+        role_worker_mapping: dict[Role, type],
+        resource_pool_manager: ResourcePoolManager,
+        reward_fn: Any,
+        val_reward_fn: Any = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.role_worker_mapping = role_worker_mapping
+        self.resource_pool_manager = resource_pool_manager
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.use_critic = config_check.need_critic(config)
+        self.use_reference_policy = config_check.need_reference_policy(config)
+        self.use_kl_in_reward = config_check.use_kl_in_reward(config)
+        self.world_size = config_check.world_size(config)
+        self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
+        self.global_step = 0
+        self.actor_rollout_wg: Any = None
+        self.critic_wg: Any = None
+        self.history: list[dict[str, float]] = []
+        self._worker_groups: list[Any] = []
+        self._gen_managers: dict[bool, Any] = {}
+        self._create_dataloaders()
+        self._flops_counter = self._make_flops_counter()
+
+    # ------------------------------------------------------------------ setup
+    def _create_dataloaders(self) -> None:
+        data = self.config.data
+        seed = int(data.get("seed", 1))
+        self.train_dataset = RLHFDataset(
+            data.train_files, self.tokenizer, prompt_key=data.prompt_key,
+            max_prompt_length=data.max_start_length, filter_overlong_prompts=data.filter_overlong_prompts,
+            data_num=data.train_data_num, seed=seed)
+        self.val_dataset = RLHFDataset(
+            data.val_files, self.tokenizer, prompt_key=data.prompt_key,
+            max_prompt_length=data.max_start_length, filter_overlong_prompts=data.filter_overlong_prompts,
+            data_num=data.val_data_num, seed=seed)
+        if len(self.train_dataset) < data.train_batch_size:
+            raise ValueError(f"data.train_files: {len(self.train_dataset)} usable prompts, fewer than "
+                             f"data.train_batch_size={data.train_batch_size}")
+        self.train_dataloader = build_dataloader(self.train_dataset, data.train_batch_size, train=True,
+                                                 seed=seed, shuffle=data.shuffle_train_dataloader)
+        self.val_dataloader = build_dataloader(self.val_dataset, data.val_batch_size, train=False)
+
+        steps = len(self.train_dataloader) * int(self.config.trainer.total_epochs)
+        if self.config.trainer.total_training_steps is not None:
+            steps = min(steps, int(self.config.trainer.total_training_steps))
+        self.total_training_steps = steps
+        # The LR schedule (warm-up ratio, cosine) is sized by the trainer, before workers build optimizers.
+        with open_dict(self.config):
+            self.config.actor_rollout_ref.actor.optim.total_training_steps = steps
+            self.config.critic.optim.total_training_steps = steps
+
+    def _make_flops_counter(self) -> Any:
+        try:
+            from transformers import AutoConfig
+
+            from verl.utils.flops_counter import FlopsCounter
+
+            return FlopsCounter(AutoConfig.from_pretrained(self.config.actor_rollout_ref.model.path))
+        except (ImportError, ValueError, OSError) as exc:
+            logger.warning("perf/mfu/actor disabled: %s", exc)
+            return None
+
+    def init_workers(self) -> None:
+        """Spawn the worker processes (actor+rollout+ref fused, critic colocated) and build the models."""
+        from verl.single_controller.ray import (
+            RayClassWithInitArgs,
+            RayWorkerGroup,
+            create_colocated_worker_cls,
+        )
+
+        self.resource_pool_manager.create_resource_pool()
+        pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
+        actor_role = "actor_rollout_ref" if self.use_reference_policy else "actor_rollout"
+        class_dict = {"actor_rollout": RayClassWithInitArgs(
+            self.role_worker_mapping[Role.ActorRollout], config=self.config.actor_rollout_ref, role=actor_role)}
+        if self.use_critic:
+            if self.resource_pool_manager.get_resource_pool(Role.Critic) is not pool:
+                raise ValueError("the critic must share the actor's resource pool (colocated workers)")
+            class_dict["critic"] = RayClassWithInitArgs(self.role_worker_mapping[Role.Critic], config=self.config.critic)
+        worker_dict_cls = create_colocated_worker_cls(class_dict=class_dict)
+        wg_dict = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_dict_cls)
+        spawned = wg_dict.spawn(prefix_set=class_dict.keys())
+        self._worker_groups.append(wg_dict)
+        if self.use_critic:
+            self.critic_wg = spawned["critic"]
+            self.critic_wg.init_model()
+        # Actor last: with vLLM it sizes its KV cache from the memory left.
+        self.actor_rollout_wg = spawned["actor_rollout"]
+        self.actor_rollout_wg.init_model()
+
+    def shutdown(self) -> None:
+        """Kill the worker processes and give their bundles back (the Ray cluster may outlive us)."""
+        for group in self._worker_groups:
+            group.shutdown()
+        self._worker_groups.clear()
+        for pool in self.resource_pool_manager.resource_pool_dict.values():
+            pool.release()
+
+    # ------------------------------------------------------------------ generation
+    def _gen_meta(self, validation: bool) -> dict[str, Any]:
+        rollout = self.config.actor_rollout_ref.rollout
+        meta = {
+            K.META_EOS_TOKEN_ID: self.tokenizer.eos_token_id,
+            K.META_PAD_TOKEN_ID: self.tokenizer.pad_token_id,
+            K.META_DO_SAMPLE: bool(rollout.do_sample) and not validation,
+            K.META_TEMPERATURE: float(rollout.temperature),
+            K.META_RESPONSE_LENGTH: int(self.config.data.max_response_length),
+        }
+        if self.config.do_search:
+            meta[K.META_STOP] = list(rollout.stop)
+        return meta
+
+    def _generation_manager(self, validation: bool) -> Any:
+        """One manager per mode, kept for the run so its retrieval client's connection pool is reused."""
+        if validation in self._gen_managers:
+            return self._gen_managers[validation]
+        from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
+
+        data = self.config.data
+        gen_config = GenerationConfig(
+            max_turns=int(self.config.max_turns), max_start_length=int(data.max_start_length),
+            max_prompt_length=int(data.max_prompt_length), max_response_length=int(data.max_response_length),
+            max_obs_length=int(data.max_obs_length), num_gpus=self.world_size,
+            no_think_rl=bool(self.config.algorithm.no_think_rl), search_url=self.config.retriever.url,
+            topk=int(self.config.retriever.topk), retrieval_timeout=float(self.config.retriever.timeout),
+            retrieval_max_retries=int(self.config.retriever.max_retries),
+            stop=tuple(self.config.actor_rollout_ref.rollout.stop))
+        manager = LLMGenerationManager(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
+                                       config=gen_config, is_validation=validation)
+        self._gen_managers[validation] = manager
+        return manager
+
+    def _generate(self, batch: DataProto, validation: bool) -> tuple[DataProto, dict[str, Any]]:
+        """Generate for every row of `batch`; returns (batch with the rollout keys, generation meta_info)."""
+        gen_batch = batch.pop(batch_keys=list(GEN_INPUT_KEYS))
+        gen_batch.meta_info = self._gen_meta(validation)
+        if self.config.do_search:
+            initial_input_ids = gen_batch.batch[K.INPUT_IDS][:, -int(self.config.data.max_start_length):].clone()
+            output = self._generation_manager(validation).run_llm_loop(gen_batch, initial_input_ids)
+        else:
+            # The worker group pads a batch that does not divide by its size (validation) and unpads.
+            output = self.actor_rollout_wg.generate_sequences(gen_batch)
+        gen_meta = dict(output.meta_info)
+        output.meta_info = {}
+        batch = batch.union(output)
+        responses = batch.batch[K.RESPONSES]
+        use_loss_mask = self.config.actor_rollout_ref.actor.state_masking and K.LOSS_MASK in batch.batch.keys()
+        batch.batch[K.RESPONSE_MASK] = (batch.batch[K.LOSS_MASK] if use_loss_mask
+                                        else batch.batch[K.ATTENTION_MASK][:, -responses.shape[-1]:]).long()
+        return batch, gen_meta
+
+    # ------------------------------------------------------------------ step pieces
+    def _balance_batch(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """Reorder rows so each worker's contiguous chunk holds about the same number of tokens."""
+        from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+        seqlens = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
+        partitions = get_seqlen_balanced_partitions(seqlens, k_partitions=self.world_size, equal_size=True)
+        order = [row for part in partitions for row in sorted(part)]
+        batch.reorder(torch.tensor(order))
+        loads = [sum(seqlens[i] for i in part) for part in partitions]
+        metrics["perf/seqlen_balance_max_over_mean"] = float(max(loads) / max(np.mean(loads), 1e-9))
+
+    def _compute_reward(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        scores_BR = self.reward_fn(batch)
+        if isinstance(scores_BR, DataProto):
+            scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
+        batch.batch[K.TOKEN_LEVEL_SCORES] = scores_BR.float()
+        metrics.update(getattr(self.reward_fn, "last_metrics", {}) or {})
+        if self.use_kl_in_reward:
+            rewards_BR, kl_metrics = core_algos.apply_kl_penalty(
+                batch.batch[K.TOKEN_LEVEL_SCORES], batch.batch[K.OLD_LOG_PROBS], batch.batch[K.REF_LOG_PROB],
+                batch.batch[K.RESPONSE_MASK], self.kl_ctrl, self.config.algorithm.kl_penalty)
+            batch.batch[K.TOKEN_LEVEL_REWARDS] = rewards_BR
+            metrics.update(kl_metrics)
+        else:
+            batch.batch[K.TOKEN_LEVEL_REWARDS] = batch.batch[K.TOKEN_LEVEL_SCORES]
+
+    def _compute_advantage(self, batch: DataProto) -> None:
+        algo = self.config.algorithm
+        advantages_BR, returns_BR = core_algos.compute_advantage(
+            algo.adv_estimator, batch.batch[K.TOKEN_LEVEL_REWARDS], batch.batch[K.RESPONSE_MASK],
+            values=batch.batch[K.VALUES] if self.use_critic else None,
+            index=batch.non_tensor_batch[K.UID], gamma=float(algo.gamma), lam=float(algo.lam),
+            norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo))
+        batch.batch[K.ADVANTAGES] = advantages_BR
+        batch.batch[K.RETURNS] = returns_BR
+
+    def _mfu(self, batch: DataProto, seconds: float) -> dict[str, float]:
+        if self._flops_counter is None or seconds <= 0:
+            return {}
+        seqlens = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
+        achieved, promised = self._flops_counter.estimate_flops(seqlens, seconds)
+        if not promised:
+            return {}
+        epochs = int(self.config.actor_rollout_ref.actor.ppo_epochs)
+        return {"perf/mfu/actor": achieved * epochs / (promised * self.world_size)}
+
+    def train_step(self, batch: DataProto) -> dict[str, float]:
+        """One PPO/GRPO iteration on one dataloader batch (prompts only); returns its metrics."""
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        n_agent = int(self.config.actor_rollout_ref.rollout.n_agent)
+        with mu.timer("step", timing):
+            # uid before repeating: the n_agent samples of one prompt share it (the GRPO group).
+            batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+            batch = batch.repeat(repeat_times=n_agent, interleave=True)
+            with mu.timer("gen", timing):
+                batch, gen_meta = self._generate(batch, validation=False)
+            metrics.update(mu.compute_env_metrics(gen_meta))
+            if self.config.trainer.balance_batch:
+                self._balance_batch(batch, metrics)
+            batch.meta_info[K.META_GLOBAL_TOKEN_NUM] = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
+            with mu.timer("old_log_prob", timing):
+                batch = batch.union(self.actor_rollout_wg.compute_log_prob(batch))
+            if self.use_reference_policy:
+                with mu.timer("ref", timing):
+                    batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+            if self.use_critic:
+                with mu.timer("values", timing):
+                    batch = batch.union(self.critic_wg.compute_values(batch))
+            with mu.timer("adv", timing):
+                self._compute_reward(batch, metrics)
+                self._compute_advantage(batch)
+            if self.use_critic:
+                with mu.timer("update_critic", timing):
+                    critic_out = self.critic_wg.update_critic(batch)
+                metrics.update(mu.reduce_metrics(critic_out.meta_info[K.META_METRICS]))
+            if self.global_step >= int(self.config.trainer.critic_warmup):
+                with mu.timer("update_actor", timing):
+                    actor_out = self.actor_rollout_wg.update_actor(batch)
+                metrics.update(mu.reduce_metrics(actor_out.meta_info[K.META_METRICS]))
+                metrics.update(self._mfu(batch, timing["update_actor"]))
+            self.global_step += 1
+            is_last = self.global_step >= self.total_training_steps
+            test_freq = int(self.config.trainer.test_freq)
+            if self.val_reward_fn is not None and test_freq > 0 and (is_last or self.global_step % test_freq == 0):
+                with mu.timer("testing", timing):
+                    metrics.update(self._validate())
+            save_freq = int(self.config.trainer.save_freq)
+            if save_freq > 0 and (is_last or self.global_step % save_freq == 0):
+                with mu.timer("save_checkpoint", timing):
+                    self.save_checkpoint()
+        metrics.update(mu.compute_data_metrics(batch, use_critic=self.use_critic))
+        metrics.update(mu.compute_timing_metrics(batch, timing))
+        metrics.update(mu.compute_throughput_metrics(batch, timing, self.world_size))
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> dict[str, float]:
+        """Greedy generation on every validation row; mean score per data source."""
+        scores: list[torch.Tensor] = []
+        sources: list[str] = []
+        gen_metrics: list[dict[str, float]] = []
+        for batch in self.val_dataloader:
+            batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+            batch, gen_meta = self._generate(batch, validation=True)
+            gen_metrics.append(mu.compute_env_metrics(gen_meta))
+            scores_BR = self.val_reward_fn(batch)
+            if isinstance(scores_BR, DataProto):
+                scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
+            scores.append(scores_BR.sum(-1).float().cpu())
+            sources.extend(batch.non_tensor_batch[K.DATA_SOURCE].tolist())
+        if not scores:
+            return {}
+        metrics = mu.score_by_data_source(torch.cat(scores), sources)
+        for key in {k for m in gen_metrics for k in m}:
+            values = [m[key] for m in gen_metrics if key in m]
+            metrics[f"val/{key}"] = float(np.mean(values))
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        trainer = self.config.trainer
+        root = Path(trainer.default_local_dir)
+        tmp = checkpointing.begin_checkpoint(root, self.global_step)
+        hf_path = str(tmp / "hf") if trainer.save_hf_model else None
+        self.actor_rollout_wg.save_checkpoint(str(tmp / "actor"), self.global_step, hf_path)
+        if self.use_critic:
+            self.critic_wg.save_checkpoint(str(tmp / "critic"), self.global_step)
+        checkpointing.save_driver_state(tmp, self.global_step, self.train_dataloader.state_dict(),
+                                        extra={"kl_coef": self.kl_ctrl.value})
+        return checkpointing.finalize_checkpoint(root, self.global_step, int(trainer.max_ckpt_to_keep))
+
+    def load_checkpoint(self) -> Path | None:
+        """Resume per trainer.resume_mode; returns the folder loaded, or None for a fresh start."""
+        trainer = self.config.trainer
+        folder = checkpointing.find_resume_dir(trainer.default_local_dir, str(trainer.resume_mode))
+        if folder is None:
+            return None
+        state = checkpointing.load_driver_state(folder)
+        self.actor_rollout_wg.load_checkpoint(str(folder / "actor"))
+        if self.use_critic:
+            self.critic_wg.load_checkpoint(str(folder / "critic"))
+        self.global_step = state.global_step
+        self.train_dataloader.load_state_dict(state.dataloader_state)
+        checkpointing.restore_rng_state(state.rng_state)
+        if "kl_coef" in state.extra:
+            self.kl_ctrl.value = float(state.extra["kl_coef"])
+        logger.info("resumed from %s at global_step %d", folder, self.global_step)
+        return folder
+
+    # ------------------------------------------------------------------ loop
+    def _tracker(self) -> Tracking:
+        trainer = self.config.trainer
+        log_dir = trainer.log_dir or str(Path(trainer.default_local_dir) / "logs")
+        backends = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
+        return Tracking(trainer.project_name, trainer.experiment_name, backends,
+                        config=self.config, log_dir=log_dir)
+
+    def fit(self) -> list[dict[str, float]]:
+        """Train until total_training_steps; returns the per-step metrics (also sent to the loggers)."""
+        tracker = self._tracker()
+        try:
+            self.load_checkpoint()
+            val_only = config_check.trainer_flag(self.config, "val_only")
+            if self.val_reward_fn is not None and (val_only or config_check.trainer_flag(self.config, "val_before_train")):
+                val_metrics = self._validate()
+                tracker.log(val_metrics, step=self.global_step)
+                self.history.append({"step": self.global_step, **val_metrics})
+            if val_only:
+                return self.history
+            bar = tqdm(total=self.total_training_steps, initial=self.global_step, desc="training steps",
+                       disable=not self.config.trainer.progress_bar)
+            while self.global_step < self.total_training_steps:
+                for batch in self.train_dataloader:
+                    metrics = self.train_step(batch)
+                    metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
+                    tracker.log(metrics, step=self.global_step)
+                    self.history.append({"step": self.global_step, **metrics})
+                    bar.update(1)
+                    if self.global_step >= self.total_training_steps:
+                        break
+            bar.close()
+            return self.history
+        finally:
+            tracker.finish()

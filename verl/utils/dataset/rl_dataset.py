@@ -1,0 +1,223 @@
+"""Prompt dataset for RL: parquet rows -> left-padded prompt tensors + reward metadata.
+
+Rows follow the Search-R1 layout (DESIGN.md 3.2): `data_source`, `prompt` (a chat
+list), `reward_model`, `extra_info`. Every prompt is tokenized once, up front, so
+over-long prompts are dropped (and counted) before training starts instead of
+crashing a step hours later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from verl.protocol import collate_fn
+from verl.utils import batch_keys as K
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = (K.DATA_SOURCE, K.REWARD_MODEL)
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    """What loading did to the rows: kept, dropped for length, subsampled away."""
+
+    rows_read: int
+    rows_subsampled_away: int
+    rows_dropped_overlong: int
+    rows_kept: int
+
+
+def _to_python(value: Any) -> Any:
+    """Parquet gives numpy arrays for list columns; the reward code expects plain lists."""
+    if isinstance(value, np.ndarray):
+        return [_to_python(v) for v in value.tolist()]
+    if isinstance(value, dict):
+        return {k: _to_python(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_python(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def prompt_to_text(prompt: Any, tokenizer: Any) -> str:
+    """The string the model sees: chat template (with the assistant turn opened) if any, else raw content."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [dict(m) for m in prompt]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "".join(str(m["content"]) for m in messages)
+
+
+def left_pad(ids_list: Sequence[Sequence[int]], length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each (N, length), with the padding on the left."""
+    input_ids = torch.full((len(ids_list), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids_list), length), dtype=torch.long)
+    for row, ids in enumerate(ids_list):
+        if ids:
+            input_ids[row, length - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, length - len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Positions count real tokens only, so a left-padded prompt starts at 0 like in training.
+    return torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+
+
+class RLHFDataset(Dataset):
+    """Prompts from one or more parquet files, tokenized and left-padded to `max_prompt_length`.
+
+    Each item: input_ids / attention_mask / position_ids (P,) tensors plus the
+    non-tensor fields data_source, reward_model, extra_info, index.
+    """
+
+    def __init__(
+        self,
+        parquet_files: str | Sequence[str],
+        tokenizer: Any,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 1024,
+        filter_overlong_prompts: bool = True,
+        data_num: int | None = None,
+        seed: int = 1,
+    ) -> None:
+        files = [parquet_files] if isinstance(parquet_files, str | Path) else list(parquet_files)
+        if not files:
+            raise ValueError("RLHFDataset: no parquet files given")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("RLHFDataset: the tokenizer has no pad token (pad_token_id is None)")
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = int(max_prompt_length)
+
+        frames = [self._read(str(f), prompt_key) for f in files]
+        frame = pd.concat(frames, ignore_index=True)
+        rows_read = len(frame)
+
+        if data_num is not None and data_num < len(frame):
+            # Sorted so a subsample keeps file order; the seed fixes which rows.
+            keep = np.sort(np.random.default_rng(seed).permutation(len(frame))[:data_num])
+            frame = frame.iloc[keep].reset_index(drop=True)
+        rows_subsampled_away = rows_read - len(frame)
+
+        texts = [prompt_to_text(p, tokenizer) for p in frame[prompt_key]]
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
+        overlong = np.nonzero(lengths > self.max_prompt_length)[0]
+        if len(overlong) and not filter_overlong_prompts:
+            row = int(overlong[0])
+            raise ValueError(
+                f"RLHFDataset: prompt in {frame['__file__'].iloc[row]} row {int(frame['__row__'].iloc[row])} "
+                f"has {lengths[row]} tokens > max_prompt_length={self.max_prompt_length} "
+                "(set data.filter_overlong_prompts=True to drop such rows)"
+            )
+        keep_mask = lengths <= self.max_prompt_length
+        if len(overlong):
+            logger.warning("RLHFDataset: dropped %d prompts longer than %d tokens", len(overlong), self.max_prompt_length)
+        kept_ids = [ids for ids, ok in zip(encoded, keep_mask, strict=True) if ok]
+        frame = frame[keep_mask].reset_index(drop=True)
+
+        self.input_ids, self.attention_mask = left_pad(kept_ids, self.max_prompt_length, tokenizer.pad_token_id)
+        self.position_ids = position_ids_from_mask(self.attention_mask)
+        self.data_source = [str(v) for v in frame[K.DATA_SOURCE]]
+        self.reward_model = [_to_python(v) for v in frame[K.REWARD_MODEL]]
+        if K.EXTRA_INFO in frame.columns:
+            self.extra_info = [_to_python(v) if v is not None else {} for v in frame[K.EXTRA_INFO]]
+        else:
+            self.extra_info = [{} for _ in range(len(frame))]
+        self.index = [
+            info.get("index", int(row)) if isinstance(info, dict) else int(row)
+            for info, row in zip(self.extra_info, frame["__row__"], strict=True)
+        ]
+        self.stats = DatasetStats(rows_read, rows_subsampled_away, int(len(overlong)), len(frame))
+
+    @staticmethod
+    def _read(path: str, prompt_key: str) -> pd.DataFrame:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"RLHFDataset: parquet file not found: {path}")
+        frame = pd.read_parquet(path)
+        for column in (prompt_key, *REQUIRED_COLUMNS):
+            if column not in frame.columns:
+                raise KeyError(f"RLHFDataset: {path} has no column '{column}' (columns: {list(frame.columns)})")
+        frame["__file__"] = path
+        frame["__row__"] = np.arange(len(frame))
+        return frame
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def __getitem__(self, item: int) -> dict[str, Any]:
+        return {
+            K.INPUT_IDS: self.input_ids[item],
+            K.ATTENTION_MASK: self.attention_mask[item],
+            K.POSITION_IDS: self.position_ids[item],
+            K.DATA_SOURCE: self.data_source[item],
+            K.REWARD_MODEL: self.reward_model[item],
+            K.EXTRA_INFO: self.extra_info[item],
+            K.INDEX: self.index[item],
+        }
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A fresh permutation each epoch, seeded by (seed, epoch); resumable mid-epoch.
+
+    Used instead of a shared torch.Generator because the position of such a generator
+    is not restored exactly after a mid-epoch resume (later epochs would differ).
+    """
+
+    def __init__(self, n_rows: int, seed: int) -> None:
+        self.n_rows = n_rows
+        self.seed = int(seed)
+        self.epoch = 0
+        self.yielded = 0
+        self._resume_at = 0
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(self.n_rows, generator=generator).tolist()
+        self.yielded, self._resume_at = self._resume_at, 0
+        for row in order[self.yielded:]:
+            self.yielded += 1
+            yield row
+        self.epoch += 1
+        self.yielded = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self._resume_at = int(state["yielded"])
+
+
+def build_dataloader(dataset: RLHFDataset, batch_size: int, train: bool, seed: int = 1, shuffle: bool = True):
+    """StatefulDataLoader of DataProto batches: train = seeded shuffle + drop_last; val = in order, every row kept.
+
+    Its state_dict() goes into each checkpoint, so a resumed run continues from the
+    same position in the same epoch order.
+    """
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if train:
+        sampler = EpochShuffleSampler(len(dataset), seed) if shuffle else None
+        return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                                  collate_fn=collate_fn, num_workers=0)
+    return StatefulDataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False,
+                              collate_fn=collate_fn, num_workers=0)
