@@ -37,7 +37,7 @@ from verl.workers.rollout import build_rollout
 from verl.workers.sharding_manager.fsdp_hf import FSDPUnshardedForGeneration
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
-_SAMPLING_SEED = 1000
+_SAMPLING_SEED_STRIDE = 1000  # rank r of a run seeded s samples with s * stride + r
 
 
 def _per_rank(node: Any, key: str, world_size: int, where: str, multiplier: int = 1) -> None:
@@ -201,8 +201,10 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                 self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer)
         if self.actor_module is not None:
             self._offload(self.actor_module, self.actor_optimizer, self.config.actor.fsdp_config)
-        # Model building reseeded every rank alike; sampling should differ between ranks.
-        torch.manual_seed(_SAMPLING_SEED + self.rank)
+        # Model building reseeded every rank alike; sampling should differ between ranks and
+        # follow the run's seed (rollout.seed defaults to trainer.seed).
+        seed = int(self.config.rollout.get("seed", 1))
+        torch.manual_seed(seed * _SAMPLING_SEED_STRIDE + self.rank)
 
     def _require(self, flag: bool, method: str) -> None:
         if not flag:
