@@ -95,7 +95,8 @@ def _script_overrides(script: str) -> list[str]:
     text = (REPO / script).read_text()
     block = text.split("python3 -m verl.trainer.main_ppo", 1)[1].split('"$@"', 1)[0]
     env = {"DATA_DIR": "data/nq_search", "BASE_MODEL": "Qwen/Qwen2.5-3B", "N_GPUS": "8",
-           "WAND_PROJECT": "Search-R1", "EXPERIMENT_NAME": "exp", "RETRIEVER_URL": "http://127.0.0.1:8000/retrieve"}
+           "WAND_PROJECT": "Search-R1", "EXPERIMENT_NAME": "exp", "RETRIEVER_URL": "http://127.0.0.1:8000/retrieve",
+           "ROLLOUT_NAME": "hf"}
     block = re.sub(r"\$(\w+)", lambda m: env[m.group(1)], block.replace('"${VAL_FLAGS[@]}"', "+trainer.val_only=false"))
     return shlex.split(block.replace("\\\n", " "))
 
