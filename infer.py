@@ -1,0 +1,196 @@
+"""Ask a trained search agent a question: it reasons, searches, and answers.
+
+    python infer.py --question "Where was Tupemi Wenvios born?" \
+        --model_path outputs/demo/hf_model --retriever_url http://127.0.0.1:8000/retrieve
+    python infer.py --model_path PeterJinGo/SearchR1-nq_hotpotqa_train-qwen2.5-7b-em-ppo   # interactive
+
+The model sees exactly what it saw in training: the Search-R1 prompt template through
+the tokenizer's chat template, turns cut at `</search>` / `</answer>`, observations
+rendered by `search_r1.llm_agent.actions` and appended as tokens (never re-encoding the
+model's own tokens). At most `--max_turns` searches, then one final turn. Unlike the
+original script, which re-tokenized the growing text each turn, this keeps the sampled
+ids. Each turn is printed as it happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from search_r1.llm_agent.actions import (
+    INVALID_ACTION_NOTICE,
+    STOP_STRINGS,
+    Action,
+    parse_action,
+    render_observation,
+    render_search_failure,
+)
+from search_r1.prompt import make_prefix
+
+DEFAULT_MODEL = "PeterJinGo/SearchR1-nq_hotpotqa_train-qwen2.5-7b-em-ppo"
+DEFAULT_RETRIEVER_URL = "http://127.0.0.1:8000/retrieve"
+
+SearchFn = Callable[[str], str]   # query -> observation text
+
+
+@dataclass(frozen=True)
+class Turn:
+    text: str                 # what the model wrote this turn
+    action: Action
+    observation: str | None   # what was appended after it (None when the episode ended)
+
+
+@dataclass
+class Episode:
+    question: str
+    turns: list[Turn] = field(default_factory=list)
+    answer: str | None = None
+    stop_reason: str = ""
+    n_searches: int = 0
+
+
+def load_model(model_path: str, device: str = "cpu"):
+    """(model, tokenizer) from an HF folder or hub id, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def prompt_ids(tokenizer, question: str) -> list[int]:
+    """The training prompt: template -> chat template (when the tokenizer has one) -> ids."""
+    content = make_prefix(question)
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                             add_generation_prompt=True, tokenize=False)
+    else:
+        text = content
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def generate_turn(model, tokenizer, ids: list[int], max_new_tokens: int, temperature: float = 0.0
+                  ) -> list[int]:
+    """New token ids, ending at a stop string, at EOS, or after `max_new_tokens`."""
+    input_ids = torch.tensor([ids], device=model.device)
+    sample = temperature > 0
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+        do_sample=sample, temperature=temperature if sample else None, top_p=None, top_k=None,
+        stop_strings=list(STOP_STRINGS), tokenizer=tokenizer,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return out[0, len(ids):].tolist()
+
+
+def retrieval_search_fn(url: str, topk: int) -> SearchFn:
+    """A SearchFn over a /retrieve server; a failed call becomes the failure observation."""
+    from search_r1.search.client import RetrievalClient, RetrievalError
+
+    client = RetrievalClient(url, topk=topk)
+
+    def search(query: str) -> str:
+        try:
+            return render_observation(client.retrieve([query])[0])
+        except RetrievalError as err:
+            print(f"[search failed: {err}]", file=sys.stderr)
+            return render_search_failure()
+
+    return search
+
+
+def answer_question(model, tokenizer, question: str, search: SearchFn, max_turns: int = 2,
+                    max_new_tokens: int = 500, temperature: float = 0.0,
+                    on_turn: Callable[[Turn], None] | None = None) -> Episode:
+    """Run one episode: up to `max_turns` searches, then a final turn."""
+    ids = prompt_ids(tokenizer, question)
+    episode = Episode(question)
+    for turn_no in range(max_turns + 1):
+        new_ids = generate_turn(model, tokenizer, ids, max_new_tokens, temperature)
+        ids = ids + new_ids
+        text = tokenizer.decode(new_ids, skip_special_tokens=True)
+        action = parse_action(text)
+        final = turn_no == max_turns
+        observation: str | None = None
+        if action.kind == "answer":
+            episode.answer, episode.stop_reason = action.content, "answered"
+        elif action.kind == "search" and not final:
+            observation = search(action.content)
+            episode.n_searches += 1
+        elif action.kind == "search":
+            episode.stop_reason = "max_turns"
+        elif new_ids and new_ids[-1] == tokenizer.eos_token_id:
+            episode.stop_reason = "eos"
+        elif not final:
+            observation = INVALID_ACTION_NOTICE
+        else:
+            episode.stop_reason = "invalid_action"
+        turn = Turn(text, action, observation)
+        episode.turns.append(turn)
+        if on_turn is not None:
+            on_turn(turn)
+        if observation is None:
+            return episode
+        ids = ids + tokenizer(observation, add_special_tokens=False)["input_ids"]
+    # Unreachable in practice: the final turn always ends the episode above.
+    episode.stop_reason = episode.stop_reason or "max_turns"
+    return episode
+
+
+def print_turn(turn: Turn) -> None:
+    print(turn.text, end="", flush=True)
+    if turn.observation is not None:
+        print(turn.observation, end="", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--question", default=None, help="ask one question; omit for an interactive prompt")
+    p.add_argument("--model_path", default=DEFAULT_MODEL, help="HF folder or hub id")
+    p.add_argument("--retriever_url", default=DEFAULT_RETRIEVER_URL)
+    p.add_argument("--topk", type=int, default=3)
+    p.add_argument("--max_turns", type=int, default=2, help="searches allowed before the final turn")
+    p.add_argument("--max_new_tokens", type=int, default=500, help="per turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[Episode]:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but no CUDA device is available")
+    model, tokenizer = load_model(args.model_path, args.device)
+    search = retrieval_search_fn(args.retriever_url, args.topk)
+    questions = [args.question] if args.question is not None else None
+    episodes = []
+    while True:
+        if questions is not None:
+            if not questions:
+                break
+            question = questions.pop()
+        else:
+            try:
+                question = input("\nQuestion (empty to quit): ").strip()
+            except EOFError:
+                break
+            if not question:
+                break
+        print(f"\n# Question: {question}\n", flush=True)
+        episode = answer_question(model, tokenizer, question, search, max_turns=args.max_turns,
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  on_turn=print_turn)
+        print(f"\n\n# Answer: {episode.answer}  ({episode.stop_reason}, {episode.n_searches} searches)", flush=True)
+        episodes.append(episode)
+    return episodes
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Shared data processing: FlashRAG-layout QA rows -> Search-R1 training parquet.
+
+A FlashRAG source is JSONL with `id`, `question` and `golden_answers: [str]`. It is read
+either from the hub (`RUC-NLPIR/FlashRAG_datasets`, only when online) or from a local
+folder laid out as `{local_dir}/{source}/{split}.jsonl`. Every row becomes
+
+    {"data_source": source,
+     "prompt": [{"role": "user", "content": make_prefix(question)}],
+     "ability": "fact-reasoning",
+     "reward_model": {"style": "rule", "ground_truth": {"target": [answers]}},
+     "extra_info": {"split": split, "index": i}}
+
+The demo builds its parquet with these same functions, so the demo and the real data
+can never drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from search_r1.prompt import make_prefix
+
+HUB_REPO = "RUC-NLPIR/FlashRAG_datasets"
+ABILITY = "fact-reasoning"
+
+
+@dataclass(frozen=True)
+class QARecord:
+    """One FlashRAG question; `where` names its origin (file:line) for error messages."""
+
+    id: str
+    question: str
+    golden_answers: tuple[str, ...]
+    where: str
+
+
+def _record_from_dict(row: object, where: str) -> QARecord:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("question", "golden_answers"):
+        if key not in row:
+            raise ValueError(f"{where}: missing field {key!r}")
+    question = row["question"]
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"{where}: field 'question' must be a non-empty string, got {question!r}")
+    answers = row["golden_answers"]
+    if isinstance(answers, str) or not isinstance(answers, Sequence) or not answers:
+        raise ValueError(f"{where}: field 'golden_answers' must be a non-empty list of strings, got {answers!r}")
+    if not all(isinstance(a, str) for a in answers):
+        raise ValueError(f"{where}: field 'golden_answers' holds a non-string: {answers!r}")
+    return QARecord(id=str(row.get("id", "")), question=question, golden_answers=tuple(answers), where=where)
+
+
+def read_flashrag_jsonl(path: str | Path) -> list[QARecord]:
+    """Read a local FlashRAG JSONL file; a bad row raises naming the file and line."""
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
+            records.append(_record_from_dict(row, where))
+    return records
+
+
+def write_flashrag_jsonl(records: Iterable[dict], path: str | Path) -> Path:
+    """Write rows (dicts with id, question, golden_answers) in the FlashRAG layout."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in records:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def local_split_path(local_dir: str | Path, source: str, split: str) -> Path:
+    return Path(local_dir) / source / f"{split}.jsonl"
+
+
+def available_splits(source: str, local_dir: str | Path | None) -> list[str]:
+    """Splits a source has: from the local folder, or (online) from the hub."""
+    if local_dir is not None:
+        folder = Path(local_dir) / source
+        return sorted(p.stem for p in folder.glob("*.jsonl"))
+    import datasets
+
+    return list(datasets.get_dataset_split_names(HUB_REPO, source))
+
+
+def load_source_split(source: str, split: str, local_dir: str | Path | None = None) -> list[QARecord]:
+    """Rows of `source`/`split`: local JSONL when `local_dir` is given, else the hub (online only)."""
+    if local_dir is not None:
+        path = local_split_path(local_dir, source, split)
+        if not path.exists():
+            raise FileNotFoundError(f"no {split!r} split for source {source!r}: {path} does not exist")
+        return read_flashrag_jsonl(path)
+    import datasets
+
+    ds = datasets.load_dataset(HUB_REPO, source, split=split)
+    return [_record_from_dict(dict(row), f"{HUB_REPO}/{source}[{split}] row {i}") for i, row in enumerate(ds)]
+
+
+def pick_split(source: str, preferred: Sequence[str], local_dir: str | Path | None) -> str:
+    """The first of `preferred` that the source has (e.g. test, else dev)."""
+    have = available_splits(source, local_dir)
+    for split in preferred:
+        if split in have:
+            return split
+    raise FileNotFoundError(f"source {source!r} has none of the splits {list(preferred)} (found {have})")
+
+
+def make_row(record: QARecord, data_source: str, split: str, index: int) -> dict:
+    """One training/validation parquet row, exactly per DESIGN §3.2."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": make_prefix(record.question)}],
+        "ability": ABILITY,
+        "reward_model": {"style": "rule", "ground_truth": {"target": list(record.golden_answers)}},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def records_to_rows(records: Sequence[QARecord], data_source: str, split: str, start_index: int = 0) -> list[dict]:
+    """Rows with indices start_index, start_index+1, ... so merged sources never collide."""
+    return [make_row(r, data_source, split, start_index + i) for i, r in enumerate(records)]
+
+
+def write_parquet(rows: Sequence[dict], path: str | Path) -> Path:
+    """Write rows as parquet; refuses an empty set or duplicate extra_info.index values."""
+    path = Path(path)
+    if not rows:
+        raise ValueError(f"refusing to write an empty data set to {path}")
+    indices = [r["extra_info"]["index"] for r in rows]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{path}: extra_info.index values are not unique")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(list(rows)).to_parquet(path, index=False)
+    return path
+
+
+def build_merged(
+    sources: Sequence[str],
+    preferred_splits: Sequence[str],
+    out_split: str,
+    local_dir: str | Path | None,
+) -> list[dict]:
+    """Rows of several sources concatenated, with indices unique across sources.
+
+    A source with a `{local_dir}/{source}/` folder is read locally, any other from the hub.
+    """
+    rows: list[dict] = []
+    for source in sources:
+        source_dir = local_dir_for(source, local_dir)
+        split = pick_split(source, preferred_splits, source_dir)
+        records = load_source_split(source, split, source_dir)
+        rows.extend(records_to_rows(records, source, out_split, start_index=len(rows)))
+    return rows
+
+
+def local_dir_for(source: str, input_dir: str | Path | None) -> Path | None:
+    """`input_dir` when it holds a `{source}/` folder of JSONL files; None means "use the hub"."""
+    if input_dir is not None and (Path(input_dir) / source).is_dir():
+        return Path(input_dir)
+    return None
+
+
+def add_common_args(parser, default_local_dir: str) -> None:
+    """Arguments every processing script shares (the original's names kept)."""
+    parser.add_argument("--local_dir", default=default_local_dir,
+                        help="output folder for the parquet files; also searched for {source}/{split}.jsonl")
+    parser.add_argument("--input_dir", default=None,
+                        help="folder with FlashRAG JSONL files {source}/{split}.jsonl (default: --local_dir); "
+                             "sources not found there are read from the hub")
+    parser.add_argument("--hdfs_dir", default=None, help="accepted for compatibility; copying to HDFS is not supported")
+    parser.add_argument("--template_type", default="base", choices=["base"],
+                        help="accepted for compatibility; only the released 'base' template exists")
+
+
+def parse_sources(text: str) -> list[str]:
+    sources = [s.strip() for s in text.split(",") if s.strip()]
+    if not sources:
+        raise ValueError(f"--data_sources is empty: {text!r}")
+    return sources

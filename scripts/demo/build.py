@@ -1,0 +1,187 @@
+"""Build (or reuse) every artefact of the offline demo under one data folder.
+
+Each step writes its output atomically-enough (a marker or the final file last) and is
+skipped when the output exists, so a second `run_demo` starts at RL within seconds.
+
+    data/demo/corpus.jsonl                the evaluation world's passages
+    data/demo/bm25/                       its BM25 index (the project's index builder)
+    data/demo/flashrag/demo_{onehop,twohop}/{train,test}.jsonl   questions, FlashRAG layout
+    data/demo/{train,test}.parquet        RL data, by the same code as scripts/data_process
+    data/demo/sft/train.parquet           demonstrations from OTHER worlds
+    data/demo/model_init/                 tokenizer (trained on yet another world) + random Qwen2
+    data/demo/sft_phase{i}/huggingface/   the warm-started model (last phase: where RL starts)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from scripts.data_process.common import build_merged, write_flashrag_jsonl, write_parquet
+from scripts.demo.demonstrations import make_demonstrations
+from scripts.demo.world import (
+    ONE_HOP_KINDS,
+    TWO_HOP_KINDS,
+    Question,
+    all_questions,
+    make_world,
+    split_by_subject,
+)
+from search_r1.prompt import PROMPT_TEMPLATE, make_prefix
+
+ONEHOP_SOURCE = "demo_onehop"
+TWOHOP_SOURCE = "demo_twohop"
+
+
+@dataclass
+class DemoSettings:
+    """Knobs of the demo's data and warm start (RL knobs are ordinary trainer keys)."""
+
+    data_dir: str = "data/demo"
+    output_dir: str = "outputs/demo"
+    world_seed: int = 0               # the evaluation world
+    tokenizer_world_seed: int = 999   # a different world, so names split into pieces
+    sft_world_seeds: tuple[int, ...] = tuple(range(101, 111))
+    n_demos: int = 14000
+    vocab_size: int = 1000
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    topk: int = 2
+    n_val_per_kind: int = 30
+    n_train: int = 3000
+    # Cosine cycles with warm restarts, each phase starting from the previous one's
+    # checkpoint. Measured (docs/demo.md): copying the question's name into the query
+    # appears in the second cycle, copying the answer out of the passage later.
+    sft_steps: tuple[int, ...] = (360, 400, 300, 400)
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 32
+    sft_context_weight: float = 0.5   # weight of prompt/retrieved tokens (copy practice)
+    num_threads: int = 2
+
+    @property
+    def root(self) -> Path:
+        return Path(self.data_dir)
+
+
+def _question_row(q: Question, i: int) -> dict:
+    return {"id": f"{q.kind}-{i}", "question": q.text, "golden_answers": [q.answer]}
+
+
+def build_questions(s: DemoSettings) -> tuple[Path, Path]:
+    """FlashRAG JSONL for the evaluation world, then train/test parquet from it."""
+    train_pq, test_pq = s.root / "train.parquet", s.root / "test.parquet"
+    if train_pq.exists() and test_pq.exists():
+        return train_pq, test_pq
+    world = make_world(s.world_seed)
+    rng = random.Random(s.world_seed)
+    flashrag = s.root / "flashrag"
+    for source, kinds in ((ONEHOP_SOURCE, ONE_HOP_KINDS), (TWOHOP_SOURCE, TWO_HOP_KINDS)):
+        train_q, test_q = [], []
+        for kind in kinds:
+            tr, te = split_by_subject(all_questions(world, [kind]), held_out_fraction=0.3, seed=s.world_seed)
+            train_q += tr
+            test_q += rng.sample(te, min(s.n_val_per_kind, len(te)))
+        rng.shuffle(train_q)
+        write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(train_q)], flashrag / source / "train.jsonl")
+        write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(test_q)], flashrag / source / "test.jsonl")
+    sources = [ONEHOP_SOURCE, TWOHOP_SOURCE]
+    train_rows = build_merged(sources, ("train",), "train", flashrag)
+    random.Random(s.world_seed + 1).shuffle(train_rows)
+    write_parquet(train_rows[: s.n_train], train_pq)
+    write_parquet(build_merged(sources, ("test",), "test", flashrag), test_pq)
+    return train_pq, test_pq
+
+
+def build_corpus_and_index(s: DemoSettings) -> tuple[Path, Path]:
+    corpus = s.root / "corpus.jsonl"
+    index_dir = s.root / "bm25"
+    if not corpus.exists():
+        write_flashrag_jsonl(make_world(s.world_seed).passages(), corpus)
+    if not index_dir.exists():
+        from search_r1.search.index_builder import build_index
+
+        index_dir = build_index("bm25", str(corpus), str(s.root))
+    return corpus, index_dir
+
+
+def tokenizer_texts(s: DemoSettings) -> list[str]:
+    """Text of a world the demo never evaluates on, in every shape the model will see."""
+    world = make_world(s.tokenizer_world_seed)
+    demos = make_demonstrations([world], 400, s.topk, seed=s.tokenizer_world_seed)
+    texts = [PROMPT_TEMPLATE] + [p["contents"] for p in world.passages()]
+    # As the chat template renders them, so "user"/"assistant" become single tokens too.
+    texts += [f"<|im_start|>user\n{make_prefix(q.text)}<|im_end|>\n<|im_start|>assistant\n"
+              + "".join(t.text for t in turns) for q, turns in demos]
+    return texts
+
+
+def build_model_init(s: DemoSettings) -> Path:
+    from verl.utils.tiny_model import build_tiny_qwen2, save_model_and_tokenizer, train_bpe_tokenizer
+
+    out = s.root / "model_init"
+    if (out / "config.json").exists():
+        return out
+    tok = train_bpe_tokenizer(tokenizer_texts(s), vocab_size=s.vocab_size)
+    model = build_tiny_qwen2(tok, hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
+                             num_kv_heads=s.num_heads, intermediate_size=s.intermediate_size,
+                             max_position_embeddings=2048, seed=s.world_seed)
+    return save_model_and_tokenizer(model, tok, out)
+
+
+def build_sft_data(s: DemoSettings) -> Path:
+    out = s.root / "sft" / "train.parquet"
+    if out.exists():
+        return out
+    worlds = [make_world(seed) for seed in s.sft_world_seeds]
+    demos = make_demonstrations(worlds, s.n_demos, s.topk, seed=s.world_seed)
+    rows = [{"prompt": [{"role": "user", "content": make_prefix(q.text)}],
+             "turns": [asdict(t) for t in turns], "kind": q.kind} for q, turns in demos]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_parquet(out, index=False)
+    return out
+
+
+def sft_overrides(s: DemoSettings, sft_data: Path, model_init: Path, steps: int, phase: int) -> list[str]:
+    w = s.sft_context_weight
+    return [
+        f"data.train_files={sft_data}", "data.max_length=1024", "data.truncation=skip",
+        f"data.train_batch_size={s.sft_batch_size}", f"data.micro_batch_size_per_gpu={s.sft_batch_size}",
+        f"data.loss_weights.prompt={w}", "data.loss_weights.policy=1.0", f"data.loss_weights.observation={w}",
+        f"model.partial_pretrain={model_init}", f"optim.lr={s.sft_lr}",
+        f"optim.warmup_steps_ratio={0.05 if phase == 0 else 0.02}", "optim.weight_decay=0.0",
+        f"trainer.total_training_steps={steps}", f"trainer.seed={1 + phase}",
+        f"trainer.default_local_dir={s.root / f'sft_phase{phase}'}", "trainer.logger=[console,jsonl]",
+        "trainer.log_freq=25", "trainer.device=cpu", f"trainer.num_threads={s.num_threads}",
+    ]
+
+
+def build_warm_start(s: DemoSettings) -> Path:
+    """Run the project's SFT trainer on the demonstrations, one phase per entry of
+    `sft_steps`, each starting from the previous one's HF checkpoint (skipped when done)."""
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+
+    if not s.sft_steps:
+        raise ValueError("demo.sft_steps is empty: at least one SFT phase is needed")
+    sft_data, model = build_sft_data(s), build_model_init(s)
+    for phase, steps in enumerate(s.sft_steps):
+        hf_dir = s.root / f"sft_phase{phase}" / "huggingface"
+        if not (hf_dir / "config.json").exists():
+            result = run_sft(compose_sft_config(sft_overrides(s, sft_data, model, steps, phase)))
+            (hf_dir.parent / "sft_result.json").write_text(json.dumps(
+                {"steps": result.steps, "final_loss": result.final_loss, "wall_seconds": result.wall_seconds}))
+        model = hf_dir
+    return model
+
+
+def build_all(s: DemoSettings) -> dict[str, Path]:
+    s.root.mkdir(parents=True, exist_ok=True)
+    corpus, index_dir = build_corpus_and_index(s)
+    train_pq, test_pq = build_questions(s)
+    model = build_warm_start(s)
+    return {"corpus": corpus, "index": index_dir, "train": train_pq, "test": test_pq, "model": model}

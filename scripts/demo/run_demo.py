@@ -1,0 +1,270 @@
+"""The offline CPU demo: a small model learns, with GRPO and a real search engine, to search.
+
+    python -m scripts.demo.run_demo                                  # everything, defaults
+    python -m scripts.demo.run_demo trainer.total_training_steps=20 demo.data_dir=/tmp/demo
+    bash train_grpo.sh                                               # same, on a machine with no GPU
+
+Steps (each cached under demo.data_dir, so a second run goes straight to RL):
+1. a fictional world (fixed seed): corpus, BM25 index, one-hop and two-hop questions in
+   the FlashRAG layout, turned into parquet by scripts/data_process (demo_onehop /
+   demo_twohop);
+2. a byte-level BPE tokenizer and a ~1.2M-parameter Qwen2, warm-started with the
+   project's SFT trainer on demonstrations from OTHER worlds, many of which answer
+   without searching (the habit RL must unlearn);
+3. the retrieval server (`search_r1.search.retrieval_server`, BM25) on a free
+   127.0.0.1 port, unless one already answers at `retriever.url`;
+4. `verl.trainer.main_ppo.run_ppo`: greedy validation, GRPO with search, validation;
+5. a summary (outputs/demo/summary.json) and a PNG of the training curves.
+
+Arguments are Hydra overrides of ppo_trainer.yaml, plus `demo.<field>=value` for the
+fields of `scripts.demo.build.DemoSettings`. Differs from the paper's setup only in
+scale: a tiny model trained from scratch, a synthetic corpus, CPU workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pandas as pd
+
+from scripts.demo.build import DemoSettings, build_all
+
+# RL settings found to work for the demo (see docs/demo.md); any can be overridden.
+DEFAULT_RL_OVERRIDES = (
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=32",
+    "data.val_batch_size=256",
+    "data.max_prompt_length=768",
+    "data.max_start_length=256",
+    "data.max_response_length=40",
+    "data.max_obs_length=128",
+    "actor_rollout_ref.rollout.name=hf",
+    "actor_rollout_ref.rollout.n_agent=8",
+    "actor_rollout_ref.rollout.temperature=0.8",
+    "actor_rollout_ref.rollout.micro_batch_size=256",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size=128",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size=128",
+    "actor_rollout_ref.actor.optim.lr=1e-4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+    "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.01",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.actor.state_masking=true",
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=2",
+    "trainer.total_training_steps=30",
+    "trainer.save_freq=-1",
+    "trainer.logger=[console,jsonl]",
+    "trainer.project_name=search-r1-demo",
+    "trainer.experiment_name=demo-grpo",
+    "trainer.resume_mode=disable",
+    "trainer.progress_bar=false",
+    "max_turns=2",
+    "retriever.topk=2",
+    "+trainer.val_before_train=true",
+)
+
+
+@dataclass
+class DemoSummary:
+    val_em_before: float
+    val_em_after: float
+    val_em_before_by_source: dict
+    val_em_after_by_source: dict
+    rl_steps: int
+    wall_seconds: float
+    rl_seconds: float
+    checkpoint_dir: str
+    hf_model_dir: str
+    metrics_path: str
+    plot_path: str
+
+
+def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
+    """`demo.<field>=v` arguments set DemoSettings; everything else is a trainer override."""
+    settings = DemoSettings()
+    known = {f.name: f for f in fields(DemoSettings)}
+    overrides = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key.startswith("demo."):
+            name = key[len("demo."):]
+            if name not in known or not sep:
+                raise SystemExit(f"unknown demo setting {arg!r}; known: demo.{{{', '.join(sorted(known))}}}")
+            current = getattr(settings, name)
+            if isinstance(current, tuple):  # comma-separated ints: demo.sft_steps=300,200
+                parsed: object = tuple(int(v) for v in value.strip("[]()").split(",") if v.strip())
+            else:
+                parsed = type(current)(value)
+            setattr(settings, name, parsed)
+        else:
+            overrides.append(arg)
+    return settings, overrides
+
+
+def _given(overrides: list[str], key: str) -> str | None:
+    for arg in overrides:
+        k, _, v = arg.lstrip("+").partition("=")
+        if k == key:
+            return v.strip("\"'")
+    return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    from search_r1.search.client import RetrievalClient
+
+    return RetrievalClient(url, timeout=2.0).health()
+
+
+@contextmanager
+def retrieval_server(url: str | None, index_dir: Path, corpus: Path, topk: int, log_path: Path):
+    """Yield a /retrieve URL: `url` if a server answers there, else one started here (and stopped after)."""
+    if url is not None and _healthy(url):
+        yield url
+        return
+    if url is None:
+        host, port = "127.0.0.1", _free_port()
+        url = f"http://{host}:{port}/retrieve"
+    else:
+        from urllib.parse import urlparse
+
+        parsed = urlparse(url)
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    cmd = [sys.executable, "-m", "search_r1.search.retrieval_server", "--index_path", str(index_dir),
+           "--corpus_path", str(corpus), "--topk", str(topk), "--retriever_name", "bm25",
+           "--host", host, "--port", str(port)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 180
+        while not _healthy(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"retrieval server exited with code {proc.returncode}; see {log_path}")
+            if time.time() > deadline:
+                raise TimeoutError(f"retrieval server did not answer at {url} within 180 s; see {log_path}")
+            time.sleep(0.5)
+        print(f"[demo] retrieval server (pid {proc.pid}) at {url}", flush=True)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def overall_em(metrics: dict, source_counts: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """EM over all validation rows, from the per-source means the trainer reports."""
+    by_source = {s: float(metrics[f"val/test_score/{s}"]) for s in source_counts if f"val/test_score/{s}" in metrics}
+    if set(by_source) != set(source_counts):
+        raise KeyError(f"validation metrics lack sources {sorted(set(source_counts) - set(by_source))}; "
+                       f"got keys {sorted(k for k in metrics if k.startswith('val/'))}")
+    total = sum(source_counts.values())
+    return sum(by_source[s] * n for s, n in source_counts.items()) / total, by_source
+
+
+def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: str) -> list[str]:
+    out_dir = Path(s.output_dir)
+    base = [
+        f"data.train_files={paths['train']}", f"data.val_files={paths['test']}",
+        f"actor_rollout_ref.model.path={paths['model']}", f"critic.model.path={paths['model']}",
+        f"trainer.default_local_dir={out_dir / 'checkpoints'}", f"retriever.url={url}",
+    ]
+    overrides = [*DEFAULT_RL_OVERRIDES, *base]
+    # Later overrides win in Hydra, but a "+key" given twice is an error: drop ours.
+    user_keys = {a.lstrip("+").partition("=")[0] for a in user}
+    overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in user_keys]
+    steps = int(_given(user, "trainer.total_training_steps") or _given(overrides, "trainer.total_training_steps"))
+    # Save and validate at the last step (the trainer always does both there when the
+    # frequency is positive); validate twice more on the way for the curve.
+    if "trainer.save_freq" not in user_keys:
+        overrides.append(f"trainer.save_freq={steps}")
+    if "trainer.test_freq" not in user_keys:
+        overrides.append(f"trainer.test_freq={max(1, steps // 3)}")
+    return overrides + user
+
+
+def run_demo(argv: list[str] | None = None) -> DemoSummary:
+    from verl.trainer.main_ppo import compose_config, run_ppo
+
+    start = time.time()
+    settings, user_overrides = split_args(list(sys.argv[1:] if argv is None else argv))
+    print(f"[demo] building data, tokenizer, model and warm start under {settings.data_dir}", flush=True)
+    paths = build_all(settings)
+    out_dir = Path(settings.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source_counts = pd.read_parquet(paths["test"])["data_source"].value_counts().to_dict()
+
+    overrides = rl_overrides(settings, paths, user_overrides, "http://placeholder/retrieve")
+    ckpt_root = Path(compose_config(overrides).trainer.default_local_dir)
+    if _given(user_overrides, "trainer.resume_mode") in (None, "disable") and ckpt_root.exists():
+        # A fresh run: old checkpoints and an appended-to metrics log would mix two runs.
+        shutil.rmtree(ckpt_root)
+
+    with retrieval_server(_given(user_overrides, "retriever.url"), paths["index"], paths["corpus"],
+                          settings.topk, out_dir / "retrieval_server.log") as url:
+        config = compose_config(rl_overrides(settings, paths, user_overrides, url))
+        rl_start = time.time()
+        history = run_ppo(config)
+        rl_seconds = time.time() - rl_start
+
+    val_records = [h for h in history if any(k.startswith("val/test_score/") for k in h)]
+    if len(val_records) < 2:
+        raise RuntimeError(f"expected validation before and after training, got {len(val_records)} records")
+    em_before, by_before = overall_em(val_records[0], source_counts)
+    em_after, by_after = overall_em(val_records[-1], source_counts)
+    step = int(val_records[-1]["step"])
+    metrics_path = Path(config.trainer.log_dir or ckpt_root / "logs") / "metrics.jsonl"
+    from scripts.plot_metrics import plot_metrics
+
+    plot_path = plot_metrics(metrics_path, out_dir / "training_curves.png", title="Search-R1 offline demo (GRPO)")
+    summary = DemoSummary(
+        val_em_before=em_before, val_em_after=em_after, val_em_before_by_source=by_before,
+        val_em_after_by_source=by_after, rl_steps=step, wall_seconds=time.time() - start, rl_seconds=rl_seconds,
+        checkpoint_dir=str(ckpt_root / f"global_step_{step}"),
+        hf_model_dir=str(ckpt_root / f"global_step_{step}" / "hf"),
+        metrics_path=str(metrics_path), plot_path=str(plot_path))
+    (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+    print_summary(summary, out_dir / "summary.json")
+    return summary
+
+
+def print_summary(s: DemoSummary, path: Path) -> None:
+    print("\n========== Search-R1 offline demo ==========")
+    print(f"validation EM before RL: {s.val_em_before:.3f}  {s.val_em_before_by_source}")
+    print(f"validation EM after RL:  {s.val_em_after:.3f}  {s.val_em_after_by_source}")
+    print(f"RL steps: {s.rl_steps}   RL time: {s.rl_seconds:.0f}s   total: {s.wall_seconds:.0f}s")
+    print(f"checkpoint: {s.checkpoint_dir}\nHF model:   {s.hf_model_dir}")
+    print(f"metrics:    {s.metrics_path}\nplot:       {s.plot_path}\nsummary:    {path}")
+    print(f"try it:     python infer.py --model_path {s.hf_model_dir} --retriever_url <url> --topk 2 "
+          "--question \"<a question from data/demo/test.parquet>\"", flush=True)
+
+
+def main() -> None:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        return
+    run_demo()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Evaluate a checkpoint: greedy validation only (+trainer.val_only=true), EM per data source -> JSON.
+#
+#   BASE_MODEL=verl_checkpoints/my-run/global_step_1000/hf DATA_DIR=data/nq_hotpotqa_train \
+#       bash scripts/nq_hotpotqa/evaluate.sh [extra Hydra overrides...]
+#
+# Environment (all optional except BASE_MODEL):
+#   BASE_MODEL      HF folder or hub id of the model to evaluate
+#   DATA_DIR        folder holding test.parquet (default data/nq_search)
+#   OUTPUT_JSON     where to write {"val/test_score/<source>": em, ..., "overall": em} (default eval_results.json)
+#   RETRIEVER_URL   a running retrieval server (default http://127.0.0.1:8000/retrieve)
+#   N_GPUS          GPUs (or CPU workers) per node (default: all visible GPUs, else 1)
+# Any extra argument is passed to the trainer as a Hydra override (later ones win).
+set -euo pipefail
+
+if [ -z "${BASE_MODEL:-}" ]; then
+    echo "evaluate.sh: set BASE_MODEL to the checkpoint to evaluate (an HF folder or hub id)" >&2
+    exit 2
+fi
+DATA_DIR=${DATA_DIR:-data/nq_search}
+OUTPUT_JSON=${OUTPUT_JSON:-eval_results.json}
+RETRIEVER_URL=${RETRIEVER_URL:-http://127.0.0.1:8000/retrieve}
+if [ -z "${N_GPUS:-}" ]; then
+    N_GPUS=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")
+fi
+if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    ROLLOUT=vllm; DEVICE=cuda
+    python3 -c "import vllm" 2>/dev/null || ROLLOUT=hf
+else
+    ROLLOUT=hf; DEVICE=cpu
+fi
+
+export OUTPUT_JSON
+python3 - "$@" <<PY
+import json, os, sys
+from verl.trainer.main_ppo import compose_config, run_ppo
+
+overrides = [
+    "data.train_files=${DATA_DIR}/test.parquet",   # not trained on; the dataloader needs a file
+    "data.val_files=${DATA_DIR}/test.parquet",
+    "data.train_batch_size=${N_GPUS}",
+    "data.val_batch_size=512",
+    "data.max_prompt_length=4096", "data.max_response_length=500",
+    "data.max_start_length=2048", "data.max_obs_length=500",
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.model.path=${BASE_MODEL}",
+    "actor_rollout_ref.rollout.name=${ROLLOUT}",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=${N_GPUS}",
+    "actor_rollout_ref.actor.ppo_micro_batch_size=${N_GPUS}",
+    "trainer.device=${DEVICE}",
+    "trainer.n_gpus_per_node=${N_GPUS}",
+    "trainer.logger=[console]",
+    "trainer.resume_mode=disable",
+    "trainer.save_freq=-1",
+    "trainer.experiment_name=eval",
+    "max_turns=4",
+    "retriever.url=${RETRIEVER_URL}",
+    "retriever.topk=3",
+    "+trainer.val_only=true",
+]
+extra = sys.argv[1:]
+extra_keys = {a.lstrip("+").partition("=")[0] for a in extra}
+overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in extra_keys] + extra
+history = run_ppo(compose_config(overrides))
+val = {k: v for record in history for k, v in record.items() if k.startswith("val/test_score/")}
+if not val:
+    sys.exit("evaluate.sh: validation produced no val/test_score/* metrics")
+import pandas as pd
+counts = pd.read_parquet("${DATA_DIR}/test.parquet")["data_source"].value_counts().to_dict()
+val["overall"] = sum(val[f"val/test_score/{s}"] * n for s, n in counts.items()) / sum(counts.values())
+with open(os.environ["OUTPUT_JSON"], "w") as f:
+    json.dump(val, f, indent=2)
+print(json.dumps(val, indent=2))
+print(f"wrote {os.environ['OUTPUT_JSON']}")
+PY

@@ -1,0 +1,52 @@
+"""Demo data building: parquet through the shared processing code, cached on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from transformers import AutoTokenizer
+
+from scripts.demo.build import DemoSettings, build_corpus_and_index, build_model_init, build_questions
+from scripts.demo.run_demo import overall_em, split_args
+from verl.utils.dataset.rl_dataset import RLHFDataset
+
+
+def test_demo_questions_become_rl_parquet_with_both_sources(tmp_path: Path, tiny_model_dir: str) -> None:
+    s = DemoSettings(data_dir=str(tmp_path), n_val_per_kind=5, n_train=100)
+    train, test = build_questions(s)
+    test_df = pd.read_parquet(test)
+    assert test_df.data_source.value_counts().to_dict() == {"demo_onehop": 20, "demo_twohop": 10}
+    assert len(pd.read_parquet(train)) == 100
+    assert (tmp_path / "flashrag" / "demo_onehop" / "train.jsonl").exists()
+    ds = RLHFDataset(str(test), AutoTokenizer.from_pretrained(tiny_model_dir), max_prompt_length=512)
+    assert len(ds) == 30
+    # Cached: a second call leaves the files alone.
+    mtime = test.stat().st_mtime_ns
+    build_questions(s)
+    assert test.stat().st_mtime_ns == mtime
+
+
+def test_corpus_index_and_tokenizer_are_built_once(tmp_path: Path) -> None:
+    s = DemoSettings(data_dir=str(tmp_path), vocab_size=500, hidden_size=32, num_layers=1, num_heads=2,
+                     intermediate_size=64)
+    corpus, index = build_corpus_and_index(s)
+    assert sum(1 for _ in corpus.open()) == 500 and index.is_dir()
+    model_dir = build_model_init(s)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # Names split into syllable pieces, not single tokens (the tokenizer saw another world).
+    assert len(tok.tokenize(" Tupemi Wenvios")) >= 3
+    assert tok.pad_token != tok.eos_token
+    assert build_model_init(s) == model_dir
+
+
+def test_demo_arguments_split_into_settings_and_trainer_overrides() -> None:
+    settings, overrides = split_args(["demo.sft_steps=7,3", "demo.sft_world_seeds=5,6",
+                                      "trainer.total_training_steps=3", "+trainer.val_only=true"])
+    assert settings.sft_steps == (7, 3) and settings.sft_world_seeds == (5, 6)
+    assert overrides == ["trainer.total_training_steps=3", "+trainer.val_only=true"]
+
+
+def test_overall_em_weights_sources_by_their_row_counts() -> None:
+    em, by_source = overall_em({"val/test_score/a": 1.0, "val/test_score/b": 0.0}, {"a": 3, "b": 1})
+    assert em == 0.75 and by_source == {"a": 1.0, "b": 0.0}

@@ -1,0 +1,78 @@
+"""The whole demo pipeline, shrunk: build -> SFT -> retrieval server -> GRPO -> summary + plot.
+
+Sizes are tiny so it runs in a couple of minutes on CPU; it checks the plumbing (the
+real numbers are in docs/demo.md), that the retrieval server it started is stopped, and
+that evaluate.sh reads the trained checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from scripts.demo.build import DemoSettings, build_corpus_and_index
+from scripts.demo.run_demo import retrieval_server, run_demo
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def tiny_args(tmp: Path) -> list[str]:
+    return [
+        f"demo.data_dir={tmp / 'data'}", f"demo.output_dir={tmp / 'out'}", "demo.n_demos=64",
+        "demo.sft_world_seeds=101,102", "demo.sft_steps=2,1", "demo.sft_batch_size=8", "demo.hidden_size=32",
+        "demo.num_layers=1", "demo.num_heads=2", "demo.intermediate_size=64", "demo.vocab_size=600",
+        "demo.n_val_per_kind=2", "demo.n_train=64", "demo.num_threads=1",
+        "trainer.total_training_steps=1", "data.train_batch_size=4", "data.val_batch_size=16",
+        "actor_rollout_ref.rollout.n_agent=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size=8", "actor_rollout_ref.ref.log_prob_micro_batch_size=8",
+        "data.max_response_length=16",
+    ]
+
+
+def test_the_server_started_for_the_demo_is_stopped_afterwards(tmp_path: Path) -> None:
+    s = DemoSettings(data_dir=str(tmp_path))
+    corpus, index = build_corpus_and_index(s)
+    url = f"http://127.0.0.1:{free_port()}/retrieve"
+    with retrieval_server(url, index, corpus, 2, tmp_path / "server.log") as live:
+        assert live == url
+        # A server already answering at the URL is used as is, and left running.
+        with retrieval_server(url, index, corpus, 2, tmp_path / "second.log") as reused:
+            assert reused == url
+        assert not (tmp_path / "second.log").exists()
+        answer = requests.post(url, json={"queries": ["Tupemi Wenvios"], "topk": 1}, timeout=10).json()
+        assert answer["result"][0][0]["contents"].startswith('"Tupemi Wenvios"')
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url.replace("/retrieve", "/health"), timeout=2)
+
+
+@pytest.mark.slow
+def test_tiny_demo_runs_end_to_end_and_evaluate_sh_reads_its_checkpoint(tmp_path: Path) -> None:
+    summary = run_demo(tiny_args(tmp_path))
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())
+    for key in ("val_em_before", "val_em_after", "wall_seconds", "checkpoint_dir", "hf_model_dir",
+                "metrics_path", "plot_path"):
+        assert key in written
+    assert 0.0 <= summary.val_em_before <= 1.0 and 0.0 <= summary.val_em_after <= 1.0
+    assert Path(summary.plot_path).read_bytes()[:4] == b"\x89PNG"
+    assert (Path(summary.hf_model_dir) / "config.json").exists()
+    records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
+    assert any("critic/score/mean" in r for r in records)
+
+    data = tmp_path / "data"
+    with retrieval_server(None, data / "bm25", data / "corpus.jsonl", 2, tmp_path / "srv.log") as url:
+        env = {**os.environ, "BASE_MODEL": summary.hf_model_dir, "DATA_DIR": str(data), "N_GPUS": "1",
+               "OUTPUT_JSON": str(tmp_path / "eval.json"), "RETRIEVER_URL": url, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(["bash", "scripts/nq_hotpotqa/evaluate.sh", "data.max_response_length=16",
+                               "data.max_obs_length=128", "data.max_prompt_length=768",
+                               "data.max_start_length=256", "max_turns=2"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert set(result) == {"val/test_score/demo_onehop", "val/test_score/demo_twohop", "overall"}

@@ -1,0 +1,138 @@
+"""infer.py against a real BM25 retrieval server: the model searches, reads, and answers.
+
+The model is a tiny Qwen2 taught one trajectory with the project's SFT trainer, so its
+greedy behaviour is known: search for the question's subject, then answer with what
+the retrieved passage says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import requests
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "Where was Kalo Miven born?"
+CORPUS = [
+    {"id": "0", "contents": '"Kalo Miven"\nKalo Miven was born in Dorsil and works at Fen Labs.'},
+    {"id": "1", "contents": '"Dorsil"\nDorsil is a city in Zaria.'},
+    {"id": "2", "contents": '"Fen Labs"\nFen Labs was founded by Ora Pel.'},
+]
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from search_r1.search.index_builder import build_index
+
+    root = tmp_path_factory.mktemp("retrieval")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    index = build_index("bm25", str(corpus), str(root))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "search_r1.search.retrieval_server", "--index_path", str(index),
+         "--corpus_path", str(corpus), "--topk", "1", "--retriever_name", "bm25", "--port", str(port)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/retrieve"
+    try:
+        for _ in range(240):
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError("retrieval server exited early")
+            time.sleep(0.5)
+        else:
+            raise TimeoutError("retrieval server did not start")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def taught_model(tmp_path_factory: pytest.TempPathFactory, server_url: str) -> str:
+    """A tiny model SFT-trained on the one trajectory it should replay (real search result inside)."""
+    from transformers import AutoTokenizer
+
+    from infer import retrieval_search_fn
+    from search_r1.prompt import make_prefix
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+    from verl.utils.tiny_model import DEFAULT_TEXTS, make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("taught")
+    texts = [*DEFAULT_TEXTS, *(r["contents"] for r in CORPUS), QUESTION]
+    init = make_tiny_checkpoint(root / "init", texts=texts, vocab_size=400, hidden_size=64, num_layers=2)
+    AutoTokenizer.from_pretrained(init)  # fail early if the checkpoint is unreadable
+    observation = retrieval_search_fn(server_url, topk=1)("Kalo Miven")
+    assert "born in Dorsil" in observation
+    row = {"prompt": [{"role": "user", "content": make_prefix(QUESTION)}],
+           "turns": [{"role": "policy", "text": "<think> search Kalo Miven </think>\n<search> Kalo Miven </search>"},
+                     {"role": "observation", "text": observation},
+                     {"role": "policy", "text": "<think> found </think>\n<answer> Dorsil </answer>"}]}
+    data = root / "sft.parquet"
+    pd.DataFrame([row] * 8).to_parquet(data)
+    cfg = compose_sft_config([
+        f"data.train_files={data}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8",
+        f"model.partial_pretrain={init}", "optim.lr=1e-2", "optim.warmup_steps_ratio=0.05",
+        "data.loss_weights.observation=0.0", "data.loss_weights.prompt=0.0",
+        "trainer.total_training_steps=80", f"trainer.default_local_dir={root / 'sft'}",
+        "trainer.log_freq=20", "trainer.device=cpu", "trainer.num_threads=1"])
+    return str(run_sft(cfg).checkpoint_dir)
+
+
+def test_the_model_searches_then_answers_from_the_retrieved_passage(taught_model: str, server_url: str) -> None:
+    from infer import answer_question, load_model, retrieval_search_fn
+
+    model, tok = load_model(taught_model, "cpu")
+    episode = answer_question(model, tok, QUESTION, retrieval_search_fn(server_url, topk=1), max_turns=2,
+                              max_new_tokens=40)
+    assert [t.action.kind for t in episode.turns] == ["search", "answer"]
+    assert episode.turns[0].action.content == "Kalo Miven"
+    # The observation came from the live server, rendered as in training.
+    assert episode.turns[0].observation.startswith("\n\n<information>Doc 1(Title: Kalo Miven)")
+    assert episode.answer == "Dorsil" and episode.stop_reason == "answered" and episode.n_searches == 1
+    # The turn was cut at the stop string: nothing generated past </search>.
+    assert episode.turns[0].text.endswith("</search>")
+
+
+def test_a_search_on_the_final_turn_is_not_run(taught_model: str, server_url: str) -> None:
+    from infer import answer_question, load_model, retrieval_search_fn
+
+    model, tok = load_model(taught_model, "cpu")
+    episode = answer_question(model, tok, QUESTION, retrieval_search_fn(server_url, topk=1), max_turns=0,
+                              max_new_tokens=40)
+    assert episode.n_searches == 0 and episode.stop_reason == "max_turns" and episode.answer is None
+
+
+def test_a_failed_search_becomes_an_observation_not_a_crash(taught_model: str) -> None:
+    from infer import answer_question, load_model, retrieval_search_fn
+
+    model, tok = load_model(taught_model, "cpu")
+    dead = f"http://127.0.0.1:{free_port()}/retrieve"
+    episode = answer_question(model, tok, QUESTION, retrieval_search_fn(dead, topk=1), max_turns=1, max_new_tokens=40)
+    assert "failed" in episode.turns[0].observation
+
+
+def test_cli_prints_each_turn_and_the_answer(taught_model: str, server_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "infer.py", "--question", QUESTION, "--model_path", taught_model,
+         "--retriever_url", server_url, "--topk", "1", "--max_turns", "2", "--device", "cpu",
+         "--max_new_tokens", "40"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "<search> Kalo Miven </search>" in proc.stdout
+    assert "Doc 1(Title: Kalo Miven)" in proc.stdout
+    assert "# Answer: Dorsil" in proc.stdout

@@ -1,0 +1,112 @@
+"""End to end with a real retrieval server: a tiny model that searches, PPO and GRPO steps
+through `run_ppo` (real Ray workers, FSDP on gloo, HF rollout, the rule reward on `nq`).
+
+The BM25 server runs under uvicorn on 127.0.0.1; the model is warmed up in the test to
+write `<search> q </search>` before answering (tests/trainer/_search_model.py), so the
+generation manager really calls the server and appends retrieved passages, which the
+actor must not train on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from scripts.bench.toy_task import ToyPaths, toy_overrides
+from tests.trainer._search_model import (
+    TOPK,
+    build_bm25_retriever,
+    warm_up_searching_model,
+    write_corpus,
+    write_question_parquets,
+)
+from tests.trainer.test_main_ppo import _finite
+from verl.trainer.main_ppo import compose_config, run_ppo
+
+BATCH_SIZE = 2      # prompts a step (both questions)
+N_AGENT = 2         # samples a prompt
+ROLLOUTS = BATCH_SIZE * N_AGENT
+
+
+@dataclass(frozen=True)
+class SearchWorld:
+    server_url: str
+    model_dir: str
+    data: ToyPaths
+
+
+@pytest.fixture(scope="module")
+def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SearchWorld]:
+    """A BM25 server over the tiny corpus, a model warmed up to search it, and the question parquets."""
+    from search_r1.search.retrieval_server import create_app
+    from search_r1.search.serving import serve_in_background
+
+    root = tmp_path_factory.mktemp("search_world")
+    corpus = write_corpus(root / "corpus.jsonl")
+    retriever = build_bm25_retriever(corpus, root / "index")
+    # The warm-up reads the retriever directly, so the server's counters start at zero.
+    model_dir = warm_up_searching_model(tiny_model_dir, retriever, root / "model", steps=200)
+    data = write_question_parquets(root / "data")
+    with serve_in_background(create_app(retriever)) as url:
+        yield SearchWorld(server_url=url, model_dir=str(model_dir), data=data)
+
+
+def _queries_answered(url: str) -> int:
+    """Every query the server looked up, from its cache or the index."""
+    counters = requests.get(f"{url}/health", timeout=10).json()["counters"]
+    return int(counters["cache_hits"] + counters["cache_misses"])
+
+
+def _run_with_search(world: SearchWorld, tmp_path: Path, adv: str) -> tuple[dict, int]:
+    """One training step with search against the world's server; returns (step metrics, queries served)."""
+    overrides = toy_overrides(world.model_dir, world.data, str(tmp_path / "ckpt"), adv_estimator=adv,
+                              batch_size=BATCH_SIZE, n_agent=N_AGENT, response_length=40) + [
+        "do_search=true", "max_turns=2", "actor_rollout_ref.actor.state_masking=true",
+        "data.max_start_length=160", "data.max_prompt_length=512", "data.max_obs_length=160",
+        f"retriever.url={world.server_url}/retrieve", f"retriever.topk={TOPK}",
+        # a little below 1 so the warmed-up policy stays on its trajectory in every run
+        "actor_rollout_ref.rollout.temperature=0.7",
+    ]
+    before = _queries_answered(world.server_url)
+    history = run_ppo(compose_config(overrides))   # the default rule reward scores `nq` rows
+    served = _queries_answered(world.server_url) - before
+    assert [h["step"] for h in history] == [1]
+    return history[0], served
+
+
+def _assert_searched_against_the_server(step: dict, served: int) -> None:
+    searches = step["env/number_of_valid_search"] * ROLLOUTS
+    assert step["env/number_of_valid_search"] > 0
+    assert step["env/search_failures"] == 0
+    # every search the rollout counted was one query the server answered, and nothing else was sent
+    assert served == round(searches) > 0
+    # retrieved passages are in the response but masked out of the policy's tokens
+    assert step["state_tokens/total"] > 0
+    assert 0.0 < step["state_tokens/coverage"] < 1.0
+    for prefix in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/", "critic/advantages/"):
+        _finite(step, prefix)
+    assert step["actor/grad_nonfinite"] == 0
+    # the warmed-up policy answers from the passage; the rule reward reads only its own text
+    assert step["critic/score/mean"] > 0
+
+
+def test_ppo_step_with_search_against_a_real_server_trains_actor_and_critic(
+        ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
+    step, served = _run_with_search(search_world, tmp_path, "gae")
+    _assert_searched_against_the_server(step, served)
+    for prefix in ("critic/vf_loss", "critic/grad_norm", "critic/values/", "critic/returns/"):
+        _finite(step, prefix)
+    assert step["critic/grad_nonfinite"] == 0
+    assert "actor/kl_loss" not in step
+
+
+def test_grpo_step_with_search_against_a_real_server_uses_kl_loss_and_no_critic(
+        ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
+    step, served = _run_with_search(search_world, tmp_path, "grpo")
+    _assert_searched_against_the_server(step, served)
+    _finite(step, "actor/kl_loss")
+    assert not any(k.startswith(("critic/values", "critic/vf_loss")) for k in step)

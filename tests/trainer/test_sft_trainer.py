@@ -1,0 +1,114 @@
+"""The SFT trainer: per-token weights line up with segments, training lowers the loss,
+the result is an HF checkpoint, and FSDP2 across two processes trains the same way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft, weighted_lm_loss
+from verl.utils.dataset.sft_dataset import Segment, SFTDataset, collate_right_padded, tokenize_segments
+
+WEIGHTS = {"prompt": 0.0, "policy": 1.0, "observation": 0.0}
+
+
+def _write_sft_parquet(path: Path, n: int = 64) -> Path:
+    rows = []
+    for i in range(n):
+        city = ["Paris", "Rome", "Oslo", "Lima"][i % 4]
+        rows.append({
+            "prompt": [{"role": "user", "content": f"Where is the capital {i % 4}?"}],
+            "turns": [
+                {"role": "policy", "text": "<think> search </think>\n<search> capital </search>"},
+                {"role": "observation", "text": f"\n\n<information>Doc 1(Title: {city}) {city}\n</information>\n\n"},
+                {"role": "policy", "text": f"<answer> {city} </answer>"},
+            ],
+        })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_parquet(path, index=False)
+    return path
+
+
+def test_weights_follow_the_segment_each_token_came_from(tiny_model_dir: str) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    segments = [Segment("prompt", "Question: who?\n"), Segment("policy", "<search> x </search>"),
+                Segment("observation", "\n\n<information>Doc 1(Title: x) y\n</information>\n\n"),
+                Segment("policy", "<answer> y </answer>")]
+    ex = tokenize_segments(tok, segments, {"prompt": 0.25, "policy": 1.0, "observation": 0.5})
+    expected_ids, expected_w = [], []
+    for seg, w in zip(segments, (0.25, 1.0, 0.5, 1.0), strict=True):
+        ids = tok(seg.text, add_special_tokens=False)["input_ids"]
+        expected_ids += ids
+        expected_w += [w] * len(ids)
+    assert ex.input_ids_L.tolist() == expected_ids + [tok.eos_token_id]
+    assert ex.loss_weight_L.tolist() == expected_w + [1.0]
+
+
+def test_loss_is_the_weighted_mean_over_trainable_tokens(tiny_model_dir: str, tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ds = SFTDataset(str(_write_sft_parquet(tmp_path / "d.parquet", 4)), tok, 1024, WEIGHTS)
+    batch = collate_right_padded([ds[i] for i in range(4)], tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    w = batch["loss_weight"][:, 1:]
+    loss = weighted_lm_loss(model, batch, float(w.sum()))
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
+    assert torch.allclose(loss, ce[w > 0].mean(), atol=1e-5)
+    # Observation tokens carry no weight: their targets do not move the loss.
+    assert 0 < int((w > 0).sum()) < int(batch["attention_mask"][:, 1:].sum())
+
+
+def _overrides(data: Path, model: str, out: Path, steps: int) -> list[str]:
+    return [f"data.train_files={data}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
+            f"model.partial_pretrain={model}", "optim.lr=1e-2", "optim.warmup_steps_ratio=0.1",
+            f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={out}",
+            "trainer.logger=[console,jsonl]", "trainer.log_freq=1", "trainer.device=cpu", "trainer.num_threads=1"]
+
+
+def test_training_lowers_the_loss_and_saves_a_loadable_hf_checkpoint(tiny_model_dir: str, tmp_path: Path) -> None:
+    data = _write_sft_parquet(tmp_path / "sft.parquet")
+    cfg = compose_sft_config(_overrides(data, tiny_model_dir, tmp_path / "out", steps=30))
+    result = run_sft(cfg)
+    losses = [h["train/loss"] for h in result.history]
+    assert result.steps == 30 and len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert (tmp_path / "out" / "logs" / "metrics.jsonl").exists()
+    trained = AutoModelForCausalLM.from_pretrained(result.checkpoint_dir)
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any((result.checkpoint_dir / f).exists() for f in ("model.safetensors",))
+    assert AutoTokenizer.from_pretrained(result.checkpoint_dir).pad_token == "<|pad|>"
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(trained.state_dict()[key], init.state_dict()[key])
+
+
+def test_a_missing_column_names_the_row(tiny_model_dir: str, tmp_path: Path) -> None:
+    path = tmp_path / "bad.parquet"
+    pd.DataFrame([{"prompt": "hi"}]).to_parquet(path)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(KeyError, match="row 0.*'response'"):
+        SFTDataset(str(path), tok, 64, WEIGHTS)
+
+
+def test_fsdp2_on_two_processes_trains_and_saves(tiny_model_dir: str, tmp_path: Path) -> None:
+    data = _write_sft_parquet(tmp_path / "sft.parquet")
+    out = tmp_path / "fsdp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "verl.trainer.fsdp_sft_trainer", *_overrides(data, tiny_model_dir, out, steps=4),
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SFT done: 4 steps" in proc.stdout
+    model = AutoModelForCausalLM.from_pretrained(out / "huggingface")
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    key = "model.embed_tokens.weight"
+    assert model.state_dict()[key].shape == init.state_dict()[key].shape
+    assert not torch.equal(model.state_dict()[key], init.state_dict()[key])
