@@ -39,6 +39,26 @@ from verl.utils.tracking import Tracking
 logger = logging.getLogger(__name__)
 
 GEN_INPUT_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS)
+# Tensors whose first P columns are the (left-padded) prompt.
+PROMPT_ALIGNED_KEYS = (K.PROMPTS, K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS, K.INFO_MASK)
+
+
+def trim_shared_left_padding(batch: DataProto) -> DataProto:
+    """Drop the prompt columns that are padding in every row.
+
+    Prompts arrive left-padded to `data.max_prompt_length`; when the longest prompt of the
+    batch is shorter, those columns are pure padding for every later forward pass (old and
+    ref log-probs, values, updates). Cutting them changes no logit: positions come from the
+    attention mask and padded keys are masked anyway.
+    """
+    prompt_mask = batch.batch[K.ATTENTION_MASK][:, : batch.batch[K.PROMPTS].shape[-1]]
+    shared = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())  # leading all-pad columns
+    if shared == 0:
+        return batch
+    for key in PROMPT_ALIGNED_KEYS:
+        if key in batch.batch.keys():
+            batch.batch[key] = batch.batch[key][:, shared:].contiguous()
+    return batch
 
 
 class Role(Enum):
@@ -224,6 +244,7 @@ class RayPPOTrainer:
         gen_meta = dict(output.meta_info)
         output.meta_info = {}
         batch = batch.union(output)
+        batch = trim_shared_left_padding(batch)
         responses = batch.batch[K.RESPONSES]
         use_loss_mask = self.config.actor_rollout_ref.actor.state_masking and K.LOSS_MASK in batch.batch.keys()
         batch.batch[K.RESPONSE_MASK] = (batch.batch[K.LOSS_MASK] if use_loss_mask
