@@ -88,17 +88,8 @@ def _check_batch_sizes(cfg: DictConfig, errors: list[str]) -> None:
     _divides(errors, "actor mini-batch per worker", mini * n_agent,
              "actor_rollout_ref.actor.ppo_mini_batch_size*rollout.n_agent", ws, ws_key)
     if not actor.use_dynamic_bsz:
-        micro = int(actor.ppo_micro_batch_size)
-        if micro > mini * n_agent:
-            errors.append(
-                f"actor_rollout_ref.actor.ppo_micro_batch_size={micro} is larger than the mini-batch "
-                f"actor_rollout_ref.actor.ppo_mini_batch_size*rollout.n_agent={mini * n_agent}"
-            )
-        _divides(errors, "actor micro-batch per worker", micro, "actor_rollout_ref.actor.ppo_micro_batch_size", ws, ws_key)
-        if micro <= mini * n_agent and micro % ws == 0 and (mini * n_agent) % ws == 0:
-            _divides(errors, "actor mini-batch per worker", mini * n_agent // ws,
-                     "actor_rollout_ref.actor.ppo_mini_batch_size*rollout.n_agent/world_size", micro // ws,
-                     "actor_rollout_ref.actor.ppo_micro_batch_size/world_size")
+        _check_micro_batch(errors, "actor", "actor_rollout_ref.actor", mini * n_agent,
+                           int(actor.ppo_micro_batch_size), ws, ws_key)
         for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size"):
             _divides(errors, "log-prob micro-batch per worker", int(OmegaConf.select(cfg, key)), key, ws, ws_key)
 
@@ -109,17 +100,19 @@ def _check_batch_sizes(cfg: DictConfig, errors: list[str]) -> None:
             errors.append(f"data.train_batch_size={batch} must be a multiple of critic.ppo_mini_batch_size={cmini}")
         _divides(errors, "critic mini-batch per worker", cmini * n_agent, "critic.ppo_mini_batch_size*rollout.n_agent", ws, ws_key)
         if not critic.use_dynamic_bsz:
-            cmicro = int(critic.ppo_micro_batch_size)
-            if cmicro > cmini * n_agent:
-                errors.append(
-                    f"critic.ppo_micro_batch_size={cmicro} is larger than the mini-batch "
-                    f"critic.ppo_mini_batch_size*rollout.n_agent={cmini * n_agent}"
-                )
-            _divides(errors, "critic micro-batch per worker", cmicro, "critic.ppo_micro_batch_size", ws, ws_key)
-            if cmicro <= cmini * n_agent and cmicro % ws == 0 and (cmini * n_agent) % ws == 0:
-                _divides(errors, "critic mini-batch per worker", cmini * n_agent // ws,
-                         "critic.ppo_mini_batch_size*rollout.n_agent/world_size", cmicro // ws,
-                         "critic.ppo_micro_batch_size/world_size")
+            _check_micro_batch(errors, "critic", "critic", cmini * n_agent, int(critic.ppo_micro_batch_size), ws, ws_key)
+
+
+def _check_micro_batch(errors: list[str], who: str, prefix: str, mini_rollouts: int, micro: int,
+                       ws: int, ws_key: str) -> None:
+    """`{prefix}.ppo_micro_batch_size` fits in the mini-batch and splits evenly over the workers."""
+    mini_key, micro_key = f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size"
+    if micro > mini_rollouts:
+        errors.append(f"{micro_key}={micro} is larger than the mini-batch {mini_key}*rollout.n_agent={mini_rollouts}")
+    _divides(errors, f"{who} micro-batch per worker", micro, micro_key, ws, ws_key)
+    if micro <= mini_rollouts and micro % ws == 0 and mini_rollouts % ws == 0:
+        _divides(errors, f"{who} mini-batch per worker", mini_rollouts // ws,
+                 f"{mini_key}*rollout.n_agent/world_size", micro // ws, f"{micro_key}/world_size")
 
 
 def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
