@@ -16,6 +16,7 @@ can never drift apart.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -191,3 +192,22 @@ def parse_sources(text: str) -> list[str]:
     if not sources:
         raise ValueError(f"--data_sources is empty: {text!r}")
     return sources
+
+
+def merge_split(sources: Sequence[str], splits: Sequence[str], out_split: str, local_dir: str | Path,
+                input_dir: str | Path | None = None) -> Path:
+    """Merge `splits` (first one found per source) of `sources` into `{local_dir}/{out_split}.parquet`."""
+    rows = build_merged(sources, tuple(splits), out_split, input_dir if input_dir is not None else local_dir)
+    return write_parquet(rows, Path(local_dir) / f"{out_split}.parquet")
+
+
+def merge_cli(argv: list[str] | None, doc: str | None, default_sources: str, splits: Sequence[str],
+              out_split: str) -> Path:
+    """The command line shared by qa_search_train_merge.py and qa_search_test_merge.py."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser, default_local_dir="./data/nq_hotpotqa_train")
+    parser.add_argument("--data_sources", default=default_sources)
+    args = parser.parse_args(argv)
+    path = merge_split(parse_sources(args.data_sources), splits, out_split, args.local_dir, args.input_dir)
+    print(f"{out_split}: {path}")
+    return path
