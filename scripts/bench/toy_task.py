@@ -84,7 +84,7 @@ def toy_overrides(model_dir: str, paths: ToyPaths, ckpt_dir: str, adv_estimator:
         f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
         f"actor_rollout_ref.rollout.n_agent={n_agent}", "actor_rollout_ref.rollout.name=hf",
         f"actor_rollout_ref.rollout.micro_batch_size={rollouts}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={rollouts}",  # counts rollouts: one optimizer step
         f"actor_rollout_ref.actor.ppo_micro_batch_size={rollouts}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size={rollouts}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size={rollouts}",

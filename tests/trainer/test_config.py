@@ -59,10 +59,15 @@ SMALL = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_
 @pytest.mark.parametrize(("overrides", "message"), [
     (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator='ppo2' is unknown"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3"], "actor_rollout_ref.actor.ppo_mini_batch_size=3"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], "data.train_batch_size=8 must be a multiple"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+     "a mini-batch of 16 rollouts must divide data.train_batch_size*rollout.n_agent*rollout.n=8"),
+    (["actor_rollout_ref.rollout.n_agent=3", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+     "a mini-batch of 16 rollouts must divide data.train_batch_size*rollout.n_agent*rollout.n=24"),
     (["actor_rollout_ref.actor.ppo_micro_batch_size=8"], "ppo_micro_batch_size=8 is larger than the mini-batch"),
-    (["actor_rollout_ref.rollout.n_agent=3", "actor_rollout_ref.actor.ppo_micro_batch_size=8"],
-     "ppo_mini_batch_size*rollout.n_agent/world_size=6 is not divisible by actor_rollout_ref.actor.ppo_micro_batch_size/world_size=4"),
+    (["actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_micro_batch_size=8"],
+     "actor mini-batch rollouts/world_size=6 is not divisible by actor_rollout_ref.actor.ppo_micro_batch_size/world_size=4"),
+    (["critic.loss_agg_mode=token-sum"], "critic.loss_agg_mode='token-sum' is unknown"),
+    (["critic.forward_micro_batch_size=3"], "critic.forward_micro_batch_size=3 is not divisible"),
     (["trainer.n_gpus_per_node=3"], "trainer.nnodes*trainer.n_gpus_per_node=3"),
     (["critic.model.path=null"], "algorithm.adv_estimator=gae needs a critic: set critic.model.path"),
     (["algorithm.no_think_rl=true"], "algorithm.no_think_rl=true is not supported"),
@@ -119,3 +124,72 @@ def test_hydra_entry_point_rejects_a_contradiction_before_starting_anything(tmp_
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "algorithm.adv_estimator='ppo2' is unknown" in proc.stderr
+
+
+# --------------------------------------------------------------------------- mini-batch semantics
+def _per_worker_steps(cfg, world: int) -> tuple[int, int]:
+    """(per-worker mini-batch, optimizer steps per training step) as the workers compute them."""
+    import copy
+
+    from verl.trainer.config_check import rollouts_per_step
+    from verl.workers.fsdp_workers import normalize_actor_batch_sizes
+
+    node = copy.deepcopy(cfg.actor_rollout_ref)
+    normalize_actor_batch_sizes(node, "actor_rollout_ref", world_size=world)
+    mini = int(node.actor.ppo_mini_batch_size)
+    rows = rollouts_per_step(cfg) // world            # the driver's balanced chunk per worker
+    return mini, int(node.actor.ppo_epochs) * -(-rows // mini)
+
+
+def test_the_grpo_override_file_keeps_the_original_search_r1_mini_batch_semantics() -> None:
+    from verl.trainer.config_check import optimizer_steps_per_training_step
+
+    # As the file stands: 64 prompts x 4 samples = 256 rollouts, mini-batches of 32 rollouts.
+    cfg = compose_config(_fixture_overrides("seed_grpo_overrides.txt"))
+    validate_config(cfg)
+    assert _per_worker_steps(cfg, world=2) == (16, 8)
+    assert optimizer_steps_per_training_step(cfg) == 8
+    # The paper's GRPO recipe (512 prompts x 5, mini-batch 256, 8 GPUs) takes 10 steps, as the original does.
+    paper = compose_config([*_fixture_overrides("seed_grpo_overrides.txt"), "data.train_batch_size=512",
+                            "actor_rollout_ref.rollout.n_agent=5", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+                            "actor_rollout_ref.actor.ppo_micro_batch_size=64", "trainer.n_gpus_per_node=8"])
+    validate_config(paper)
+    assert _per_worker_steps(paper, world=8) == (32, 10)
+    assert optimizer_steps_per_training_step(paper) == 10
+
+
+def test_rollout_n_gives_verl_semantics_where_the_mini_batch_counts_prompts() -> None:
+    from verl.trainer.config_check import optimizer_steps_per_training_step, samples_per_prompt
+
+    verl_style = compose_config([*_fixture_overrides("seed_grpo_overrides.txt"), "data.train_batch_size=512",
+                                 "actor_rollout_ref.rollout.n_agent=1", "actor_rollout_ref.rollout.n=5",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+                                 "actor_rollout_ref.actor.ppo_micro_batch_size=64", "trainer.n_gpus_per_node=8"])
+    validate_config(verl_style)
+    assert samples_per_prompt(verl_style) == 5                      # same 2560 rollouts per step
+    assert _per_worker_steps(verl_style, world=8) == (160, 2)      # 256 prompts x 5 per optimizer step
+    assert optimizer_steps_per_training_step(verl_style) == 2
+
+
+def test_the_ppo_override_file_takes_two_actor_and_two_critic_steps() -> None:
+    import copy
+
+    from verl.trainer.config_check import optimizer_steps_per_training_step
+    from verl.workers.fsdp_workers import normalize_critic_batch_sizes
+
+    cfg = compose_config(_fixture_overrides("seed_ppo_overrides.txt"))
+    validate_config(cfg)
+    assert _per_worker_steps(cfg, world=8) == (32, 2)
+    assert optimizer_steps_per_training_step(cfg, "critic") == 2
+    critic = copy.deepcopy(cfg.critic)
+    normalize_critic_batch_sizes(critic, world_size=8)
+    assert (critic.ppo_mini_batch_size, critic.ppo_micro_batch_size, critic.forward_micro_batch_size) == (32, 1, 1)
+
+
+def test_critic_loss_agg_mode_follows_the_actor_unless_set() -> None:
+    cfg = compose_config(["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"])
+    validate_config(cfg)
+    assert cfg.critic.loss_agg_mode == "seq-mean-token-mean"
+    cfg = compose_config(["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "critic.loss_agg_mode=token-mean"])
+    validate_config(cfg)
+    assert cfg.critic.loss_agg_mode == "token-mean"

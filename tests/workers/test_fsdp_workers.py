@@ -72,7 +72,7 @@ def fixed_batch(model_dir: str) -> DataProto:
 
 def test_batch_sizes_are_normalised_per_worker_and_checked(tiny_model_dir):
     cfg = trainer_config(tiny_model_dir)
-    cfg.actor_rollout_ref.rollout.n_agent = 3
+    cfg.actor_rollout_ref.rollout.n = 3   # veRL's rollout.n scales the mini-batch (n_agent does not)
     normalize_actor_batch_sizes(cfg.actor_rollout_ref, "actor_rollout_ref", world_size=4)
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 8 * 3 // 4
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size == 1

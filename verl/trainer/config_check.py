@@ -13,7 +13,7 @@ import importlib.util
 import logging
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,55 @@ def world_size(cfg: DictConfig) -> int:
     return int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
 
 
+def samples_per_prompt(cfg: DictConfig) -> int:
+    """Rollouts per prompt: `rollout.n_agent` (Search-R1's key) times `rollout.n` (veRL's)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return int(rollout.n_agent) * int(rollout.get("n", 1))
+
+
+def rollouts_per_step(cfg: DictConfig) -> int:
+    """Rows one training step trains on: every prompt of the batch, repeated samples_per_prompt times."""
+    return int(cfg.data.train_batch_size) * samples_per_prompt(cfg)
+
+
+def mini_batch_rollouts(cfg: DictConfig, role: str = "actor") -> int:
+    """Rows per optimizer step (all workers together) for role `actor` or `critic`.
+
+    `ppo_mini_batch_size` counts rollouts (rows after the n_agent repetition), as in the original
+    Search-R1, times `rollout.n` as in veRL: with n_agent it is a number of rollouts, with
+    rollout.n a number of prompts.
+    """
+    if role == "actor":
+        return int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * int(cfg.actor_rollout_ref.rollout.get("n", 1))
+    if role == "critic":
+        return int(cfg.critic.ppo_mini_batch_size) * int(cfg.critic.get("rollout_n", 1))
+    raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
+
+
+def optimizer_steps_per_training_step(cfg: DictConfig, role: str = "actor") -> int:
+    """Optimizer steps one training step takes for `role` (ppo_epochs x mini-batches)."""
+    node = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
+    return int(node.ppo_epochs) * -(-rollouts_per_step(cfg) // mini_batch_rollouts(cfg, role))
+
+
+def interpolations(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys under `node` whose value is still an `${...}` interpolation (unresolved)."""
+    found: list[str] = []
+    if isinstance(node, DictConfig):
+        items = [(str(k), k) for k in node.keys()]
+    elif isinstance(node, ListConfig):
+        items = [(str(i), i) for i in range(len(node))]
+    else:
+        return found
+    for name, key in items:
+        path = f"{prefix}.{name}" if prefix else name
+        if OmegaConf.is_interpolation(node, key):
+            found.append(path)
+        else:
+            found.extend(interpolations(node._get_node(key), path))
+    return found
+
+
 def use_kl_in_reward(cfg: DictConfig) -> bool:
     """In-reward KL penalty; null means "unless the actor already has a KL loss" (as Search-R1 does)."""
     value = cfg.algorithm.use_kl_in_reward
@@ -65,54 +114,61 @@ def _divides(errors: list[str], what: str, big: int, big_key: str, small: int, s
 
 
 def _check_batch_sizes(cfg: DictConfig, errors: list[str]) -> None:
+    """Batch sizes in rollouts (see `mini_batch_rollouts`), split evenly over the workers."""
     ws = world_size(cfg)
     ws_key = "trainer.nnodes*trainer.n_gpus_per_node"
-    n_agent = int(cfg.actor_rollout_ref.rollout.n_agent)
-    if n_agent < 1:
-        errors.append(f"actor_rollout_ref.rollout.n_agent={n_agent} must be >= 1")
-        return
+    rollout = cfg.actor_rollout_ref.rollout
+    for key in ("n_agent", "n"):
+        if int(rollout.get(key, 1)) < 1:
+            errors.append(f"actor_rollout_ref.rollout.{key}={rollout.get(key)} must be >= 1")
+            return
     if ws < 1:
         errors.append(f"{ws_key}={ws} must be >= 1")
         return
-    batch = int(cfg.data.train_batch_size)
-    rollouts = batch * n_agent
-    _divides(errors, "rollouts per step", rollouts, "data.train_batch_size*rollout.n_agent", ws, ws_key)
+    rollouts = rollouts_per_step(cfg)
+    rollouts_key = "data.train_batch_size*rollout.n_agent*rollout.n"
+    _divides(errors, "rollouts per step", rollouts, rollouts_key, ws, ws_key)
 
     actor = cfg.actor_rollout_ref.actor
-    mini = int(actor.ppo_mini_batch_size)
-    if mini > batch or batch % max(mini, 1) != 0:
-        errors.append(
-            f"data.train_batch_size={batch} must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size={mini} "
-            f"(train_batch_size*n_agent={rollouts} is split into mini-batches of ppo_mini_batch_size*n_agent={mini * n_agent})"
-        )
-    _divides(errors, "actor mini-batch per worker", mini * n_agent,
-             "actor_rollout_ref.actor.ppo_mini_batch_size*rollout.n_agent", ws, ws_key)
+    _check_mini_batch(errors, "actor", "actor_rollout_ref.actor", int(actor.ppo_mini_batch_size),
+                      "actor_rollout_ref.rollout.n", int(rollout.get("n", 1)), rollouts, rollouts_key, ws, ws_key)
     if not actor.use_dynamic_bsz:
-        _check_micro_batch(errors, "actor", "actor_rollout_ref.actor", mini * n_agent,
+        _check_micro_batch(errors, "actor", "actor_rollout_ref.actor", mini_batch_rollouts(cfg, "actor"),
                            int(actor.ppo_micro_batch_size), ws, ws_key)
         for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size"):
             _divides(errors, "log-prob micro-batch per worker", int(OmegaConf.select(cfg, key)), key, ws, ws_key)
 
     if need_critic(cfg):
         critic = cfg.critic
-        cmini = int(critic.ppo_mini_batch_size)
-        if cmini > batch or batch % max(cmini, 1) != 0:
-            errors.append(f"data.train_batch_size={batch} must be a multiple of critic.ppo_mini_batch_size={cmini}")
-        _divides(errors, "critic mini-batch per worker", cmini * n_agent, "critic.ppo_mini_batch_size*rollout.n_agent", ws, ws_key)
+        _check_mini_batch(errors, "critic", "critic", int(critic.ppo_mini_batch_size),
+                          "critic.rollout_n", int(critic.get("rollout_n", 1)), rollouts, rollouts_key, ws, ws_key)
         if not critic.use_dynamic_bsz:
-            _check_micro_batch(errors, "critic", "critic", cmini * n_agent, int(critic.ppo_micro_batch_size), ws, ws_key)
+            _check_micro_batch(errors, "critic", "critic", mini_batch_rollouts(cfg, "critic"),
+                               int(critic.ppo_micro_batch_size), ws, ws_key)
+            _divides(errors, "critic forward micro-batch per worker", int(critic.forward_micro_batch_size),
+                     "critic.forward_micro_batch_size", ws, ws_key)
+
+
+def _check_mini_batch(errors: list[str], who: str, prefix: str, size: int, n_key: str, n: int, rollouts: int,
+                      rollouts_key: str, ws: int, ws_key: str) -> None:
+    """The mini-batch (size * n rollouts) fits in and divides the step's rollouts, and splits over the workers."""
+    mini, mini_key = size * n, f"{prefix}.ppo_mini_batch_size*{n_key}"
+    if mini < 1 or mini > rollouts or rollouts % mini != 0:
+        errors.append(f"{prefix}.ppo_mini_batch_size={size} (x {n_key}={n}): a mini-batch of {mini} rollouts must "
+                      f"divide {rollouts_key}={rollouts} (ppo_mini_batch_size counts rollouts, see docs/training.md)")
+    _divides(errors, f"{who} mini-batch per worker", mini, mini_key, ws, ws_key)
 
 
 def _check_micro_batch(errors: list[str], who: str, prefix: str, mini_rollouts: int, micro: int,
                        ws: int, ws_key: str) -> None:
-    """`{prefix}.ppo_micro_batch_size` fits in the mini-batch and splits evenly over the workers."""
-    mini_key, micro_key = f"{prefix}.ppo_mini_batch_size", f"{prefix}.ppo_micro_batch_size"
+    """`{prefix}.ppo_micro_batch_size` (rows) fits in the mini-batch and splits evenly over the workers."""
+    micro_key = f"{prefix}.ppo_micro_batch_size"
     if micro > mini_rollouts:
-        errors.append(f"{micro_key}={micro} is larger than the mini-batch {mini_key}*rollout.n_agent={mini_rollouts}")
+        errors.append(f"{micro_key}={micro} is larger than the mini-batch of {mini_rollouts} rollouts")
     _divides(errors, f"{who} micro-batch per worker", micro, micro_key, ws, ws_key)
     if micro <= mini_rollouts and micro % ws == 0 and mini_rollouts % ws == 0:
         _divides(errors, f"{who} mini-batch per worker", mini_rollouts // ws,
-                 f"{mini_key}*rollout.n_agent/world_size", micro // ws, f"{micro_key}/world_size")
+                 f"{who} mini-batch rollouts/world_size", micro // ws, f"{micro_key}/world_size")
 
 
 def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
@@ -126,8 +182,10 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"algorithm.kl_penalty={algo.kl_penalty!r} is unknown; choose one of {list(KL_TYPES)}")
     if actor.kl_loss_type not in KL_TYPES:
         errors.append(f"actor_rollout_ref.actor.kl_loss_type={actor.kl_loss_type!r} is unknown; choose one of {list(KL_TYPES)}")
-    if actor.loss_agg_mode not in LOSS_AGG_MODES:
-        errors.append(f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode!r} is unknown; choose one of {list(LOSS_AGG_MODES)}")
+    for key in ("actor_rollout_ref.actor.loss_agg_mode", "critic.loss_agg_mode"):
+        mode = OmegaConf.select(cfg, key)
+        if mode not in LOSS_AGG_MODES:
+            errors.append(f"{key}={mode!r} is unknown; choose one of {list(LOSS_AGG_MODES)}")
     if algo.kl_ctrl.type not in ("fixed", "adaptive"):
         errors.append(f"algorithm.kl_ctrl.type={algo.kl_ctrl.type!r} is unknown; choose fixed or adaptive")
     if actor.use_kl_loss and algo.use_kl_in_reward:

@@ -66,11 +66,16 @@ def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
 
 
 def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None) -> RayPPOTrainer:
-    """Validate, load the tokenizer, map roles to worker classes and pools; workers not yet spawned."""
+    """Resolve and validate `config` (in place), load the tokenizer, map roles to worker classes
+    and pools; workers not yet spawned."""
     from transformers import AutoTokenizer
 
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
+    # Every `${...}` becomes its value now, as in veRL / Search-R1: the colocated workers divide
+    # their batch sizes in place, and an interpolation (critic.ppo_mini_batch_size ->
+    # actor.ppo_mini_batch_size) would otherwise read the actor's already divided value.
+    OmegaConf.resolve(config)
     validate_config(config)
     use_gpu = _has_gpu(config)
     check_runtime(config, has_gpu=use_gpu)

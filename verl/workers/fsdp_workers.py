@@ -59,11 +59,16 @@ def _check_micro_divides_mini(node: Any, mini_key: str, micro_key: str, where: s
 
 
 def normalize_actor_batch_sizes(config: Any, role: str, world_size: int) -> None:
-    """Global -> per-rank batch sizes for an ActorRolloutRefWorker config (in place)."""
+    """Global -> per-rank batch sizes for an ActorRolloutRefWorker config (in place).
+
+    `ppo_mini_batch_size` counts rollouts (rows after the driver's n_agent repetition), times
+    `rollout.n` (veRL's key, default 1), as in the original Search-R1; `rollout.n_agent` does
+    not scale it. Micro-batch sizes count rows. Call once per config copy: it divides in place.
+    """
     if role in ("actor", "actor_rollout", "actor_rollout_ref"):
         actor = config.actor
-        n_agent = int(config.rollout.get("n_agent", 1))
-        _per_rank(actor, "ppo_mini_batch_size", world_size, "actor_rollout_ref.actor", multiplier=n_agent)
+        n = int(config.rollout.get("n", 1))
+        _per_rank(actor, "ppo_mini_batch_size", world_size, "actor_rollout_ref.actor", multiplier=n)
         _per_rank(actor, "ppo_micro_batch_size", world_size, "actor_rollout_ref.actor")
         _check_micro_divides_mini(actor, "ppo_mini_batch_size", "ppo_micro_batch_size", "actor_rollout_ref.actor")
     if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
@@ -75,10 +80,12 @@ def normalize_actor_batch_sizes(config: Any, role: str, world_size: int) -> None
 def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
     """Global -> per-rank batch sizes for a CriticWorker config (in place).
 
-    `critic.rollout_n` (default 1), if the driver sets it, plays the role of n_agent.
+    Same semantics as the actor's: `ppo_mini_batch_size` counts rollouts, times `critic.rollout_n`
+    (= `actor_rollout_ref.rollout.n`, default 1). The config must be resolved: an interpolation
+    to the actor's mini-batch would read the actor's already divided value in a colocated worker.
     """
-    n_agent = int(config.get("rollout_n", 1))
-    _per_rank(config, "ppo_mini_batch_size", world_size, "critic", multiplier=n_agent)
+    n = int(config.get("rollout_n", 1))
+    _per_rank(config, "ppo_mini_batch_size", world_size, "critic", multiplier=n)
     _per_rank(config, "ppo_micro_batch_size", world_size, "critic")
     _per_rank(config, "forward_micro_batch_size", world_size, "critic")
     _check_micro_divides_mini(config, "ppo_mini_batch_size", "ppo_micro_batch_size", "critic")

@@ -29,7 +29,7 @@ def tiny_args(tmp: Path) -> list[str]:
         "demo.num_layers=1", "demo.num_heads=2", "demo.intermediate_size=64", "demo.vocab_size=600",
         "demo.n_val_per_kind=2", "demo.n_train=64", "demo.num_threads=1",
         "trainer.total_training_steps=1", "data.train_batch_size=4", "data.val_batch_size=16",
-        "actor_rollout_ref.rollout.n_agent=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n_agent=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.ppo_micro_batch_size=8",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size=8", "actor_rollout_ref.ref.log_prob_micro_batch_size=8",
         "data.max_response_length=16",

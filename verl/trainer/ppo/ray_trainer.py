@@ -3,7 +3,7 @@
 The driver sees the whole batch; heavy work (generation, log-probs, updates) is
 dispatched to worker groups by registered methods. One step:
 
-    prompts -> uid per prompt -> repeat n_agent (interleaved) -> generate (single turn, or the
+    prompts -> uid per prompt -> repeat n_agent * rollout.n (interleaved) -> generate (single turn, or the
     multi-turn search loop) -> response_mask -> balance across workers -> old log-prob ->
     ref log-prob -> values -> reward -> in-reward KL -> advantages -> critic update ->
     actor update -> validate (every test_freq) -> checkpoint (every save_freq)
@@ -172,12 +172,13 @@ class RayPPOTrainer:
         self.resource_pool_manager.create_resource_pool()
         pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
         actor_role = "actor_rollout_ref" if self.use_reference_policy else "actor_rollout"
+        configs = self.worker_configs()
         class_dict = {"actor_rollout": RayClassWithInitArgs(
-            self.role_worker_mapping[Role.ActorRollout], config=self.config.actor_rollout_ref, role=actor_role)}
+            self.role_worker_mapping[Role.ActorRollout], config=configs["actor_rollout"], role=actor_role)}
         if self.use_critic:
             if self.resource_pool_manager.get_resource_pool(Role.Critic) is not pool:
                 raise ValueError("the critic must share the actor's resource pool (colocated workers)")
-            class_dict["critic"] = RayClassWithInitArgs(self.role_worker_mapping[Role.Critic], config=self.config.critic)
+            class_dict["critic"] = RayClassWithInitArgs(self.role_worker_mapping[Role.Critic], config=configs["critic"])
         worker_dict_cls = create_colocated_worker_cls(class_dict=class_dict)
         wg_dict = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_dict_cls)
         spawned = wg_dict.spawn(prefix_set=class_dict.keys())
@@ -188,6 +189,24 @@ class RayPPOTrainer:
         # Actor last: with vLLM it sizes its KV cache from the memory left.
         self.actor_rollout_wg = spawned["actor_rollout"]
         self.actor_rollout_wg.init_model()
+
+    def worker_configs(self) -> dict[str, DictConfig]:
+        """The config sub-trees the workers receive, by worker-group prefix; each must be resolved.
+
+        The colocated actor and critic unpickle their sub-trees as one tree and divide their batch
+        sizes in place: an interpolation left in the critic's (`${actor_rollout_ref.actor.
+        ppo_mini_batch_size}`) would read the actor's already divided value. `run_ppo` resolves the
+        whole config; this refuses a config that was not.
+        """
+        configs = {"actor_rollout": self.config.actor_rollout_ref}
+        if self.use_critic:
+            configs["critic"] = self.config.critic
+        for name, node in configs.items():
+            left = config_check.interpolations(node)
+            if left:
+                raise ValueError(f"the {name} worker config still holds interpolations {left[:3]}: "
+                                 "call OmegaConf.resolve(config) before building the trainer (run_ppo does)")
+        return configs
 
     def shutdown(self) -> None:
         """Kill the worker processes and give their bundles back (the Ray cluster may outlive us)."""
@@ -298,15 +317,27 @@ class RayPPOTrainer:
         epochs = int(self.config.actor_rollout_ref.actor.ppo_epochs)
         return {"perf/mfu/actor": achieved * epochs / (promised * self.world_size)}
 
+    def _update_metrics(self, worker_metrics: dict[str, Any], role: str) -> dict[str, float]:
+        """Reduce an update's metrics; add `<role>/optimizer_steps`, the optimizer steps each worker took.
+
+        Every rank appends one `<role>/grad_norm` per mini-batch (per PPO epoch), and the worker
+        group concatenates the ranks' lists.
+        """
+        metrics = mu.reduce_metrics(worker_metrics)
+        norms = worker_metrics.get(f"{role}/grad_norm")
+        if norms is not None:
+            metrics[f"{role}/optimizer_steps"] = len(norms) / self.world_size
+        return metrics
+
     def train_step(self, batch: DataProto) -> dict[str, float]:
         """One PPO/GRPO iteration on one dataloader batch (prompts only); returns its metrics."""
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
-        n_agent = int(self.config.actor_rollout_ref.rollout.n_agent)
+        samples = config_check.samples_per_prompt(self.config)
         with mu.timer("step", timing):
-            # uid before repeating: the n_agent samples of one prompt share it (the GRPO group).
+            # uid before repeating: the samples of one prompt share it (the GRPO group).
             batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-            batch = batch.repeat(repeat_times=n_agent, interleave=True)
+            batch = batch.repeat(repeat_times=samples, interleave=True)
             with mu.timer("gen", timing):
                 batch, gen_meta = self._generate(batch, validation=False)
             metrics.update(mu.compute_env_metrics(gen_meta))
@@ -327,11 +358,13 @@ class RayPPOTrainer:
             if self.use_critic:
                 with mu.timer("update_critic", timing):
                     critic_out = self.critic_wg.update_critic(batch)
-                metrics.update(mu.reduce_metrics(critic_out.meta_info[K.META_METRICS]))
-            if self.global_step >= int(self.config.trainer.critic_warmup):
+                metrics.update(self._update_metrics(critic_out.meta_info[K.META_METRICS], "critic"))
+            # Steps count from 1 (global_step + 1 is this step), as in veRL and Search-R1: the actor
+            # sits out the first critic_warmup - 1 steps.
+            if self.global_step + 1 >= int(self.config.trainer.critic_warmup):
                 with mu.timer("update_actor", timing):
                     actor_out = self.actor_rollout_wg.update_actor(batch)
-                metrics.update(mu.reduce_metrics(actor_out.meta_info[K.META_METRICS]))
+                metrics.update(self._update_metrics(actor_out.meta_info[K.META_METRICS], "actor"))
                 metrics.update(self._mfu(batch, timing["update_actor"]))
             self.global_step += 1
             is_last = self.global_step >= self.total_training_steps
