@@ -57,6 +57,57 @@ def test_one_ppo_step_trains_actor_and_critic_and_saves_a_checkpoint(
     assert [r["step"] for r in records] == [1]
 
 
+def test_run_ppo_resolves_the_config_so_the_critic_mini_batch_is_divided_once(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=3)
+    # 4 prompts x 2 samples = 8 rollouts, mini-batches of 4 rollouts: 2 optimizer steps per update,
+    # i.e. 2 rows per worker per step on 2 workers. The critic's sizes stay interpolations
+    # (critic.ppo_mini_batch_size -> the actor's, forward_micro_batch_size -> its micro-batch).
+    cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="gae") + [
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+        "critic.ppo_micro_batch_size=2"])
+    assert OmegaConf.is_interpolation(cfg.critic, "ppo_mini_batch_size")
+    assert OmegaConf.is_interpolation(cfg.critic, "forward_micro_batch_size")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (step,) = run_ppo(cfg, reward_fn=ContainsTokenReward(tok))
+    # Divided twice, the critic's per-worker mini-batch would be 1 row: 4 steps (or a start-up error).
+    assert step["critic/optimizer_steps"] == 2
+    assert step["actor/optimizer_steps"] == 2
+    assert cfg.critic.ppo_mini_batch_size == 4   # the driver's config: resolved, global sizes
+
+
+def test_workers_receive_resolved_configs_that_divide_independently(tiny_model_dir: str, tmp_path: Path) -> None:
+    import pickle
+
+    from verl.trainer.config_check import interpolations
+    from verl.trainer.main_ppo import build_trainer
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager
+    from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+
+    paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=2)
+    overrides = toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="gae") + [
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+        "critic.ppo_micro_batch_size=2"]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    unresolved = compose_config(overrides)
+    trainer = RayPPOTrainer(unresolved, tok, {}, ResourcePoolManager({}, {}), reward_fn=ContainsTokenReward(tok))
+    with pytest.raises(ValueError, match="interpolations"):
+        trainer.worker_configs()
+
+    trainer = build_trainer(compose_config(overrides), reward_fn=ContainsTokenReward(tok))
+    configs = trainer.worker_configs()
+    assert set(configs) == {"actor_rollout", "critic"}
+    assert all(interpolations(node) == [] for node in configs.values())
+    # A colocated worker unpickles both sub-trees together, then each divides its own in place.
+    actor, critic = pickle.loads(pickle.dumps((configs["actor_rollout"], configs["critic"])))
+    normalize_actor_batch_sizes(actor, "actor_rollout_ref", world_size=2)
+    normalize_critic_batch_sizes(critic, world_size=2)
+    assert (actor.actor.ppo_mini_batch_size, critic.ppo_mini_batch_size) == (2, 2)
+    assert (critic.ppo_micro_batch_size, critic.forward_micro_batch_size) == (1, 1)
+
+
 def test_one_grpo_step_uses_kl_loss_and_validates_greedily_per_data_source(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
     history, ckpt = _run(tiny_model_dir, tmp_path, "grpo",
@@ -152,12 +203,13 @@ class ScriptedActorRollout:
         return DataProto(meta_info={"metrics": {"actor/pg_loss": [0.5, 1.5]}})
 
 
-def _scripted_trainer(tiny_model_dir: str, tmp_path: Path, n_val: int = 3):
+def _scripted_trainer(tiny_model_dir: str, tmp_path: Path, n_val: int = 3, n_agent: int = 2,
+                      extra: tuple[str, ...] = ()):
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager
 
     paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=n_val)
     cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="grpo",
-                                       n_agent=2, batch_size=4))
+                                       n_agent=n_agent, batch_size=4) + list(extra))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     target = tok.convert_tokens_to_ids("<answer>")
     trainer = RayPPOTrainer(cfg, tok, {}, ResourcePoolManager({}, {}), reward_fn=ContainsTokenReward(tok),
@@ -178,6 +230,7 @@ def test_grpo_groups_are_per_prompt_uids_shared_by_the_n_agent_samples(tiny_mode
         assert len(rows) == 2 and len({index[i] for i in rows}) == 1
     # training samples, the update's metrics are reduced to their mean, the score is 1 everywhere
     assert all(c.meta_info["do_sample"] is True for c in trainer.actor_rollout_wg.generate_calls)
+    # Exact: the mean of values that are all exactly 1.0 is exactly 1.0 on any CPU.
     assert metrics["actor/pg_loss"] == 1.0
     assert metrics["critic/score/mean"] == 1.0
     assert batch.batch["response_mask"].tolist() == [[1, 1, 1, 1]] * 8
@@ -206,3 +259,26 @@ def test_total_training_steps_reach_the_optimizer_configs_before_workers_exist(
         assert trainer.total_training_steps == expected
         assert cfg.actor_rollout_ref.actor.optim.total_training_steps == expected
         assert cfg.critic.optim.total_training_steps == expected
+
+
+@pytest.mark.parametrize(("critic_warmup", "updated_steps"), [(0, [1, 2]), (1, [1, 2]), (2, [2])])
+def test_critic_warmup_counts_steps_from_one_as_verl(tiny_model_dir: str, tmp_path: Path, critic_warmup: int,
+                                                      updated_steps: list[int]) -> None:
+    trainer = _scripted_trainer(tiny_model_dir, tmp_path, extra=(f"trainer.critic_warmup={critic_warmup}",))
+    updated = []
+    for batch in trainer.train_dataloader:      # 8 prompts, batch 4: two steps
+        before = len(trainer.actor_rollout_wg.updates)
+        trainer.train_step(batch)
+        if len(trainer.actor_rollout_wg.updates) > before:
+            updated.append(trainer.global_step)
+    assert trainer.global_step == 2
+    assert updated == updated_steps
+
+
+def test_rollout_n_repeats_prompts_like_n_agent_and_the_group_holds_all_samples(
+        tiny_model_dir: str, tmp_path: Path) -> None:
+    trainer = _scripted_trainer(tiny_model_dir, tmp_path, n_agent=2, extra=("actor_rollout_ref.rollout.n=2",))
+    trainer.train_step(next(iter(trainer.train_dataloader)))
+    uids = trainer.actor_rollout_wg.updates[0].non_tensor_batch["uid"].tolist()
+    assert len(uids) == 4 * 2 * 2 and len(set(uids)) == 4
+    assert all(uids.count(uid) == 4 for uid in set(uids))
