@@ -101,6 +101,9 @@ class _Row:
     n_turns: int = 0
     n_valid_actions: int = 0
     n_searches: int = 0
+    # Response position from which the policy sampled from a rolling context that had dropped
+    # older turns (-1: never). Old log-probs and the update see the full sequence instead.
+    cut_from: int = -1
 
     @property
     def active(self) -> bool:
@@ -331,6 +334,8 @@ class LLMGenerationManager:
                 ids, cut = self._context(rows[i])
                 contexts.append(ids)
                 stats["context_cuts"] += int(cut)
+                if cut and rows[i].cut_from < 0:
+                    rows[i].cut_from = rows[i].response_len
 
             start = time.perf_counter()
             sampled = self._generate(contexts, meta)
@@ -375,7 +380,7 @@ class LLMGenerationManager:
     def _compose_final_output(self, rows: list[_Row], prompts: torch.Tensor, prompt_mask: torch.Tensor,
                               stats: Counter[str], timing: dict[str, float]) -> Any:
         """Writes prompts (B,P), responses (B,R), input_ids, attention_mask, position_ids,
-        info_mask (B,P+R) and loss_mask (B,R), plus rollout statistics in meta_info."""
+        info_mask (B,P+R), loss_mask (B,R) and context_cut_mask (B,R), plus rollout statistics in meta_info."""
         from verl.protocol import DataProto
 
         ids_and_masks = [row.response() for row in rows]
@@ -383,6 +388,8 @@ class LLMGenerationManager:
         responses = right_pad([ids for ids, _ in ids_and_masks], self.tokenizer.pad_token_id, width)
         response_attention = right_pad([[1] * len(ids) for ids, _ in ids_and_masks], 0, width)
         loss_mask = right_pad([mask for _, mask in ids_and_masks], 0, width)
+        cut_from = torch.tensor([row.cut_from if row.cut_from >= 0 else width for row in rows]).unsqueeze(1)
+        context_cut_mask = loss_mask * (torch.arange(width).unsqueeze(0) >= cut_from).long()
         attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
         tensors = {
             K.PROMPTS: prompts,
@@ -392,6 +399,7 @@ class LLMGenerationManager:
             K.POSITION_IDS: position_ids_from_mask(attention_mask),
             K.INFO_MASK: torch.cat([prompt_mask, loss_mask], dim=1),
             K.LOSS_MASK: loss_mask,
+            K.CONTEXT_CUT_MASK: context_cut_mask,
         }
         reasons = Counter(row.stop_reason or "unfinished" for row in rows)
         meta_info = {

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from scripts.bench.toy_task import TOY_DATA_SOURCE, ContainsTokenReward, toy_overrides, write_toy_parquets
@@ -282,3 +283,49 @@ def test_rollout_n_repeats_prompts_like_n_agent_and_the_group_holds_all_samples(
     uids = trainer.actor_rollout_wg.updates[0].non_tensor_batch["uid"].tolist()
     assert len(uids) == 4 * 2 * 2 and len(set(uids)) == 4
     assert all(uids.count(uid) == 4 for uid in set(uids))
+
+
+class ScriptedSearchActorRollout(ScriptedActorRollout):
+    """ScriptedActorRollout whose generation replays per-prompt multi-turn streams (scripts/bench/rollout.py)."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[list[int]]]) -> None:
+        from scripts.bench.rollout import ScriptedRollout
+
+        super().__init__([], tokenizer.pad_token_id)
+        self.engine = ScriptedRollout(tokenizer, scripts, key_pattern=r"Question (\S+?)\?")
+
+    def generate_sequences(self, prompts):
+        self.generate_calls.append(prompts)
+        return self.engine.generate_sequences(prompts)
+
+
+def test_tokens_sampled_after_the_rolling_context_dropped_turns_are_kept_out_of_the_update(
+        tiny_model_dir: str, tmp_path: Path) -> None:
+    from search_r1.llm_agent import actions
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    invalid = tok.encode("<think> I wonder </think> nothing", add_special_tokens=False)
+    notice = len(tok.encode(actions.INVALID_ACTION_NOTICE, add_special_tokens=False))
+    turn_len = len(invalid) + notice
+    paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=2)
+    overrides = toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="grpo", n_agent=2,
+                              batch_size=4, response_length=len(invalid)) + [
+        "do_search=true", "max_turns=2", "actor_rollout_ref.actor.state_masking=true",
+        "retriever.url=http://127.0.0.1:9/retrieve", f"data.max_obs_length={notice + 8}",
+        # Room for the prompt (<= 32 tokens) and one turn, not two: the final turn's context is cut.
+        f"data.max_prompt_length={32 + turn_len + 1}"]
+    trainer = RayPPOTrainer(compose_config(overrides), tok, {}, ResourcePoolManager({}, {}),
+                            reward_fn=ContainsTokenReward(tok))
+    trainer.actor_rollout_wg = ScriptedSearchActorRollout(tok, {str(i): [invalid] * 3 for i in range(8)})
+    metrics = trainer.train_step(next(iter(trainer.train_dataloader)))
+
+    batch = trainer.actor_rollout_wg.updates[0].batch
+    assert metrics["env/context_cuts"] == 8                 # every row's final (third) turn
+    cut, loss_mask, response_mask = batch["context_cut_mask"], batch["loss_mask"], batch["response_mask"]
+    final_turn = slice(2 * turn_len, 2 * turn_len + len(invalid))
+    assert cut[:, final_turn].eq(1).all() and cut.sum() == 8 * len(invalid)
+    assert loss_mask[:, final_turn].eq(1).all()             # the reward still reads the final turn's text
+    assert torch.equal(response_mask, loss_mask * (1 - cut))
+    assert response_mask[:, : 2 * turn_len].sum() == 8 * 2 * len(invalid)  # earlier turns still train
+    assert metrics["env/context_cut_masked_tokens"] == 8 * len(invalid)

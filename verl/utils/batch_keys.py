@@ -16,6 +16,8 @@ PROMPTS = "prompts"                  # (B, P) long, left-padded
 RESPONSES = "responses"              # (B, R) long, right-padded (all turns, observations included)
 INFO_MASK = "info_mask"              # (B, T) long: attention_mask with observation tokens set to 0
 LOSS_MASK = "loss_mask"              # (B, R) long: 1 = token the policy sampled (not pad, not observation)
+CONTEXT_CUT_MASK = "context_cut_mask"  # (B, R) long: 1 = policy token sampled from a rolling context
+                                       #   that had dropped older turns (kept out of the update)
 RESPONSE_MASK = "response_mask"      # (B, R) long: THE mask every loss / KL / whitening / GAE uses.
                                      #   = loss_mask when actor.state_masking, else attention_mask[:, P:]
 OLD_LOG_PROBS = "old_log_probs"      # (B, R) float: log-probs of the rollout policy
@@ -47,7 +49,7 @@ META_GLOBAL_TOKEN_NUM = "global_token_num"
 META_METRICS = "metrics"             # dict[str, float | list[float]] returned by update_* methods
 
 TENSOR_KEYS = frozenset({
-    INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PROMPTS, RESPONSES, INFO_MASK, LOSS_MASK,
+    INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PROMPTS, RESPONSES, INFO_MASK, LOSS_MASK, CONTEXT_CUT_MASK,
     RESPONSE_MASK, OLD_LOG_PROBS, REF_LOG_PROB, VALUES, TOKEN_LEVEL_SCORES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS,
 })

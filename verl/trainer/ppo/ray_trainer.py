@@ -307,6 +307,21 @@ class RayPPOTrainer:
         batch.batch[K.ADVANTAGES] = advantages_BR
         batch.batch[K.RETURNS] = returns_BR
 
+    def _mask_cut_context(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """Keep tokens sampled from a cut rolling context out of the actor and critic updates.
+
+        When the rolling context dropped old turns, the policy sampled the later tokens from a
+        shorter context than the full sequence that old log-probs, values and the update see, so
+        their PPO ratio is not an importance ratio of the sampling policy. Advantages were computed
+        with those tokens in (the reward sits on the last policy token); only the losses skip them.
+        """
+        if K.CONTEXT_CUT_MASK not in batch.batch.keys():
+            return
+        cut_BR = batch.batch[K.CONTEXT_CUT_MASK].to(batch.batch[K.RESPONSE_MASK].dtype)
+        response_mask = batch.batch[K.RESPONSE_MASK]
+        metrics["env/context_cut_masked_tokens"] = float((response_mask * cut_BR).sum())
+        batch.batch[K.RESPONSE_MASK] = response_mask * (1 - cut_BR)
+
     def _mfu(self, batch: DataProto, seconds: float) -> dict[str, float]:
         if self._flops_counter is None or seconds <= 0:
             return {}
@@ -355,6 +370,7 @@ class RayPPOTrainer:
             with mu.timer("adv", timing):
                 self._compute_reward(batch, metrics)
                 self._compute_advantage(batch)
+                self._mask_cut_context(batch, metrics)
             if self.use_critic:
                 with mu.timer("update_critic", timing):
                     critic_out = self.critic_wg.update_critic(batch)
