@@ -7,6 +7,8 @@
 # Environment: BASE_MODEL, DATA_DIR (default data/nq_search), EXPERIMENT_NAME, N_GPUS (default 8),
 # WAND_PROJECT, RETRIEVER_URL, ROLLOUT_NAME (hf; vllm once its engine lands). Extra arguments are Hydra overrides and win over the defaults here.
 # With no BASE_MODEL on a machine with no GPU, this runs the small offline CPU demo instead.
+# ppo_mini_batch_size counts rollouts (rows after the n_agent repetition), as in the original:
+# 128 = 32 prompts x 4 samples, 2 optimizer steps per training step (docs/training.md).
 set -euo pipefail
 cd "$(dirname "$0")"
 
