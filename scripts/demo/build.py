@@ -9,7 +9,10 @@ skipped when the output exists, so a second `run_demo` starts at RL within secon
     data/demo/{train,test}.parquet        RL data, by the same code as scripts/data_process
     data/demo/sft/train.parquet           demonstrations from OTHER worlds
     data/demo/model_init/                 tokenizer (trained on yet another world) + random Qwen2
-    data/demo/sft_phase{i}/huggingface/   the warm-started model (last phase: where RL starts)
+    data/demo/sft_phase{i}/huggingface/   a warm start built here (last phase: where RL starts), only
+                                          when the settings differ from the shipped one's or
+                                          demo.rebuild_warmstart=true
+    example/demo_warmstart/               the shipped warm start (scripts/demo/warmstart.py), the default
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
 from scripts.data_process.common import build_merged, write_flashrag_jsonl, write_parquet
 from scripts.demo.demonstrations import make_demonstrations
@@ -33,6 +37,7 @@ from scripts.demo.world import (
 )
 from search_r1.prompt import PROMPT_TEMPLATE, make_prefix
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ONEHOP_SOURCE = "demo_onehop"
 TWOHOP_SOURCE = "demo_twohop"
 
@@ -62,11 +67,19 @@ class DemoSettings:
     sft_lr: float = 3e-3
     sft_batch_size: int = 32
     sft_context_weight: float = 0.5   # weight of prompt/retrieved tokens (copy practice)
-    num_threads: int = 2
+    num_threads: int = 1   # SFT torch threads: one thread is one fixed reduction order, whatever the load
+    # The warm start RL starts from: the shipped folder (relative paths are from the
+    # repository root) when its manifest's settings match these, else built under data_dir.
+    warmstart_dir: str = "example/demo_warmstart"
+    rebuild_warmstart: bool = False   # build under data_dir even when the shipped one matches
 
     @property
     def root(self) -> Path:
         return Path(self.data_dir)
+
+    @property
+    def warmstart_path(self) -> Path:
+        return REPO_ROOT / self.warmstart_dir
 
 
 def _question_row(q: Question, i: int) -> dict:
@@ -156,8 +169,8 @@ def sft_overrides(s: DemoSettings, sft_data: Path, model_init: Path, steps: int,
         f"model.partial_pretrain={model_init}", f"optim.lr={s.sft_lr}",
         f"optim.warmup_steps_ratio={0.05 if phase == 0 else 0.02}", "optim.weight_decay=0.0",
         f"trainer.total_training_steps={steps}", f"trainer.seed={1 + phase}",
-        f"trainer.default_local_dir={s.root / f'sft_phase{phase}'}", "trainer.logger=[console,jsonl]",
-        "trainer.log_freq=25", "trainer.device=cpu", f"trainer.num_threads={s.num_threads}",
+        f"trainer.default_local_dir={s.root / f'sft_phase{phase}'}", "trainer.logger=[jsonl]",
+        "trainer.progress_bar=true", "trainer.log_freq=25", "trainer.device=cpu", f"trainer.num_threads={s.num_threads}",
     ]
 
 
@@ -180,8 +193,15 @@ def build_warm_start(s: DemoSettings) -> Path:
 
 
 def build_all(s: DemoSettings) -> dict[str, Path]:
+    """Corpus and BM25 index, RL questions, and the warm start (shipped, or built here)."""
+    from scripts.demo.warmstart import resolve_warmstart
+
     s.root.mkdir(parents=True, exist_ok=True)
-    corpus, index_dir = build_corpus_and_index(s)
-    train_pq, test_pq = build_questions(s)
-    model = build_warm_start(s)
+    with tqdm(total=3, desc="build (world, index, questions, warm start)", unit="part") as bar:
+        corpus, index_dir = build_corpus_and_index(s)
+        bar.update(1)
+        train_pq, test_pq = build_questions(s)
+        bar.update(1)
+        model = resolve_warmstart(s)
+        bar.update(1)
     return {"corpus": corpus, "index": index_dir, "train": train_pq, "test": test_pq, "model": model}

@@ -36,6 +36,7 @@ from pathlib import Path
 import pandas as pd
 
 from scripts.demo.build import DemoSettings, build_all
+from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS
 
 # RL settings found to work for the demo (see docs/demo.md); any can be overridden.
 DEFAULT_RL_OVERRIDES = (
@@ -64,15 +65,23 @@ DEFAULT_RL_OVERRIDES = (
     "trainer.n_gpus_per_node=2",
     "trainer.total_training_steps=12",
     "trainer.save_freq=-1",
-    "trainer.logger=[console,jsonl]",
+    "trainer.logger=[jsonl]",
     "trainer.project_name=search-r1-demo",
     "trainer.experiment_name=demo-grpo",
     "trainer.resume_mode=disable",
-    "trainer.progress_bar=false",
+    "trainer.progress_bar=true",
     "max_turns=2",
     "retriever.topk=2",
+    "reward_model.num_examine=0",
     "+trainer.val_before_train=true",
 )
+
+
+# Measured on an idle 2-core CPU (docs/demo.md), for the start line's estimate only.
+SECONDS_PER_RL_STEP = 17.0
+SECONDS_PER_VALIDATION = 12.0
+SECONDS_START = 45.0          # world, index, retrieval server, Ray and workers, final save and plot
+SECONDS_PER_SFT_STEP = 1.0    # only when the warm start is (re)built here
 
 
 @dataclass
@@ -104,6 +113,10 @@ def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
             current = getattr(settings, name)
             if isinstance(current, tuple):  # comma-separated ints: demo.sft_steps=300,200
                 parsed: object = tuple(int(v) for v in value.strip("[]()").split(",") if v.strip())
+            elif isinstance(current, bool):  # bool("false") would be True
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise SystemExit(f"demo.{name} takes true or false, got {value!r}")
+                parsed = value.lower() in ("true", "1")
             else:
                 parsed = type(current)(value)
             setattr(settings, name, parsed)
@@ -203,12 +216,43 @@ def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: 
     return overrides + user
 
 
+def validations(steps: int, test_freq: int) -> int:
+    """How many validation passes a run makes: before training, every test_freq steps, and at the end."""
+    return 1 + len({*range(test_freq, steps + 1, test_freq), steps}) if test_freq > 0 else 1
+
+
+def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int) -> str:
+    """One line saying what the demo will do and about how long it takes."""
+    from scripts.demo.warmstart import MANIFEST, read_manifest, warmstart_settings
+
+    shipped = (s.warmstart_path / MANIFEST).exists() and not s.rebuild_warmstart and \
+        read_manifest(s.warmstart_path).settings == warmstart_settings(s)
+    cached = (s.root / f"sft_phase{len(s.sft_steps) - 1}" / "huggingface" / "config.json").exists()
+    n_checks = validations(steps, test_freq)
+    seconds = SECONDS_START + steps * SECONDS_PER_RL_STEP + n_checks * SECONDS_PER_VALIDATION
+    if shipped:
+        warm = f"start from the shipped warm start ({s.warmstart_dir}, {sum(s.sft_steps):,} SFT steps)"
+    elif cached:
+        warm = f"start from the warm start cached under {s.root}"
+    else:
+        warm = f"build the warm start ({sum(s.sft_steps):,} SFT steps)"
+        seconds += sum(s.sft_steps) * SECONDS_PER_SFT_STEP
+    minutes = max(1, round(seconds / 60))
+    return (f"[demo] This will build a small fictional world and its BM25 search server, {warm}, then run "
+            f"{steps} GRPO steps with search on CPU, validating on {n_val} held-out questions {n_checks} times: "
+            f"about {minutes} min on an idle 2-core machine (up to {2 * minutes} on a slower or busy one).")
+
+
 def run_demo(argv: list[str] | None = None) -> DemoSummary:
     from verl.trainer.main_ppo import compose_config, run_ppo
 
     start = time.time()
     settings, user_overrides = split_args(list(sys.argv[1:] if argv is None else argv))
-    print(f"[demo] building data, tokenizer, model and warm start under {settings.data_dir}", flush=True)
+    planned = compose_config(rl_overrides(settings, {k: Path(k) for k in ("train", "test", "model")},
+                                          user_overrides, "http://placeholder/retrieve"))
+    n_val = settings.n_val_per_kind * len(ONE_HOP_KINDS + TWO_HOP_KINDS)
+    print(start_line(settings, int(planned.trainer.total_training_steps), int(planned.trainer.test_freq), n_val),
+          flush=True)
     paths = build_all(settings)
     out_dir = Path(settings.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -263,6 +307,12 @@ def main() -> None:
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(__doc__)
         return
+    # The demo's own bars are the ones to watch: no per-file "Loading weights" bars, here or in
+    # the Ray workers and the retrieval server (they inherit this environment).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     run_demo()
 
 

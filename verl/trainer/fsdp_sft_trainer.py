@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from tqdm import tqdm
 
 from verl.utils.dataset.sft_dataset import SFTDataset, collate_right_padded
 from verl.utils.torch_functional import get_cosine_schedule_with_warmup
@@ -164,6 +165,7 @@ def run_sft(config: DictConfig) -> SFTResult:
     history: list[dict] = []
     step, epoch, loss_value = 0, 0, float("nan")
     micro_iter = iter(loader)
+    bar = tqdm(total=total_steps, desc="SFT steps", disable=rank != 0 or not cfg.trainer.get("progress_bar", False))
     while step < total_steps:
         micro_batches = []
         while len(micro_batches) < accum:
@@ -192,6 +194,7 @@ def run_sft(config: DictConfig) -> SFTResult:
         optimizer.step()
         scheduler.step()
         step += 1
+        bar.update(1)
         loss_value = loss_sum
         if world_size > 1:
             reduced = torch.tensor(loss_value)
@@ -205,6 +208,7 @@ def run_sft(config: DictConfig) -> SFTResult:
             tracker.log(metrics, step)
             history.append({"step": step, **metrics})
 
+    bar.close()
     state = _full_state_dict(model, world_size)
     hf_dir = out_dir / "huggingface"
     if rank == 0:

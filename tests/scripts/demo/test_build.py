@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from transformers import AutoTokenizer
 
 from scripts.demo.build import DemoSettings, build_corpus_and_index, build_model_init, build_questions
-from scripts.demo.run_demo import overall_em, split_args
+from scripts.demo.run_demo import overall_em, split_args, validations
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 
@@ -50,3 +51,16 @@ def test_demo_arguments_split_into_settings_and_trainer_overrides() -> None:
 def test_overall_em_weights_sources_by_their_row_counts() -> None:
     em, by_source = overall_em({"val/test_score/a": 1.0, "val/test_score/b": 0.0}, {"a": 3, "b": 1})
     assert em == 0.75 and by_source == {"a": 1.0, "b": 0.0}
+
+
+def test_boolean_demo_settings_parse_true_and_false() -> None:
+    assert split_args(["demo.rebuild_warmstart=false"])[0].rebuild_warmstart is False
+    assert split_args(["demo.rebuild_warmstart=true"])[0].rebuild_warmstart is True
+    with pytest.raises(SystemExit, match="true or false"):
+        split_args(["demo.rebuild_warmstart=maybe"])
+
+
+def test_validation_count_is_before_every_test_freq_and_at_the_end() -> None:
+    assert validations(12, 4) == 4      # before, 4, 8, 12
+    assert validations(10, 3) == 5      # before, 3, 6, 9, 10
+    assert validations(5, -1) == 1      # only before

@@ -403,7 +403,8 @@ class RayPPOTrainer:
         scores: list[torch.Tensor] = []
         sources: list[str] = []
         gen_metrics: list[dict[str, float]] = []
-        for batch in self.val_dataloader:
+        for batch in tqdm(self.val_dataloader, desc="validation", unit="batch", leave=False,
+                          disable=not self.config.trainer.progress_bar):
             batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
             batch, gen_meta = self._generate(batch, validation=True)
             gen_metrics.append(mu.compute_env_metrics(gen_meta))

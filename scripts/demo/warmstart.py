@@ -1,0 +1,143 @@
+"""The demo's supervised warm start, shipped as weights and rebuilt by one command.
+
+    python -m scripts.demo.warmstart                     # rebuild example/demo_warmstart/ from scratch
+    python -m scripts.demo.warmstart --check             # do the shipped files match their manifest?
+    python -m scripts.demo.warmstart --out /tmp/ws demo.sft_steps=300,200   # any DemoSettings field
+
+The warm start is a means, not what the demo shows: building it costs ~1,060 SFT steps
+(~13 minutes on an idle 2-core CPU), so the repository ships its result
+(`example/demo_warmstart/`: fp32 safetensors, config, the locally trained tokenizer, and
+`manifest.json` with each file's sha256, the settings and the command that made it) and
+the demo spends its minutes on RL. The rebuild runs exactly what the demo's own build does
+(`scripts.demo.build.build_warm_start`: tokenizer, random Qwen2, the project's SFT trainer
+in phases) in a fresh folder. On the machine that made them the files come out
+bit-identical; another CPU's float kernels (AVX2 vs AVX-512) give a slightly different
+model, which is why the demo ships weights rather than a promise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from scripts.demo.build import DemoSettings, build_warm_start
+
+MANIFEST = "manifest.json"
+REBUILD_COMMAND = "python -m scripts.demo.warmstart"
+# The DemoSettings fields that determine the warm start's weights (data_dir, output_dir,
+# RL question counts and num_threads do not change what is learned).
+WARMSTART_FIELDS = (
+    "world_seed", "tokenizer_world_seed", "sft_world_seeds", "n_demos", "vocab_size", "hidden_size",
+    "num_layers", "num_heads", "intermediate_size", "topk", "sft_steps", "sft_lr", "sft_batch_size",
+    "sft_context_weight",
+)
+
+
+@dataclass
+class WarmStartManifest:
+    """What `example/demo_warmstart/manifest.json` records about the files beside it."""
+
+    settings: dict                  # WARMSTART_FIELDS -> value (JSON types)
+    files: dict[str, str]           # file name -> sha256
+    command: str                    # the command that rebuilds the folder
+    sft_phases: list[dict] = field(default_factory=list)   # per phase: steps, final_loss, wall_seconds
+    built_with: dict = field(default_factory=dict)         # torch version, CPU, threads
+
+
+def warmstart_settings(s: DemoSettings) -> dict:
+    """The fields of `s` that determine the warm start, as JSON would give them back."""
+    return json.loads(json.dumps({name: getattr(s, name) for name in WARMSTART_FIELDS}))
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def read_manifest(folder: Path) -> WarmStartManifest:
+    return WarmStartManifest(**json.loads((folder / MANIFEST).read_text()))
+
+
+def verify(folder: Path) -> WarmStartManifest:
+    """The folder's manifest, after checking every file against its sha256 (raises on a mismatch)."""
+    manifest = read_manifest(folder)
+    actual = file_hashes(folder)
+    bad = sorted(name for name in set(manifest.files) | set(actual) if manifest.files.get(name) != actual.get(name))
+    if bad:
+        raise ValueError(f"{folder}: files differ from {MANIFEST}: {bad}; rebuild with `{manifest.command}`")
+    return manifest
+
+
+def _sft_phases(s: DemoSettings) -> list[dict]:
+    return [json.loads((s.root / f"sft_phase{i}" / "sft_result.json").read_text()) for i in range(len(s.sft_steps))]
+
+
+def export_warmstart(s: DemoSettings, model_dir: Path, out: Path, command: str) -> WarmStartManifest:
+    """Copy the HF folder `model_dir` (built by `build_warm_start(s)`) to `out` with its manifest."""
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(model_dir, tmp)
+    manifest = WarmStartManifest(
+        settings=warmstart_settings(s), files=file_hashes(tmp), command=command, sft_phases=_sft_phases(s),
+        built_with={"torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
+                    "num_threads": s.num_threads})
+    (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return manifest
+
+
+def rebuild(s: DemoSettings, out: Path, command: str = REBUILD_COMMAND) -> WarmStartManifest:
+    """Build the warm start from nothing (a fresh temporary data folder) and export it to `out`."""
+    with tempfile.TemporaryDirectory(prefix="demo_warmstart_") as tmp:
+        fresh = replace(s, data_dir=tmp)
+        return export_warmstart(fresh, build_warm_start(fresh), out, command)
+
+
+def resolve_warmstart(s: DemoSettings) -> Path:
+    """The model RL starts from: the shipped warm start when it was made with these settings,
+    else (or with demo.rebuild_warmstart=true) one built and cached under demo.data_dir."""
+    shipped = s.warmstart_path
+    if not s.rebuild_warmstart and (shipped / MANIFEST).exists():
+        manifest = verify(shipped)
+        if manifest.settings == warmstart_settings(s):
+            return shipped
+        changed = sorted(k for k in manifest.settings if manifest.settings[k] != warmstart_settings(s).get(k))
+        print(f"[demo] settings {changed} differ from the shipped warm start's: building one under {s.data_dir}",
+              flush=True)
+    return build_warm_start(s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from scripts.demo.run_demo import split_args
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="folder to write (default: demo.warmstart_dir)")
+    parser.add_argument("--check", action="store_true", help="only verify the folder against its manifest")
+    args, rest = parser.parse_known_args(argv)
+    settings, extra = split_args(rest)
+    if extra:
+        parser.error(f"only demo.<field>=value arguments are accepted, got {extra}")
+    out = args.out or settings.warmstart_path
+    if args.check:
+        manifest = verify(out)
+        print(f"{out}: {len(manifest.files)} files match {MANIFEST}; settings match the defaults: "
+              f"{manifest.settings == warmstart_settings(settings)}")
+        return
+    command = " ".join([REBUILD_COMMAND, *(["--out", str(args.out)] if args.out else []), *rest])
+    manifest = rebuild(settings, out, command)
+    print(f"warm start written to {out} (model.safetensors sha256 {manifest.files['model.safetensors'][:16]}…)")
+
+
+if __name__ == "__main__":
+    main()
