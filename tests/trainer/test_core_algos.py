@@ -15,6 +15,11 @@ from verl.utils.torch_functional import masked_whiten
 
 CONFIG = Path(__file__).resolve().parents[2] / "verl" / "trainer" / "config" / "ppo_trainer.yaml"
 
+# Tolerances: each expected value is a handful of fp32 element-wise ops (no long reductions), so
+# any CPU, FMA or not, lands within a few ulps (~4e-7 relative); pytest.approx's default rel=1e-6
+# covers that. Exact == is used only where the result is exact by construction (masked zeros,
+# clamps, counts, stored constants).
+
 # Shared 3-step trajectory: reward 1 at the end, values v = [0.5, 0.2, 0.4].
 REWARDS = torch.tensor([[0.0, 0.0, 1.0]])
 VALUES = torch.tensor([[0.5, 0.2, 0.4]])

@@ -134,7 +134,8 @@ def test_format_aware_reward_uses_full_response_for_structure(tok):
     data = _batch(tok, [correct, wrong], ["nq", "nq"], [["Beijing"], ["Paris"]])
     scores, breakdown = RewardManager(tok, num_examine=0, format_score_cfg=cfg)(data, return_breakdown=True)
     assert [b.format_valid for b in breakdown] == [True, True]
-    # correct + valid -> 1.0 ; wrong + valid, "Paris" retrieved -> 0.2 + 0.1
+    # correct + valid -> 1.0 ; wrong + valid, "Paris" retrieved -> 0.2 + 0.1 (one fp32 add: a few
+    # ulps, within approx's rel=1e-6 on any CPU; the exact == elsewhere compare placed 0/1 scores)
     assert scores.sum(dim=-1).tolist() == pytest.approx([1.0, 0.3])
 
 

@@ -113,6 +113,9 @@ def test_checkpoint_round_trips_model_optimizer_schedule_and_hf_export_loads(tin
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     with torch.no_grad():
         hf_logits = exported(input_ids=torch.arange(3, 15).unsqueeze(0)).logits
+    # Same weights and input, on the same CPU; only the module wrapper (FSDP vs plain HF) and
+    # thread count differ, i.e. fp32 GEMM blocking: logits (|x| < ~5) move by ~1e-6. A wrong or
+    # stale tensor in the export moves them by > 1e-2.
     torch.testing.assert_close(hf_logits, torch.load(tmp_path / "logits_step3.pt"), atol=1e-5, rtol=1e-5)
     # Streamed export: the ~0.4 MB model was flushed in several ~0.05 MB shards.
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2

@@ -44,7 +44,8 @@ def test_rule_correct_answer_valid_format_gets_full_score():
 
 
 def test_rule_correct_answer_invalid_format_loses_structure_score():
-    # 1.0 - 0.2 = 0.8
+    # 1.0 - 0.2 = 0.8 (Python floats, one or two IEEE double ops: identical on every CPU; approx
+    # only because 1.0 - 0.2 is not exactly 0.8 in binary)
     assert fmt.compute_score_em("<answer>Lyon</answer>", GT, **W) == pytest.approx(0.8)
 
 
