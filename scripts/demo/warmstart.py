@@ -63,6 +63,8 @@ def file_hashes(folder: Path) -> dict[str, str]:
 
 
 def read_manifest(folder: Path) -> WarmStartManifest:
+    if not (folder / MANIFEST).exists():
+        raise FileNotFoundError(f"no warm start at {folder} ({MANIFEST} missing); build it with `{REBUILD_COMMAND}`")
     return WarmStartManifest(**json.loads((folder / MANIFEST).read_text()))
 
 
