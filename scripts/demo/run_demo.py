@@ -4,13 +4,16 @@
     python -m scripts.demo.run_demo trainer.total_training_steps=20 demo.data_dir=/tmp/demo
     bash train_grpo.sh                                               # same, on a machine with no GPU
 
-Steps (each cached under demo.data_dir, so a second run goes straight to RL):
+Steps (each cached under demo.data_dir, so a second run goes straight to RL). It prints
+one line saying what it will do and about how long, then progress bars with an ETA.
 1. a fictional world (fixed seed): corpus, BM25 index, one-hop and two-hop questions in
    the FlashRAG layout, turned into parquet by scripts/data_process (demo_onehop /
    demo_twohop);
-2. a byte-level BPE tokenizer and a ~1.2M-parameter Qwen2, warm-started with the
-   project's SFT trainer on demonstrations from OTHER worlds, many of which answer
-   without searching (the habit RL must unlearn);
+2. the warm start: a byte-level BPE tokenizer and a ~1.2M-parameter Qwen2, trained with
+   the project's SFT trainer on demonstrations from OTHER worlds, many of which answer
+   without searching (the habit RL must unlearn). Shipped in example/demo_warmstart/
+   (scripts/demo/warmstart.py rebuilds it); built here only when demo.* settings that
+   determine it differ from the shipped one's, or with demo.rebuild_warmstart=true;
 3. the retrieval server (`search_r1.search.retrieval_server`, BM25) on a free
    127.0.0.1 port, unless one already answers at `retriever.url`;
 4. `verl.trainer.main_ppo.run_ppo`: greedy validation, GRPO with search, validation;
