@@ -44,9 +44,14 @@ def test_default_settings_use_the_shipped_warmstart_without_building(tmp_path: P
     assert list(tmp_path.iterdir()) == []
 
 
-def test_shipped_tokenizer_is_the_one_the_build_trains() -> None:
+def test_shipped_tokenizer_is_the_one_the_build_trains(tmp_path: Path) -> None:
+    import shutil
+
     rebuilt = train_bpe_tokenizer(tokenizer_texts(DemoSettings()), vocab_size=DemoSettings().vocab_size)
-    shipped = AutoTokenizer.from_pretrained(SHIPPED)
+    rebuilt.save_pretrained(tmp_path)
+    # Loaded as every consumer loads it: from a folder whose config.json names the model type.
+    shutil.copy(SHIPPED / "config.json", tmp_path / "config.json")
+    rebuilt, shipped = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(SHIPPED)
     assert rebuilt.get_vocab() == shipped.get_vocab()
     text = "<search> Tupemi Wenvios </search><information>Doc 1(Title: Stovi)</information>"
     assert rebuilt(text)["input_ids"] == shipped(text)["input_ids"]
