@@ -34,7 +34,9 @@ def test_shipped_warmstart_matches_its_manifest_and_the_default_settings() -> No
     assert [p["steps"] for p in manifest.sft_phases] == list(DemoSettings().sft_steps)
     tok = AutoTokenizer.from_pretrained(SHIPPED)
     model = AutoModelForCausalLM.from_pretrained(SHIPPED)
-    assert model.config.hidden_size == DemoSettings().hidden_size and len(tok) <= model.config.vocab_size
+    assert model.config.hidden_size == DemoSettings().hidden_size
+    ids = tok("<search> Tupemi Wenvios </search><answer> Stovi </answer><|im_end|>")["input_ids"]
+    assert max(ids) < model.config.vocab_size   # every id the demo's text produces has an embedding
     assert sum(p.numel() for p in model.parameters()) * 4 < 8_000_000   # a few MB in fp32
 
 
