@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,9 @@ def test_tiny_demo_runs_end_to_end_and_evaluate_sh_reads_its_checkpoint(tmp_path
     data = tmp_path / "data"
     with retrieval_server(None, data / "bm25", data / "corpus.jsonl", 2, tmp_path / "srv.log") as url:
         env = {**os.environ, "BASE_MODEL": summary.hf_model_dir, "DATA_DIR": str(data), "N_GPUS": "1",
-               "OUTPUT_JSON": str(tmp_path / "eval.json"), "RETRIEVER_URL": url, "OMP_NUM_THREADS": "1"}
+               "OUTPUT_JSON": str(tmp_path / "eval.json"), "RETRIEVER_URL": url, "OMP_NUM_THREADS": "1",
+               # evaluate.sh runs `python3` as a user with the venv activated would (CI does not activate it).
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         proc = subprocess.run(["bash", "scripts/nq_hotpotqa/evaluate.sh", "data.max_response_length=16",
                                "data.max_obs_length=128", "data.max_prompt_length=768",
                                "data.max_start_length=256", "max_turns=2"],
