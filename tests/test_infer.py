@@ -101,7 +101,7 @@ def test_the_model_searches_then_answers_from_the_retrieved_passage(taught_model
     assert [t.action.kind for t in episode.turns] == ["search", "answer"]
     assert episode.turns[0].action.content == "Kalo Miven"
     # The observation came from the live server, rendered as in training.
-    assert episode.turns[0].observation.startswith("\n\n<information>Doc 1(Title: Kalo Miven)")
+    assert episode.turns[0].observation.startswith("\n\n<information>Doc 1(Title: \"Kalo Miven\") Kalo Miven was born")
     assert episode.answer == "Dorsil" and episode.stop_reason == "answered" and episode.n_searches == 1
     # The turn was cut at the stop string: nothing generated past </search>.
     assert episode.turns[0].text.endswith("</search>")
@@ -134,5 +134,5 @@ def test_cli_prints_each_turn_and_the_answer(taught_model: str, server_url: str)
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "<search> Kalo Miven </search>" in proc.stdout
-    assert "Doc 1(Title: Kalo Miven)" in proc.stdout
+    assert "Doc 1(Title: \"Kalo Miven\")" in proc.stdout
     assert "# Answer: Dorsil" in proc.stdout

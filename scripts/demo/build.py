@@ -63,7 +63,7 @@ class DemoSettings:
     # Cosine cycles with warm restarts, each phase starting from the previous one's
     # checkpoint. Measured (docs/demo.md): copying the question's name into the query
     # appears in the second cycle, copying the answer out of the passage later.
-    sft_steps: tuple[int, ...] = (360, 400, 300)
+    sft_steps: tuple[int, ...] = (360, 400, 300, 400)
     sft_lr: float = 3e-3
     sft_batch_size: int = 32
     sft_context_weight: float = 0.5   # weight of prompt/retrieved tokens (copy practice)

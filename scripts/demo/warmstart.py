@@ -52,9 +52,26 @@ class WarmStartManifest:
     built_with: dict = field(default_factory=dict)         # torch version, CPU, threads
 
 
+def text_protocol_fingerprint() -> str:
+    """sha256 of the text the warm start was trained on that is not in DemoSettings: the prompt
+    template and the rollout protocol (observation rendering, notices). Changing either makes the
+    shipped weights stale (their SFT demonstrations used the old text), so it is a setting too."""
+    from search_r1.llm_agent import actions
+    from search_r1.prompt import PROMPT_TEMPLATE
+    from search_r1.search.schema import Hit
+
+    sample = [Hit.from_contents("0", '"Title"\nbody one\nbody two', 1.0), Hit.from_contents("1", "bare", 0.5)]
+    text = "\x00".join([PROMPT_TEMPLATE, actions.render_observation(sample), actions.render_search_failure(),
+                        actions.INVALID_ACTION_NOTICE, actions.SEARCH_BUDGET_NOTICE])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def warmstart_settings(s: DemoSettings) -> dict:
-    """The fields of `s` that determine the warm start, as JSON would give them back."""
-    return json.loads(json.dumps({name: getattr(s, name) for name in WARMSTART_FIELDS}))
+    """The fields of `s` that determine the warm start, as JSON would give them back, and the
+    fingerprint of the text protocol its demonstrations were written in."""
+    settings = {name: getattr(s, name) for name in WARMSTART_FIELDS}
+    settings["text_protocol"] = text_protocol_fingerprint()
+    return json.loads(json.dumps(settings))
 
 
 def file_hashes(folder: Path) -> dict[str, str]:

@@ -25,13 +25,13 @@ INFORMATION_CLOSE = "</information>\n\n"
 # The engine stops a turn as soon as one of these is written (DESIGN §4.2).
 STOP_STRINGS: tuple[str, ...] = (SEARCH_CLOSE, ANSWER_CLOSE)
 
-# Observations, not policy text: they are masked out of the loss. The examples
-# use "..." rather than a word inside the tags, so even a careless answer
-# extractor reading the whole sequence cannot pull an answer out of them.
+# Observations, not policy text: they are masked out of the loss, and rewards read
+# policy tokens only, so the tags inside the notice are never scored. The wording is
+# the original's, byte for byte: a released checkpoint was trained on it.
 INVALID_ACTION_NOTICE = (
     "\nMy previous action is invalid. "
-    "If I want to search, I should put the query between the search tags, as in <search> ... </search>. "
-    "If I want to give the final answer, I should put it between the answer tags, as in <answer> ... </answer>. "
+    "If I want to search, I should put the query between <search> and </search>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. "
     "Let me try again.\n"
 )
 SEARCH_BUDGET_NOTICE = (
@@ -81,13 +81,22 @@ def has_complete_action(text: str) -> bool:
 
 
 def render_passages(hits: list[Hit]) -> str:
-    """`Doc {i}(Title: {title}) {text}\\n` per hit, numbered from 1."""
-    return "".join(f"Doc {i}(Title: {hit.title}) {hit.text}\n" for i, hit in enumerate(hits, start=1))
+    """`Doc {i}(Title: {first_line}) {rest}\\n` per hit, numbered from 1.
+
+    `first_line` is the stored contents' first line exactly as stored (wiki-18 titles
+    keep their double quotes) and `rest` the remaining lines, as the original renders
+    them; `Hit.title` (quotes removed) is for rerankers and logs, not for this text.
+    """
+    parts = []
+    for i, hit in enumerate(hits, start=1):
+        first_line, _, rest = hit.contents.partition("\n")
+        parts.append(f"Doc {i}(Title: {first_line}) {rest}\n")
+    return "".join(parts)
 
 
 def render_observation(hits: list[Hit]) -> str:
-    """The observation appended after a search: passages inside `<information>`."""
-    return INFORMATION_OPEN + render_passages(hits) + INFORMATION_CLOSE
+    """The observation appended after a search: the passages, stripped, inside `<information>`."""
+    return INFORMATION_OPEN + render_passages(hits).strip() + INFORMATION_CLOSE
 
 
 def render_search_failure() -> str:

@@ -27,14 +27,28 @@ def test_empty_search_query_is_invalid():
     assert parse_action("<search>   </search>").kind == "invalid"
 
 
-def test_render_observation_matches_original_format():
-    hits = [Hit.from_contents("0", '"Paris"\nParis is big.', 1.0), Hit.from_contents("1", '"Rome"\nOld city.', 0.5)]
+def test_render_observation_is_byte_identical_to_the_original():
+    # The original: title = contents.split("\\n")[0] as stored (quotes kept), text = the rest joined by
+    # "\\n", f"Doc {i}(Title: {title}) {text}\\n" per hit, then strip() inside <information>.
+    hits = [Hit.from_contents("0", '"Paris"\nParis is big.\nAnd old.', 1.0),
+            Hit.from_contents("1", "Rome\nOld city.", 0.5),
+            Hit.from_contents("2", "no title line", 0.1)]
     assert render_observation(hits) == (
-        "\n\n<information>Doc 1(Title: Paris) Paris is big.\nDoc 2(Title: Rome) Old city.\n</information>\n\n")
+        '\n\n<information>Doc 1(Title: "Paris") Paris is big.\nAnd old.\n'
+        "Doc 2(Title: Rome) Old city.\nDoc 3(Title: no title line)</information>\n\n")
+    assert hits[0].title == "Paris"          # the parsed title (rerankers, logs) loses its quotes
 
 
-def test_invalid_notice_has_no_extractable_answer_word():
-    for notice in (actions.INVALID_ACTION_NOTICE, actions.SEARCH_BUDGET_NOTICE, actions.SEARCH_FAILED_TEXT):
+def test_invalid_action_notice_is_the_originals_text():
+    # DESIGN §3.3, verbatim. The reward never reads it (tests/trainer/test_reward.py).
+    assert actions.INVALID_ACTION_NOTICE == (
+        "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+        "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+        "Let me try again.\n")
+
+
+def test_our_own_notices_have_no_extractable_answer_word():
+    for notice in (actions.SEARCH_BUDGET_NOTICE, actions.SEARCH_FAILED_TEXT):
         for content in re.findall(r"<answer>(.*?)</answer>", notice, re.DOTALL):
             assert not re.search(r"\w", content), notice
 
