@@ -68,6 +68,7 @@ class DemoSettings:
     sft_batch_size: int = 32
     sft_context_weight: float = 0.5   # weight of prompt/retrieved tokens (copy practice)
     num_threads: int = 1   # SFT torch threads: one thread is one fixed reduction order, whatever the load
+    sft_device: str = "cpu"   # where the warm start's SFT runs (cuda: minutes instead of an hour)
     # The warm start RL starts from: the shipped folder (relative paths are from the
     # repository root) when its manifest's settings match these, else built under data_dir.
     warmstart_dir: str = "example/demo_warmstart"
@@ -170,7 +171,7 @@ def sft_overrides(s: DemoSettings, sft_data: Path, model_init: Path, steps: int,
         f"optim.warmup_steps_ratio={0.05 if phase == 0 else 0.02}", "optim.weight_decay=0.0",
         f"trainer.total_training_steps={steps}", f"trainer.seed={1 + phase}",
         f"trainer.default_local_dir={s.root / f'sft_phase{phase}'}", "trainer.logger=[jsonl]",
-        "trainer.progress_bar=true", "trainer.log_freq=25", "trainer.device=cpu", f"trainer.num_threads={s.num_threads}",
+        "trainer.progress_bar=true", "trainer.log_freq=25", f"trainer.device={s.sft_device}", f"trainer.num_threads={s.num_threads}",
     ]
 
 

@@ -108,7 +108,7 @@ def export_warmstart(s: DemoSettings, model_dir: Path, out: Path, command: str) 
     manifest = WarmStartManifest(
         settings=warmstart_settings(s), files=file_hashes(tmp), command=command, sft_phases=_sft_phases(s),
         built_with={"torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
-                    "num_threads": s.num_threads})
+                    "num_threads": s.num_threads, "sft_device": s.sft_device})
     (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
