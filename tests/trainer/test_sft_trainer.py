@@ -115,3 +115,46 @@ def test_fsdp2_on_two_processes_trains_and_saves(tiny_model_dir: str, tmp_path: 
     key = "model.embed_tokens.weight"
     assert model.state_dict()[key].shape == init.state_dict()[key].shape
     assert not torch.equal(model.state_dict()[key], init.state_dict()[key])
+
+
+# --- the multi-GPU contract (issue 13 item 10), pinned on CPU -------------------------------
+
+def test_cuda_device_is_the_local_rank_and_is_made_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.trainer import fsdp_sft_trainer
+
+    made_current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert fsdp_sft_trainer._pick_device("cuda") == torch.device("cuda", 3)
+    # Without set_device, FSDP2 and NCCL put every torchrun rank on cuda:0.
+    assert made_current == [3]
+
+
+class _Reduced(Exception):
+    pass
+
+
+def test_cross_rank_sums_hand_the_collective_a_tensor_on_the_trainer_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.trainer import fsdp_sft_trainer
+
+    devices: list[torch.device] = []
+
+    def all_reduce(tensor: torch.Tensor, *args, **kwargs) -> None:
+        devices.append(tensor.device)
+        raise _Reduced   # a meta tensor has no value to read back; the device is what is checked
+
+    monkeypatch.setattr(fsdp_sft_trainer.dist, "all_reduce", all_reduce)
+    # "meta" stands in for "cuda": an NCCL group refuses a CPU tensor, so the sum must be made on the device.
+    with pytest.raises(_Reduced):
+        fsdp_sft_trainer._global_sum(2.0, torch.device("meta"), world_size=2)
+    assert devices == [torch.device("meta")]
+    assert fsdp_sft_trainer._global_sum(2.5, torch.device("meta"), world_size=1) == 2.5   # no collective
+
+
+def test_gpu_process_groups_carry_a_cpu_backend_too() -> None:
+    from verl.utils.device import dist_backend_for
+
+    assert dist_backend_for("cuda") == "cpu:gloo,cuda:nccl"
+    assert dist_backend_for(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
+    assert dist_backend_for("cpu") == "gloo"

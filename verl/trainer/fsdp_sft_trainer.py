@@ -56,9 +56,11 @@ def compose_sft_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def _init_distributed(device: torch.device) -> tuple[int, int]:
+    from verl.utils.device import dist_backend_for
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=dist_backend_for(device))
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -70,8 +72,21 @@ def _pick_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise ValueError(f"trainer.device must be auto|cpu|cuda, got {name!r}")
     if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        # Each torchrun process owns the GPU of its LOCAL_RANK; without set_device, FSDP2 and
+        # NCCL would put every rank on cuda:0.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def _global_sum(value: float, device: torch.device, world_size: int) -> float:
+    """`value` summed over all ranks; the tensor lives on `device` (NCCL reduces CUDA tensors only)."""
+    if world_size == 1:
+        return value
+    total = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total)
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -178,10 +193,9 @@ def run_sft(config: DictConfig) -> SFTResult:
                 micro_iter = iter(loader)
         # Normalise by the weight of the whole global batch, so accumulation and sharding
         # give the same gradient as one big batch.
-        weight_total = torch.tensor(sum(float(mb["loss_weight"][:, 1:].sum()) for mb in micro_batches))
-        if world_size > 1:
-            dist.all_reduce(weight_total)
-        weight_total = max(float(weight_total), 1e-8)
+        weight_total = _global_sum(sum(float(mb["loss_weight"][:, 1:].sum()) for mb in micro_batches),
+                                   device, world_size)
+        weight_total = max(weight_total, 1e-8)
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for mb in micro_batches:
@@ -195,11 +209,7 @@ def run_sft(config: DictConfig) -> SFTResult:
         scheduler.step()
         step += 1
         bar.update(1)
-        loss_value = loss_sum
-        if world_size > 1:
-            reduced = torch.tensor(loss_value)
-            dist.all_reduce(reduced)
-            loss_value = float(reduced)
+        loss_value = _global_sum(loss_sum, device, world_size)
         if tracker is not None and (step % int(cfg.trainer.log_freq) == 0 or step == total_steps):
             metrics = {"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
                        "train/grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")

@@ -20,8 +20,23 @@ def get_torch_device():
 
 
 def get_dist_backend() -> str:
-    """torch.distributed backend for this device: nccl on CUDA, gloo on CPU."""
-    return "nccl" if is_cuda_available() else "gloo"
+    """torch.distributed backend: on CUDA, NCCL for CUDA tensors and gloo for CPU tensors
+    (`"cpu:gloo,cuda:nccl"`), so a collective on a CPU tensor still works; gloo on CPU."""
+    return dist_backend_for("cuda" if is_cuda_available() else "cpu")
+
+
+def dist_backend_for(device: str | torch.device) -> str:
+    """The process-group backend string for a process computing on `device`."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def empty_cache() -> None:
+    """Give the CUDA caching allocator's free blocks back to the driver (no-op without CUDA).
+
+    Called after offload, generation and reshard, so memory a phase freed is usable by
+    another process on the same GPU (a faiss-gpu retrieval server, a colocated engine)."""
+    if is_cuda_available():
+        torch.cuda.empty_cache()
 
 
 def get_visible_devices_keyword() -> str:

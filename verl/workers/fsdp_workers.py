@@ -27,6 +27,7 @@ from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import batch_keys as K
+from verl.utils import device as device_utils
 from verl.utils import fsdp_utils
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.device import get_device_name, get_dist_backend
@@ -152,6 +153,8 @@ class _FSDPWorkerBase(Worker):
             fsdp_utils.offload_fsdp_grad(module)
         if optimizer is not None and fsdp_cfg.get("optimizer_offload", False):
             fsdp_utils.offload_fsdp_optimizer(optimizer)
+        if any(fsdp_cfg.get(key, False) for key in ("param_offload", "grad_offload", "optimizer_offload")):
+            device_utils.empty_cache()   # what moved to host memory is free for other processes now
 
 
 class ActorRolloutRefWorker(_FSDPWorkerBase):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from verl.utils import device as device_utils
+
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - older torch
@@ -51,6 +53,8 @@ class FSDPUnshardedForGeneration:
         for m, reshard_after in zip(self._wrapped, self._reshard_before, strict=True):
             m.reshard()
             m.set_reshard_after_forward(reshard_after, recurse=False)
+        # The KV cache, logits and gathered parameters of generation are free now.
+        device_utils.empty_cache()
 
 
 # veRL's name for the hybrid-engine manager.
