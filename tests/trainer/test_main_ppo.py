@@ -34,7 +34,13 @@ def _finite(metrics: dict, prefix: str) -> list[str]:
 
 
 def test_one_ppo_step_trains_actor_and_critic_and_saves_a_checkpoint(
-        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+        ray_cluster, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import verl.utils.flops_counter
+
+    def driver_device(*args, **kwargs):
+        raise AssertionError("the MFU denominator was taken from the driver's device, not the workers'")
+
+    monkeypatch.setattr(verl.utils.flops_counter, "get_device_peak_flops", driver_device)
     history, ckpt = _run(tiny_model_dir, tmp_path, "gae", ["trainer.save_freq=1", "trainer.save_hf_model=true"])
     assert [h["step"] for h in history] == [1]
     step = history[0]
@@ -329,3 +335,24 @@ def test_tokens_sampled_after_the_rolling_context_dropped_turns_are_kept_out_of_
     assert torch.equal(response_mask, loss_mask * (1 - cut))
     assert response_mask[:, : 2 * turn_len].sum() == 8 * 2 * len(invalid)  # earlier turns still train
     assert metrics["env/context_cut_masked_tokens"] == 8 * len(invalid)
+
+
+def test_gpu_or_cpu_is_decided_by_the_ray_cluster_not_the_driver(tmp_path: Path) -> None:
+    """A CPU-only head node driving a GPU cluster must train on the GPUs: a real local Ray cluster
+    that declares two (logical) GPUs, on this GPU-less machine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ray, torch\n"
+        "from verl.trainer.main_ppo import _has_gpu, compose_config\n"
+        "assert not torch.cuda.is_available()\n"
+        "ray.init(num_cpus=1, num_gpus=2, include_dashboard=False)\n"
+        "print('auto', _has_gpu(compose_config([])))\n"
+        "print('cpu', _has_gpu(compose_config(['trainer.device=cpu'])))\n"
+        "ray.shutdown()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "auto True" in proc.stdout and "cpu False" in proc.stdout

@@ -41,8 +41,15 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_t
 
 
 def _has_gpu(config: DictConfig) -> bool:
+    """Whether the workers train on GPUs: decided from the Ray cluster's resources once Ray is up
+    (a CPU-only head node may drive a GPU cluster), else from this machine (the local cluster
+    `_init_ray` starts sees the same GPUs)."""
     if config.trainer.device == "cpu":
         return False
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
     from verl.utils.device import is_cuda_available
 
     return bool(is_cuda_available())
@@ -110,14 +117,21 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
     """Train per `config`; returns the per-step metrics. `reward_fn` replaces the rule reward (tests)."""
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
-    # Config, data and reward checks all happen before Ray starts: a bad run fails in seconds.
-    trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)
-    started_ray = _init_ray(config, use_gpu=_has_gpu(config))
+    trainer, started_ray = None, False
     try:
+        if config.trainer.ray_address:
+            # Joining a cluster: its resources, not this node's, say whether the workers have GPUs.
+            started_ray = _init_ray(config, use_gpu=True)
+            trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)
+        else:
+            # Config, data and reward checks run before a local Ray starts: a bad run fails in seconds.
+            trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)
+            started_ray = _init_ray(config, use_gpu=_has_gpu(config))
         trainer.init_workers()
         return trainer.fit()
     finally:
-        trainer.shutdown()
+        if trainer is not None:
+            trainer.shutdown()
         if started_ray:
             import ray
 

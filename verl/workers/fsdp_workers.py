@@ -311,6 +311,15 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         return get_model_flops_info(module)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def device_peak_flops(self) -> float:
+        """Peak FLOP/s of the device this worker trains on (by GPU name, or measured on CPU):
+        the MFU denominator comes from where the work runs, not from the driver's machine."""
+        from verl.utils.flops_counter import get_device_peak_flops
+
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+        return float(get_device_peak_flops(device))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_state_fingerprint(self) -> dict[str, float]:
         """Sum of each full (gathered) parameter, as this rank sees it: equal on every rank unless
         the ranks diverged. For tests and debugging; a collective, so every rank must call it."""

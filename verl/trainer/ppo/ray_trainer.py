@@ -121,6 +121,7 @@ class RayPPOTrainer:
         self._gen_managers: dict[bool, Any] = {}
         self._create_dataloaders()
         self._flops_counter = self._make_flops_counter()
+        self._peak_flops = 0.0   # per worker, asked of the workers once they exist (init_workers)
 
     # ------------------------------------------------------------------ setup
     def _create_dataloaders(self) -> None:
@@ -189,6 +190,8 @@ class RayPPOTrainer:
         # Actor last: with vLLM it sizes its KV cache from the memory left.
         self.actor_rollout_wg = spawned["actor_rollout"]
         self.actor_rollout_wg.init_model()
+        if self._flops_counter is not None:
+            self._peak_flops = min(self.actor_rollout_wg.device_peak_flops())
 
     def worker_configs(self) -> dict[str, DictConfig]:
         """The config sub-trees the workers receive, by worker-group prefix; each must be resolved.
@@ -323,14 +326,12 @@ class RayPPOTrainer:
         batch.batch[K.RESPONSE_MASK] = response_mask * (1 - cut_BR)
 
     def _mfu(self, batch: DataProto, seconds: float) -> dict[str, float]:
-        if self._flops_counter is None or seconds <= 0:
+        if self._flops_counter is None or seconds <= 0 or not self._peak_flops:
             return {}
         seqlens = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
-        achieved, promised = self._flops_counter.estimate_flops(seqlens, seconds)
-        if not promised:
-            return {}
+        achieved = self._flops_counter.estimate_step_flops(seqlens) / seconds
         epochs = int(self.config.actor_rollout_ref.actor.ppo_epochs)
-        return {"perf/mfu/actor": achieved * epochs / (promised * self.world_size)}
+        return {"perf/mfu/actor": achieved * epochs / (self._peak_flops * self.world_size)}
 
     def _update_metrics(self, worker_metrics: dict[str, Any], role: str) -> dict[str, float]:
         """Reduce an update's metrics; add `<role>/optimizer_steps`, the optimizer steps each worker took.
