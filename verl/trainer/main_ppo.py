@@ -78,6 +78,7 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     from transformers import AutoTokenizer
 
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
+    from verl.workers.rollout import resolve_rollout_name
 
     # Every `${...}` becomes its value now, as in veRL / Search-R1: the colocated workers divide
     # their batch sizes in place, and an interpolation (critic.ppo_mini_batch_size ->
@@ -85,6 +86,8 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     OmegaConf.resolve(config)
     validate_config(config)
     use_gpu = _has_gpu(config)
+    # rollout.name=auto: vLLM where there is a GPU and vllm, the HF loop otherwise (the CPU default).
+    config.actor_rollout_ref.rollout.name = resolve_rollout_name(config.actor_rollout_ref.rollout.name, use_gpu)
     check_runtime(config, has_gpu=use_gpu)
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     default_reward = reward_fn is None

@@ -21,6 +21,7 @@ CONTEXT_CUT_MASK = "context_cut_mask"  # (B, R) long: 1 = policy token sampled f
 RESPONSE_MASK = "response_mask"      # (B, R) long: THE mask every loss / KL / whitening / GAE uses.
                                      #   = loss_mask when actor.state_masking, else attention_mask[:, P:]
 OLD_LOG_PROBS = "old_log_probs"      # (B, R) float: log-probs of the rollout policy
+ROLLOUT_LOG_PROBS = "rollout_log_probs"   # (B, R) float: the engine's own log-prob of each sampled token
 REF_LOG_PROB = "ref_log_prob"        # (B, R) float: log-probs of the reference policy
 VALUES = "values"                    # (B, R) float: critic values
 TOKEN_LEVEL_SCORES = "token_level_scores"    # (B, R) float: rule reward, on the last policy token

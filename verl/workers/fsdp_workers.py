@@ -34,7 +34,7 @@ from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.model import get_model_flops_info, load_causal_lm, load_value_model
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
-from verl.workers.rollout import build_rollout
+from verl.workers.rollout import HFRollout, build_rollout
 from verl.workers.sharding_manager.fsdp_hf import FSDPUnshardedForGeneration
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -186,6 +186,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         use_rmpad = bool(model_cfg.get("use_remove_padding", False))
         attn = self._attn_implementation(use_rmpad)
         self.actor_module = self.actor_optimizer = self.actor_lr_scheduler = None
+        self._weights_version = 0   # bumped by every change of the actor's weights
         if self._is_actor or self._is_rollout:
             # Same seed on every rank: any freshly initialised weight is identical everywhere.
             torch.manual_seed(0)
@@ -197,7 +198,9 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
                                               use_remove_padding=use_rmpad)
         if self._is_rollout:
-            self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer)
+            seed = int(self.config.rollout.get("seed", 1)) * _SAMPLING_SEED_STRIDE + self.rank
+            self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer,
+                                         model_path=model_cfg.path, seed=seed, device=self.device)
             self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
         if self._is_ref:
             torch.manual_seed(0)
@@ -230,11 +233,27 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         prompts = prompts.to(self.device)
         prompts.meta_info.setdefault(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
         prompts.meta_info.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
-        self._onload(self.actor_module, None, fsdp_cfg)
-        with self.rollout_sharding_manager:
+        if isinstance(self.rollout, HFRollout):
+            self._onload(self.actor_module, None, fsdp_cfg)
+            with self.rollout_sharding_manager:
+                output = self.rollout.generate_sequences(prompts)
+            self._offload(self.actor_module, None, fsdp_cfg)
+        else:
+            self._sync_rollout_weights()
             output = self.rollout.generate_sequences(prompts)
-        self._offload(self.actor_module, None, fsdp_cfg)
+            self.rollout.sleep()
+            device_utils.empty_cache()
         return output.to("cpu")
+
+    def _sync_rollout_weights(self) -> None:
+        """Wake the engine and load the actor's weights into it unless it already has this version.
+        Every rank streams the same parameters in the same order (gathering a shard is a collective)."""
+        fsdp_cfg = self.config.actor.fsdp_config
+        self.rollout.wake_up()
+        if self.rollout.synced_version != self._weights_version:
+            self._onload(self.actor_module, None, fsdp_cfg)
+            self.rollout.sync_weights(self.actor_module.state_dict().items(), version=self._weights_version)
+            self._offload(self.actor_module, None, fsdp_cfg)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -280,6 +299,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         data.meta_info[K.META_TEMPERATURE] = self.config.rollout.temperature
         self._onload(self.actor_module, self.actor_optimizer, fsdp_cfg)
         metrics: dict[str, Any] = self.actor.update_policy(data)
+        self._weights_version += 1   # the rollout engine reloads before it next generates
         metrics["actor/lr"] = float(self.actor_lr_scheduler.get_last_lr()[0])
         self.actor_lr_scheduler.step()
         self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
@@ -301,6 +321,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         fsdp_cfg = self.config.actor.fsdp_config
         self._onload(self.actor_module, self.actor_optimizer, fsdp_cfg)
         step = self.checkpoint_manager.load_checkpoint(local_path)
+        self._weights_version += 1
         self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
         return step
 

