@@ -96,6 +96,8 @@ class _Row:
     prompt_ids: list[int]
     # Each turn: (policy ids, observation ids); observation may be empty.
     turns: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    # The engine's log-prob of each policy id, per turn (None once any turn came without them).
+    log_probs: list[list[float]] | None = field(default_factory=list)
     response_len: int = 0
     stop_reason: str | None = None
     n_turns: int = 0
@@ -109,9 +111,22 @@ class _Row:
     def active(self) -> bool:
         return self.stop_reason is None
 
-    def append_turn(self, policy_ids: list[int], obs_ids: list[int]) -> None:
+    def append_turn(self, policy_ids: list[int], obs_ids: list[int], policy_log_probs: list[float] | None = None) -> None:
         self.turns.append((policy_ids, obs_ids))
         self.response_len += len(policy_ids) + len(obs_ids)
+        if self.log_probs is not None and policy_log_probs is not None:
+            self.log_probs.append(list(policy_log_probs[: len(policy_ids)]))
+        else:
+            self.log_probs = None
+
+    def response_log_probs(self) -> list[float] | None:
+        """The engine's log-prob at each response position (0 on observations), if it gave them."""
+        if self.log_probs is None:
+            return None
+        out: list[float] = []
+        for (_, obs_ids), lps in zip(self.turns, self.log_probs, strict=True):
+            out += lps + [0.0] * len(obs_ids)
+        return out
 
     def response(self) -> tuple[list[int], list[int]]:
         """All turns' ids and the matching mask (1 = sampled by the policy, 0 = observation)."""
@@ -241,8 +256,10 @@ class LLMGenerationManager:
         meta[K.META_STOP] = list(self.config.stop)
         return meta
 
-    def _generate(self, contexts: list[list[int]], meta: dict[str, Any]) -> list[list[int]]:
-        """One engine call for the active rows; returns each row's sampled ids."""
+    def _generate(self, contexts: list[list[int]], meta: dict[str, Any]
+                  ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One engine call for the active rows; returns each row's sampled ids and, when the
+        engine reports them (`rollout_log_probs`), each sampled id's log-prob."""
         from verl.protocol import DataProto
 
         input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id)
@@ -257,7 +274,11 @@ class LLMGenerationManager:
             raise ValueError(f"generate_sequences returned {responses.shape[0]} rows of '{K.RESPONSES}' "
                              f"for {len(contexts)} prompts")
         response_mask = out.batch[K.ATTENTION_MASK][:, -responses.shape[1]:]
-        return real_tokens(responses, response_mask)
+        log_probs = None
+        if K.ROLLOUT_LOG_PROBS in out.batch.keys():
+            lp = out.batch[K.ROLLOUT_LOG_PROBS]
+            log_probs = [row[m.bool()].tolist() for row, m in zip(lp, response_mask, strict=True)]
+        return real_tokens(responses, response_mask), log_probs
 
     def _retriever(self) -> Any:
         if self._client is None:
@@ -338,7 +359,7 @@ class LLMGenerationManager:
                     rows[i].cut_from = rows[i].response_len
 
             start = time.perf_counter()
-            sampled = self._generate(contexts, meta)
+            sampled, sampled_log_probs = self._generate(contexts, meta)
             timing["generate"] += time.perf_counter() - start
             results = [self._cut_turn(ids, eos_ids) for ids in sampled]
 
@@ -352,12 +373,13 @@ class LLMGenerationManager:
             for k, (i, res) in enumerate(zip(active, results, strict=True)):
                 stats["generated_tokens"] += res.generated
                 stats["kept_tokens"] += len(res.kept_ids)
-                self._apply_turn(rows[i], res, search_obs.get(k), is_final, stats)
+                self._apply_turn(rows[i], res, search_obs.get(k), is_final, stats,
+                                 None if sampled_log_probs is None else sampled_log_probs[k])
 
         return self._compose_final_output(rows, initial_input_ids.long(), prompt_mask, stats, timing)
 
     def _apply_turn(self, row: _Row, res: _TurnResult, search_obs: str | None, is_final: bool,
-                    stats: Counter[str]) -> None:
+                    stats: Counter[str], sampled_log_probs: list[float] | None = None) -> None:
         """Append a turn and its observation to `row` and decide whether the row ends."""
         row.n_turns += 1
         row.n_valid_actions += int(res.action.is_valid)
@@ -374,7 +396,7 @@ class LLMGenerationManager:
             obs_text = actions.INVALID_ACTION_NOTICE
         obs_ids, truncated = self._observation_ids(obs_text) if obs_text else ([], False)
         stats["obs_truncated"] += int(truncated)
-        row.append_turn(res.kept_ids, obs_ids)
+        row.append_turn(res.kept_ids, obs_ids, sampled_log_probs)
         row.stop_reason = reason
 
     def _compose_final_output(self, rows: list[_Row], prompts: torch.Tensor, prompt_mask: torch.Tensor,
@@ -401,6 +423,10 @@ class LLMGenerationManager:
             K.LOSS_MASK: loss_mask,
             K.CONTEXT_CUT_MASK: context_cut_mask,
         }
+        row_log_probs = [row.response_log_probs() for row in rows]
+        if all(lps is not None for lps in row_log_probs):
+            tensors[K.ROLLOUT_LOG_PROBS] = torch.tensor(
+                [lps + [0.0] * (width - len(lps)) for lps in row_log_probs], dtype=torch.float32)
         reasons = Counter(row.stop_reason or "unfinished" for row in rows)
         meta_info = {
             "turns_stats": [row.n_turns for row in rows],

@@ -69,6 +69,24 @@ def compute_data_metrics(batch: Any, use_critic: bool) -> dict[str, float]:
     return metrics
 
 
+def compute_rollout_log_prob_gap(batch: Any) -> dict[str, float]:
+    """|rollout log-prob - actor's recomputed old log-prob| over policy tokens, mean and max.
+
+    The engine that sampled (vLLM, or the HF loop) and the trainer's forward should agree up to
+    kernel rounding; a growing gap means the rollout is not the policy being trained (stale
+    weights, a different temperature, bf16 drift), which biases the PPO ratio. Rows sampled from a
+    cut rolling context are excluded (their context differed from the one the actor sees)."""
+    if K.ROLLOUT_LOG_PROBS not in batch.batch.keys() or K.OLD_LOG_PROBS not in batch.batch.keys():
+        return {}
+    mask = batch.batch[K.RESPONSE_MASK].bool()
+    if K.CONTEXT_CUT_MASK in batch.batch.keys():
+        mask = mask & ~batch.batch[K.CONTEXT_CUT_MASK].bool()
+    if not bool(mask.any()):
+        return {}
+    gap = (batch.batch[K.ROLLOUT_LOG_PROBS].float() - batch.batch[K.OLD_LOG_PROBS].float()).abs()[mask]
+    return {"rollout/log_prob_gap_mean": float(gap.mean()), "rollout/log_prob_gap_max": float(gap.max())}
+
+
 def compute_timing_metrics(batch: Any, timing_s: dict[str, float]) -> dict[str, float]:
     """timing_s/<stage> and timing_per_token_ms/<stage> (per token the stage processed)."""
     tensors = batch.batch

@@ -362,6 +362,7 @@ class RayPPOTrainer:
             batch.meta_info[K.META_GLOBAL_TOKEN_NUM] = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
             with mu.timer("old_log_prob", timing):
                 batch = batch.union(self.actor_rollout_wg.compute_log_prob(batch))
+            metrics.update(mu.compute_rollout_log_prob_gap(batch))
             if self.use_reference_policy:
                 with mu.timer("ref", timing):
                     batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))

@@ -12,6 +12,7 @@ it emitted included). Owning the loop makes all three explicit.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,33 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(-1)
 
 
+def sampling_params_from(config: Any, meta: dict, tokenizer: Any = None) -> SamplingParams:
+    """The rollout config with one call's meta_info on top (every engine reads them alike)."""
+    eos = meta.get(K.META_EOS_TOKEN_ID, getattr(tokenizer, "eos_token_id", None))
+    pad = meta.get(K.META_PAD_TOKEN_ID, getattr(tokenizer, "pad_token_id", None))
+    if eos is None or pad is None:
+        raise KeyError("meta_info needs eos_token_id and pad_token_id (or give the rollout a tokenizer)")
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+    return SamplingParams(
+        do_sample=bool(meta.get(K.META_DO_SAMPLE, config.get("do_sample", True))),
+        temperature=float(meta.get(K.META_TEMPERATURE, config.get("temperature", 1.0))),
+        top_k=int(meta.get("top_k", config.get("top_k", -1)) or 0),
+        top_p=float(meta.get("top_p", config.get("top_p", 1.0))),
+        response_length=int(meta.get(K.META_RESPONSE_LENGTH, config.get("response_length"))),
+        eos_token_ids=eos_ids,
+        pad_token_id=int(pad),
+        stop=tuple(meta.get(K.META_STOP) or ()),
+        ignore_eos=bool(config.get("ignore_eos", False)),
+    )
+
+
+def sampled_log_probs(logits: torch.Tensor, token: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(B,) log-prob of each sampled token under the temperature-scaled distribution, the
+    quantity the actor recomputes as old_log_prob (greedy: temperature as configured)."""
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
 class StopStringMatcher:
     """Says whether the token just sampled completes one of the stop strings.
 
@@ -86,6 +114,11 @@ class StopStringMatcher:
         return any(now.find(s, max(0, len(before) - len(s) + 1)) != -1 for s in self.stops)
 
 
+def _append(row: list[int], token_id: int) -> list[int]:
+    row.append(token_id)
+    return row
+
+
 class HFRollout(BaseRollout):
     """Batched, KV-cached sampling from `module` (the actor's own FSDP module on CPU: no copy)."""
 
@@ -93,43 +126,35 @@ class HFRollout(BaseRollout):
         self.module = module
         self.config = config
         self.tokenizer = tokenizer
+        # Every transformers causal LM takes logits_to_keep; a custom module may not.
+        params = inspect.signature(module.forward).parameters
+        self._accepts_logits_to_keep = "logits_to_keep" in params or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
     def _sampling_params(self, meta: dict) -> SamplingParams:
-        cfg = self.config
-        eos = meta.get(K.META_EOS_TOKEN_ID, getattr(self.tokenizer, "eos_token_id", None))
-        pad = meta.get(K.META_PAD_TOKEN_ID, getattr(self.tokenizer, "pad_token_id", None))
-        if eos is None or pad is None:
-            raise KeyError("meta_info needs eos_token_id and pad_token_id (or give HFRollout a tokenizer)")
-        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
-        return SamplingParams(
-            do_sample=bool(meta.get(K.META_DO_SAMPLE, cfg.get("do_sample", True))),
-            temperature=float(meta.get(K.META_TEMPERATURE, cfg.get("temperature", 1.0))),
-            top_k=int(meta.get("top_k", cfg.get("top_k", -1)) or 0),
-            top_p=float(meta.get("top_p", cfg.get("top_p", 1.0))),
-            response_length=int(meta.get(K.META_RESPONSE_LENGTH, cfg.get("response_length"))),
-            eos_token_ids=eos_ids,
-            pad_token_id=int(pad),
-            stop=tuple(meta.get(K.META_STOP) or ()),
-            ignore_eos=bool(cfg.get("ignore_eos", False)),
-        )
+        return sampling_params_from(self.config, meta, self.tokenizer)
 
     @torch.no_grad()
     def _generate_micro_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               position_ids: torch.Tensor, params: SamplingParams
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (responses (B, R), response_mask (B, R)) with R = params.response_length."""
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (responses (B, R), response_mask (B, R), log_probs (B, R)) with R = params.response_length."""
         batch_size = input_ids.shape[0]
         device = input_ids.device
         length = params.response_length
         responses = torch.full((batch_size, length), params.pad_token_id, dtype=torch.long, device=device)
         response_mask = torch.zeros((batch_size, length), dtype=attention_mask.dtype, device=device)
+        log_probs = torch.zeros((batch_size, length), dtype=torch.float32, device=device)
         done = torch.zeros(batch_size, dtype=torch.bool, device=device)
         eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=device)
         matcher = StopStringMatcher(self.tokenizer, params.stop)
         sampled_rows: list[list[int]] = [[] for _ in range(batch_size)]
 
+        # Only the last position's logits are used: logits_to_keep=1 keeps the prompt forward from
+        # materialising (B, T, V) logits (tens of GB at 64 rows x 2k tokens x 152k vocab).
+        keep_last = {"logits_to_keep": 1} if self._accepts_logits_to_keep else {}
         out = self.module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=True)
+                          use_cache=True, **keep_last)
         past, logits = out.past_key_values, out.logits[:, -1, :]
         next_position = position_ids[:, -1:] + 1
         for step in range(length):
@@ -138,12 +163,15 @@ class HFRollout(BaseRollout):
             alive = ~done
             responses[:, step] = token
             response_mask[:, step] = alive.to(response_mask.dtype)
+            log_probs[:, step] = sampled_log_probs(logits, token, params) * alive
             finished_now = torch.isin(token, eos_ids) & alive if not params.ignore_eos else torch.zeros_like(done)
             if matcher.stops:
-                for row in torch.nonzero(alive).flatten().tolist():
-                    sampled_rows[row].append(int(token[row]))
-                    if matcher.completes_stop(sampled_rows[row]):
-                        finished_now[row] = True
+                # One device->host copy per step (not one sync per live row).
+                token_ids, alive_rows = token.tolist(), alive.tolist()
+                stopped = [row for row in range(batch_size) if alive_rows[row]
+                           and matcher.completes_stop(_append(sampled_rows[row], token_ids[row]))]
+                if stopped:
+                    finished_now[stopped] = True
             done = done | finished_now
             if bool(done.all()) or step == length - 1:
                 break
@@ -153,7 +181,7 @@ class HFRollout(BaseRollout):
                               position_ids=next_position, past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1, :]
             next_position = next_position + 1
-        return responses, response_mask
+        return responses, response_mask, log_probs
 
     def generate_sequences(self, prompts: Any) -> Any:
         """Reads input_ids, attention_mask, position_ids (left-padded prompts); meta_info sampling keys.
@@ -175,8 +203,9 @@ class HFRollout(BaseRollout):
                 idx.split(micro), attention_mask.split(micro), position_ids.split(micro), strict=True)]
         finally:
             self.module.train(was_training)
-        responses = torch.cat([r for r, _ in parts], dim=0)
-        response_mask = torch.cat([m for _, m in parts], dim=0)
+        responses = torch.cat([r for r, _, _ in parts], dim=0)
+        response_mask = torch.cat([m for _, m, _ in parts], dim=0)
+        log_probs = torch.cat([lp for _, _, lp in parts], dim=0)
         # Positions keep counting over sampled tokens and repeat the last one over padding.
         response_positions = position_ids[:, -1:] + torch.cumsum(response_mask, dim=-1)
         tensors = {
@@ -185,6 +214,7 @@ class HFRollout(BaseRollout):
             K.INPUT_IDS: torch.cat([idx, responses], dim=-1),
             K.ATTENTION_MASK: torch.cat([attention_mask, response_mask], dim=-1),
             K.POSITION_IDS: torch.cat([position_ids, response_positions], dim=-1),
+            K.ROLLOUT_LOG_PROBS: log_probs,
         }
         return DataProto.from_dict(tensors=tensors, non_tensors=dict(prompts.non_tensor_batch),
                                    meta_info=dict(prompts.meta_info))

