@@ -62,3 +62,37 @@ def test_fixed_micro_batches_keep_order():
     micro_batches, indices = split_micro_batches(_batch([1, 2, 3, 4, 5]), 2, False, None)
     assert indices is None
     assert [mb["row"].tolist() for mb in micro_batches] == [[0, 1], [2, 3], [4]]
+
+
+class _Reduced(Exception):
+    pass
+
+
+def test_ranks_agree_on_micro_batch_count_with_a_tensor_on_their_device(monkeypatch) -> None:
+    """Issue 13 item 11, pinned on CPU: an NCCL group refuses CPU tensors, so the count is reduced
+    on the rank's device ("meta" stands in for "cuda" here)."""
+    from verl.utils import seqlen_balancing
+
+    devices: list[torch.device] = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        devices.append(tensor.device)
+        raise _Reduced
+
+    monkeypatch.setattr(seqlen_balancing.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(seqlen_balancing.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(seqlen_balancing.dist, "all_reduce", all_reduce)
+    with pytest.raises(_Reduced):
+        seqlen_balancing._agree_on_max(3, device=torch.device("meta"))
+    assert devices == [torch.device("meta")]
+
+
+def test_rearrange_reduces_on_the_batch_device(monkeypatch) -> None:
+    from verl.utils import seqlen_balancing
+
+    seen: list[object] = []
+    monkeypatch.setattr(seqlen_balancing, "_agree_on_max",
+                        lambda value, device=None: seen.append(device) or value)
+    batch = TensorDict({"attention_mask": torch.ones(4, 6, dtype=torch.long)}, batch_size=[4])
+    rearrange_micro_batches(batch, max_token_len=12)
+    assert seen == [batch["attention_mask"].device]

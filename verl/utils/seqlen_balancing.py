@@ -63,11 +63,13 @@ def log_seqlen_unbalance(seqlen_list: list[int], partitions: list[list[int]], pr
     }
 
 
-def _agree_on_max(value: int) -> int:
-    """The largest `value` over all ranks (FSDP needs every rank to run the same number of passes)."""
+def _agree_on_max(value: int, device: torch.device | str = "cpu") -> int:
+    """The largest `value` over all ranks (FSDP needs every rank to run the same number of passes).
+
+    The tensor lives on `device`, the rank's compute device: an NCCL group reduces CUDA tensors only."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.long)
+    t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -99,7 +101,7 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, sync_across_ranks: b
     seqlen_list = batch["attention_mask"].sum(dim=-1).tolist()
     k = num_micro_batches_for(seqlen_list, max_token_len)
     if sync_across_ranks:
-        k = min(_agree_on_max(k), len(seqlen_list))
+        k = min(_agree_on_max(k, device=batch["attention_mask"].device), len(seqlen_list))
     partitions = get_seqlen_balanced_partitions(seqlen_list, k, equal_size=False)
     micro_batches = [batch[torch.tensor(part, dtype=torch.long)] for part in partitions]
     return micro_batches, partitions
