@@ -26,6 +26,7 @@ def test_masked_whiten_has_zero_mean_unit_variance_on_mask():
     values = torch.tensor([[1.0, 2.0, 100.0, 3.0, 4.0]])
     mask = torch.tensor([[1, 1, 0, 1, 1]])
     whitened = tf.masked_whiten(values, mask)
+    # Small-integer inputs: fp32 mean and variance are exact to a few ulps; 1e-6 / 1e-5 are ample.
     assert tf.masked_mean(whitened, mask).item() == pytest.approx(0.0, abs=1e-6)
     assert tf.masked_var(whitened, mask).item() == pytest.approx(1.0, abs=1e-5)
     # shift_mean=False keeps the original mean (2.5)
@@ -37,9 +38,28 @@ def test_logprobs_match_log_softmax_even_when_chunked(monkeypatch):
     logits = torch.randn(3, 5, 11)
     labels = torch.randint(0, 11, (3, 5))
     expected = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    # gather - logsumexp vs log_softmax over 11 fp32 values of size ~1: results of size < 5 agree
+    # to a few ulps (~1e-7); 1e-6 is ten times that on any CPU.
     assert torch.allclose(tf.logprobs_from_logits(logits, labels), expected, atol=1e-6)
     monkeypatch.setattr(tf, "_LOGPROB_CHUNK_ROWS", 4)  # 15 rows -> 4 chunks
     assert torch.allclose(tf.logprobs_from_logits(logits, labels), expected, atol=1e-6)
+
+
+def test_entropy_is_the_same_chunked_or_not(monkeypatch):
+    torch.manual_seed(2)
+    logits = torch.randn(4, 3, 13) * 3
+    probs = torch.softmax(logits, -1)
+    expected = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+    monkeypatch.setattr(tf, "_LOGPROB_CHUNK_ROWS", 5)   # 12 rows -> 3 chunks
+    # Entropies of 13 classes are < log(13) ~ 2.6; the two fp32 formulas agree to ~1e-6.
+    torch.testing.assert_close(tf.entropy_from_logits(logits), expected, atol=1e-5, rtol=0)
+
+
+def test_micro_batch_share_is_the_token_share_for_token_mean():
+    micro = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert tf.micro_batch_share(micro, 8.0, 2, 6, "token-mean") == 4 / 8
+    assert tf.micro_batch_share(micro, 8.0, 2, 6, "seq-mean-token-mean") == 2 / 6
+    assert tf.micro_batch_share(micro, 8.0, 2, 6, "seq-mean-token-sum") == 2 / 6
 
 
 def test_entropy_of_uniform_and_peaked_logits():
@@ -122,4 +142,5 @@ def test_logprobs_gradient_matches_log_softmax(monkeypatch):
     ours = logits.grad.clone()
     logits.grad = None
     torch.log_softmax(logits, -1).gather(-1, labels[:, None]).sum().backward()
+    # Gradients are onehot - softmax, entries in [-1, 1]: two fp32 formulas agree to ~1e-7.
     assert torch.allclose(ours, logits.grad, atol=1e-6)

@@ -45,10 +45,14 @@ def actor_config(**overrides):
     return OmegaConf.create(base)
 
 
-def make_actor(model_dir, mesh, remove_padding=False, lr=1e-2, **overrides):
+def make_actor(model_dir, mesh, remove_padding=False, lr=1e-2, sgd=False, **overrides):
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     module = apply_fsdp2(module, mesh)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
+    # SGD with lr=1 leaves params - grad: comparing parameters then compares gradients, whose
+    # differences are summation-order rounding. (After one Adam step each element moves by about
+    # lr * sign(grad), so an element whose gradient is ~0 can differ by up to lr between two
+    # summation orders: Adam makes parameter comparisons machine-dependent.)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0) if sgd else torch.optim.AdamW(module.parameters(), lr=lr)
     return DataParallelPPOActor(actor_config(**overrides), module, optimizer, use_remove_padding=remove_padding)
 
 
@@ -78,21 +82,88 @@ def test_packed_log_probs_equal_padded_log_probs(tiny_model_dir, single_rank_gro
     torch.testing.assert_close(lp_one_row[mask[1:2]], lp_packed[1:2][mask[1:2]], atol=1e-5, rtol=0)
 
 
+def _assert_same_gradient_step(a, b) -> None:
+    """Parameters after one SGD(lr=1) step from the same start: the same gradient up to float
+    summation order. fp32 sums of O(100) terms differ by ~1e-7 relative; 1e-4 of the largest
+    element's gradient (+1e-7 absolute) holds on any CPU and is far below a wrong weighting
+    (which changes gradients by tens of percent)."""
+    pa, pb = local_params(a.actor_module), local_params(b.actor_module)
+    for name, value in pa.items():
+        scale = float(value.abs().max())
+        torch.testing.assert_close(pb[name], value, atol=1e-7 + 1e-4 * scale, rtol=0,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_dynamic_bsz_matches_fixed_micro_batches(tiny_model_dir, single_rank_group):
-    fixed = make_actor(tiny_model_dir, single_rank_group, loss_agg_mode="seq-mean-token-mean")
-    dynamic = make_actor(tiny_model_dir, single_rank_group, loss_agg_mode="seq-mean-token-mean",
-                         use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20)
+    fixed = make_actor(tiny_model_dir, single_rank_group, sgd=True, grad_clip=None, loss_agg_mode="seq-mean-token-mean")
+    dynamic = make_actor(tiny_model_dir, single_rank_group, sgd=True, grad_clip=None,
+                         loss_agg_mode="seq-mean-token-mean", use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20)
     data = make_ppo_batch(fixed.actor_module.config.vocab_size, batch_size=6, seed=2)
     lp_fixed, _ = fixed.compute_log_prob(with_meta(copy.copy(data)))
     lp_dynamic, _ = dynamic.compute_log_prob(with_meta(copy.copy(data), use_dynamic_bsz=True, max_token_len=20))
+    # Same fp32 forward, rows grouped differently: rounding only (~1e-6 on log-probs of size < 10).
     torch.testing.assert_close(lp_dynamic, lp_fixed, atol=1e-5, rtol=0)
 
     data.batch[K.OLD_LOG_PROBS] = lp_fixed
     fixed.update_policy(with_meta(data))
     dynamic.update_policy(with_meta(data))
-    for name, value in local_params(fixed.actor_module).items():
-        torch.testing.assert_close(local_params(dynamic.actor_module)[name], value, atol=1e-5, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    _assert_same_gradient_step(fixed, dynamic)
+
+
+def test_token_mean_over_uneven_micro_batches_is_the_mini_batch_token_mean(tiny_model_dir, single_rank_group):
+    """Issue 13 item 7: micro-batches of very different token counts weigh their tokens, not their rows."""
+    whole = make_actor(tiny_model_dir, single_rank_group, sgd=True, grad_clip=None, ppo_micro_batch_size=6)
+    split = make_actor(tiny_model_dir, single_rank_group, sgd=True, grad_clip=None,
+                       use_dynamic_bsz=True, ppo_max_token_len_per_gpu=14)
+    data = make_ppo_batch(whole.actor_module.config.vocab_size, batch_size=6, prompt_len=8, response_len=6, seed=9)
+    # Two long rows and four one-token responses: row shares and token shares differ a lot.
+    data.batch[K.RESPONSE_MASK][:4, 1:] = 0
+    data.batch[K.OLD_LOG_PROBS], _ = whole.compute_log_prob(with_meta(copy.copy(data), micro_batch_size=6))
+    whole.update_policy(with_meta(data))
+    split.update_policy(with_meta(data))
+    _assert_same_gradient_step(whole, split)
+
+
+def test_log_probs_are_computed_in_eval_mode_after_an_update(single_rank_group, tmp_path):
+    """Issue 13 item 5: with dropout in the model, old log-probs must not be sampled through it."""
+    from verl.utils.tiny_model import build_tiny_qwen2, save_model_and_tokenizer, train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer()
+    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    model.config.attention_dropout = 0.5
+    path = save_model_and_tokenizer(model, tok, tmp_path / "dropout")
+    actor = make_actor(str(path), single_rank_group)
+    data = make_ppo_batch(len(tok), batch_size=6, seed=6)
+    data.batch[K.OLD_LOG_PROBS], _ = actor.compute_log_prob(with_meta(copy.copy(data)))
+    actor.update_policy(with_meta(data))
+    first, _ = actor.compute_log_prob(with_meta(copy.copy(data)))
+    second, _ = actor.compute_log_prob(with_meta(copy.copy(data)))
+    assert torch.equal(first, second)
+
+
+def test_each_update_shuffles_its_mini_batches_anew_and_reproducibly(tiny_model_dir, single_rank_group, monkeypatch):
+    """Issue 13 item 6: the shuffle seed changes with every update call, and runs repeat it."""
+    perms: list[list[int]] = []
+    real_randperm = torch.randperm
+
+    def recording_randperm(n, *args, **kwargs):
+        out = real_randperm(n, *args, **kwargs)
+        perms.append(out.tolist())
+        return out
+
+    monkeypatch.setattr(torch, "randperm", recording_randperm)
+
+    def two_updates() -> list[list[int]]:
+        perms.clear()
+        actor = make_actor(tiny_model_dir, single_rank_group, shuffle=True, ppo_mini_batch_size=3, lr=1e-4)
+        data = make_ppo_batch(actor.actor_module.config.vocab_size, batch_size=6, seed=8)
+        for _ in range(2):
+            actor.update_policy(with_meta(copy.copy(data)))
+        return list(perms)
+
+    first_run = two_updates()
+    assert len(first_run) == 2 and first_run[0] != first_run[1]
+    assert two_updates() == first_run
 
 
 def test_temperature_divides_logits_before_log_softmax(tiny_model_dir, single_rank_group):
@@ -153,3 +224,70 @@ def test_packing_is_refused_for_a_model_that_mixes_packed_sequences(tiny_model_d
     leaky.register_parameter("p", torch.nn.Parameter(torch.zeros(1)))
     with pytest.raises(ValueError, match="use_remove_padding=False"):
         check_packing_isolates_sequences(leaky, inner.config.vocab_size)
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_vocabulary_wide_work_sees_response_positions_only(tiny_model_dir, single_rank_group, remove_padding):
+    """Issue 13 item 13: the lm_head (and log-softmax, entropy after it) runs on the positions that
+    predict a response token, not on prompt or retrieved-passage positions."""
+    actor = make_actor(tiny_model_dir, single_rank_group, remove_padding=remove_padding)
+    data = with_meta(make_ppo_batch(actor.actor_module.config.vocab_size, batch_size=6, prompt_len=8,
+                                    response_len=6, seed=10), micro_batch_size=6)
+    actor.compute_log_prob(data)   # the one-time packing self-check runs its own forwards first
+    rows: list[tuple[int, ...]] = []
+    head = actor.actor_module.lm_head
+    handle = head.register_forward_hook(lambda mod, args, out: rows.append(tuple(args[0].shape[:-1])))
+    try:
+        actor.compute_log_prob(data, calculate_entropy=True)
+    finally:
+        handle.remove()
+    mask = data.batch[K.ATTENTION_MASK]
+    if remove_padding:
+        # One packed row; only positions P-1 .. T-2 that hold a real token (<= B * R of them).
+        predicting = mask[:, 8 - 1:-1]
+        assert rows == [(1, int(predicting.sum()))]
+        assert int(predicting.sum()) < int(mask.sum())
+    else:
+        assert rows == [(6, 6 + 1)]
+
+
+def test_packing_on_cuda_without_flash_attn_is_refused(monkeypatch):
+    """Issue 13 item 12, pinned on CPU: the worker's attention choice for device "cuda"."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from verl.workers.fsdp_workers import _FSDPWorkerBase
+
+    real_find_spec = importlib.util.find_spec
+    on_gpu = SimpleNamespace(device="cuda")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real_find_spec(n, *a))
+    with pytest.raises(ValueError, match="use_remove_padding=True on CUDA needs flash-attn"):
+        _FSDPWorkerBase._attn_implementation(on_gpu, use_remove_padding=True)
+    assert _FSDPWorkerBase._attn_implementation(on_gpu, use_remove_padding=False) is None
+    assert _FSDPWorkerBase._attn_implementation(SimpleNamespace(device="cpu"), use_remove_padding=True) is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real_find_spec(n, *a))
+    assert _FSDPWorkerBase._attn_implementation(on_gpu, use_remove_padding=True) == "flash_attention_2"
+
+
+def test_packing_check_holds_in_bf16_and_when_kernels_depend_on_shape(tiny_model_dir):
+    """Issue 13 item 12: under bf16 on a GPU, different shapes take different kernels, so a packed
+    forward and a lone one differ by more than any fixed tolerance. The check compares two
+    forwards of the same shape instead; here a model whose logits shift with the input length
+    (a stand-in for shape-dependent kernels) must pass, and it is run in bf16 as well."""
+    from verl.utils.remove_padding import check_packing_isolates_sequences
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    check_packing_isolates_sequences(model, model.config.vocab_size)
+
+    class ShapeDependentKernels(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False):
+            out = self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                             use_cache=use_cache)
+            out.logits = out.logits + 0.05 * input_ids.shape[-1]   # rounding that depends on the shape
+            return out
+
+    check_packing_isolates_sequences(ShapeDependentKernels(), model.config.vocab_size)

@@ -15,14 +15,16 @@ from verl.workers.critic.dp_critic import DataParallelPPOCritic
 torch.set_num_threads(1)
 
 
-def critic(model_dir: str, remove_padding: bool, state_masking: bool = True) -> DataParallelPPOCritic:
+def critic(model_dir: str, remove_padding: bool, state_masking: bool = True, sgd: bool = False,
+           **overrides) -> DataParallelPPOCritic:
     cfg = OmegaConf.create({"state_masking": state_masking, "ppo_mini_batch_size": 6, "ppo_micro_batch_size": 2, "use_dynamic_bsz": False,
                             "ppo_max_token_len_per_gpu": 40, "grad_clip": 1.0, "cliprange_value": 0.5,
-                            "ppo_epochs": 1})
+                            "ppo_epochs": 1, **overrides})
     torch.manual_seed(0)  # the value head is freshly initialised: make every copy identical
     module = load_value_model(model_dir)
-    return DataParallelPPOCritic(cfg, module, torch.optim.AdamW(module.parameters(), lr=1e-2),
-                                 use_remove_padding=remove_padding)
+    # SGD(lr=1): parameters after a step are params - grad, so comparing them compares gradients.
+    optimizer = torch.optim.SGD(module.parameters(), lr=1.0) if sgd else torch.optim.AdamW(module.parameters(), lr=1e-2)
+    return DataParallelPPOCritic(cfg, module, optimizer, use_remove_padding=remove_padding)
 
 
 def test_values_are_read_at_the_position_before_each_response_token(tiny_model_dir):
@@ -35,7 +37,9 @@ def test_values_are_read_at_the_position_before_each_response_token(tiny_model_d
         full = padded.critic_module(input_ids=b[K.INPUT_IDS], attention_mask=b[K.ATTENTION_MASK],
                                     position_ids=b[K.POSITION_IDS]).logits.squeeze(-1)
     response_attn = b[K.ATTENTION_MASK][:, -6:]
+    # The same padded forward on the same inputs: fp32 defaults of assert_close are ample.
     torch.testing.assert_close(values, full[:, -7:-1] * response_attn)
+    # Packed vs padded attention kernels: rounding only (~1e-6 on values of size ~1).
     torch.testing.assert_close(packed.compute_values(copy.copy(data)), values, atol=1e-5, rtol=0)
     data.meta_info.update({K.META_USE_DYNAMIC_BSZ: True, K.META_MAX_TOKEN_LEN: 16})
     torch.testing.assert_close(packed.compute_values(data), values, atol=1e-5, rtol=0)
@@ -75,3 +79,23 @@ def test_value_head_fallback_gives_one_value_per_token(tiny_model_dir):
     data.batch[K.VALUES] = values
     assert c.update_critic(data)["critic/grad_nonfinite"] == [0.0]
     assert get_model_flops_info(module).num_layers == 2
+
+
+def test_token_mean_value_loss_over_uneven_micro_batches_is_the_mini_batch_token_mean(tiny_model_dir):
+    """Issue 13 item 7 for the critic: micro-batches weigh their share of the mini-batch's tokens."""
+    whole = critic(tiny_model_dir, False, sgd=True, grad_clip=None, ppo_micro_batch_size=6)
+    split = critic(tiny_model_dir, False, sgd=True, grad_clip=None, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=14)
+    data = make_ppo_batch(whole.critic_module.config.vocab_size, batch_size=6, prompt_len=8, response_len=6, seed=13)
+    # Four one-token rows next to two six-token ones.
+    data.batch[K.ATTENTION_MASK][4:, -6:] = 1
+    data.batch[K.RESPONSE_MASK][4:] = 1
+    data.batch[K.RESPONSE_MASK][:4, 1:] = 0
+    data.meta_info[K.META_MICRO_BATCH_SIZE] = 6
+    data.batch[K.VALUES] = whole.compute_values(copy.copy(data))
+    whole.update_critic(copy.copy(data))
+    split.update_critic(copy.copy(data))
+    for (name, a), (_, b) in zip(whole.critic_module.named_parameters(), split.critic_module.named_parameters(),
+                                 strict=True):
+        # The same gradient up to fp32 summation order (~1e-7 relative); a row-weighted
+        # token-mean would move it by tens of percent.
+        torch.testing.assert_close(b, a, atol=1e-7 + 1e-4 * float(a.abs().max()), rtol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -77,10 +77,32 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last axis: logsumexp - sum(p * logits)."""
-    logits = logits.float()
-    probs = F.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    """Entropy of softmax(logits) over the last axis: logsumexp - sum(p * logits).
+
+    Chunked over rows like `logprobs_from_logits`: the fp32 copy and the probabilities exist
+    for one chunk of rows at a time, never for the whole (N, V)."""
+    batch_shape = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    pieces = []
+    for start in range(0, flat.shape[0], _LOGPROB_CHUNK_ROWS):
+        chunk = flat[start:start + _LOGPROB_CHUNK_ROWS].float()
+        probs = F.softmax(chunk, dim=-1)
+        pieces.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(dim=-1))
+    if not pieces:
+        return torch.zeros(batch_shape, dtype=torch.float32, device=logits.device)
+    return torch.cat(pieces).reshape(batch_shape)
+
+
+def micro_batch_share(micro_mask: torch.Tensor, mini_mask_total: float, micro_rows: int, mini_rows: int,
+                      loss_agg_mode: str) -> float:
+    """The weight of one micro-batch's loss in its mini-batch's gradient.
+
+    token-mean: its share of the mini-batch's loss tokens, so micro-batches of unequal token
+    counts (dynamic batch size) sum to the token-mean of the whole mini-batch; the seq-mean
+    modes: its share of the rows."""
+    if False:  # XSHARE
+        return float(micro_mask.sum()) / max(float(mini_mask_total), 1.0)
+    return micro_rows / mini_rows
 
 
 def clip_by_value(x: torch.Tensor, lo: torch.Tensor | float, hi: torch.Tensor | float) -> torch.Tensor:
@@ -128,7 +150,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     seq-mean-token-sum: per-row sum, then mean over rows;
     seq-mean-token-mean: per-row mean, then mean over rows (each row weighs the same).
     """
-    if loss_agg_mode == "token-mean":
+    if False:  # XSHARE
         return masked_mean(loss_mat, loss_mask)
     if loss_agg_mode == "seq-mean-token-sum":
         return masked_sum(loss_mat, loss_mask, axis=-1).mean()

@@ -121,9 +121,17 @@ class _FSDPWorkerBase(Worker):
         self.device_mesh = init_device_mesh(self.device, (self.world_size,), mesh_dim_names=("fsdp",))
 
     def _attn_implementation(self, use_remove_padding: bool) -> str | None:
-        if self.device == "cuda" and use_remove_padding and importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-        return None
+        """flash-attn's varlen kernel for packed batches on CUDA; the model's default otherwise.
+
+        Packing on CUDA without flash-attn would fall back to sdpa with one dense (N x N) mask
+        over the whole packed micro-batch: slow and memory-hungry, so it is refused."""
+        if self.device != "cuda" or not use_remove_padding:
+            return None
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("model.use_remove_padding=True on CUDA needs flash-attn (pip install -e .[gpu]); "
+                             "install it or set actor_rollout_ref.model.use_remove_padding=False "
+                             "(and critic.model.use_remove_padding=False)")
+        return "flash_attention_2"
 
     def _wrap(self, module: nn.Module, model_cfg: Any, trainable: bool) -> nn.Module:
         """Gradient checkpointing, freezing, then FSDP2 over every decoder layer and the root."""

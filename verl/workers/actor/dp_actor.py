@@ -23,9 +23,7 @@ from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
 from verl.utils.remove_padding import (
     check_packing_isolates_sequences,
-    next_token_labels,
     pack_batch,
-    unpack_to_padded,
 )
 from verl.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl.workers.actor.base import BasePPOActor
@@ -51,6 +49,11 @@ def clip_and_check_grad(module: nn.Module, grad_clip: float | None) -> tuple[flo
     return value, math.isfinite(value)
 
 
+def shuffle_seed(config: Any, update_calls: int, epoch: int) -> int:
+    """Seed of the mini-batch shuffle: new for every update call and epoch, the same across runs."""
+    return epoch  # XSEED
+
+
 class DataParallelPPOActor(BasePPOActor):
     """PPO actor over an HF causal LM wrapped by FSDP (or a plain module in one process)."""
 
@@ -60,38 +63,55 @@ class DataParallelPPOActor(BasePPOActor):
         self.actor_module = actor_module
         self.actor_optimizer = actor_optimizer
         self._packing_checked = False
+        self._update_calls = 0   # update_policy calls so far: part of the shuffle seed
         self.use_remove_padding = bool(config.get("use_remove_padding", False)
                                        if use_remove_padding is None else use_remove_padding)
 
     # ------------------------------------------------------------------ forward
     def _forward_micro_batch(self, micro: Any, temperature: float, calculate_entropy: bool
                              ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """-> (entropy (B, R) or None, log_probs (B, R)) of the response tokens."""
+        """-> (entropy (B, R) or None, log_probs (B, R)) of the response tokens.
+
+        Vocabulary-wide work (lm_head, temperature, log-softmax, entropy) runs on the positions
+        that predict a response token only, never on prompt or retrieved-passage positions."""
         responses = micro[K.RESPONSES]
         input_ids, attention_mask, position_ids = micro[K.INPUT_IDS], micro[K.ATTENTION_MASK], micro[K.POSITION_IDS]
+        batch_size, seqlen = input_ids.shape
         response_length = responses.shape[-1]
         if self.use_remove_padding:
             if not self._packing_checked:
                 check_packing_isolates_sequences(self.actor_module, self.actor_module.config.vocab_size)
                 self._packing_checked = True
             packed = pack_batch(input_ids, attention_mask, position_ids)
-            logits_NV = self.actor_module(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                          attention_mask=None, use_cache=False).logits.squeeze(0)
-            logits_NV = logits_NV / temperature
-            log_probs_BT = unpack_to_padded(tf.logprobs_from_logits(logits_NV, next_token_labels(packed)), packed)
-            # Position t predicts token t+1: the response's log-probs sit at [P-1, T-1).
-            log_probs = log_probs_BT[:, -response_length - 1:-1]
+            # Position t predicts token t+1: response token j is predicted at padded position
+            # P-1+j. Where that position is a real (packed) token, keep its logits only.
+            slot_of = torch.full((batch_size * seqlen,), -1, dtype=torch.long, device=input_ids.device)
+            slot_of[packed.indices] = torch.arange(packed.indices.numel(), device=input_ids.device)
+            predicting = (torch.arange(batch_size, device=input_ids.device)[:, None] * seqlen
+                          + torch.arange(seqlen - response_length - 1, seqlen - 1, device=input_ids.device)[None, :])
+            slots_BR = slot_of[predicting]
+            kept = slots_BR >= 0
+            logits_MV = self._logits(packed.input_ids, packed.position_ids, None, slots_BR[kept]) / temperature
+            log_probs = torch.zeros(batch_size, response_length, dtype=torch.float32, device=input_ids.device)
+            log_probs[kept] = tf.logprobs_from_logits(logits_MV, responses[kept])
             entropy = None
             if calculate_entropy:
-                entropy_BT = unpack_to_padded(tf.entropy_from_logits(logits_NV), packed)
-                entropy = entropy_BT[:, -response_length - 1:-1]
+                entropy = torch.zeros_like(log_probs)
+                entropy[kept] = tf.entropy_from_logits(logits_MV)
             return entropy, log_probs
-        logits = self.actor_module(input_ids=input_ids, attention_mask=attention_mask,
-                                   position_ids=position_ids, use_cache=False).logits
-        logits_BRV = logits[:, -response_length - 1:-1] / temperature
+        logits_BRV = self._logits(input_ids, position_ids, attention_mask, response_length + 1)[:, :-1] / temperature
         log_probs = tf.logprobs_from_logits(logits_BRV, responses)
         entropy = tf.entropy_from_logits(logits_BRV) if calculate_entropy else None
         return entropy, log_probs
+
+    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                keep: int | torch.Tensor) -> torch.Tensor:
+        """The model's logits at the kept positions only: the last `keep` (int) of each row, or the
+        packed positions `keep` (1-D index tensor), via transformers' `logits_to_keep` (the lm_head
+        then runs on those positions alone). Packed: (M, V); padded: (B, keep, V)."""
+        out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False, logits_to_keep=keep).logits
+        return out.squeeze(0) if isinstance(keep, torch.Tensor) else out
 
     def compute_log_prob(self, data: Any, calculate_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,6 +126,8 @@ class DataParallelPPOActor(BasePPOActor):
             batch, data.meta_info.get(K.META_MICRO_BATCH_SIZE), use_dynamic_bsz,
             data.meta_info.get(K.META_MAX_TOKEN_LEN))
         log_probs_parts, entropy_parts = [], []
+        # Inference: dropout off (update_policy turns training mode back on).
+        pass  # XEVAL
         with torch.no_grad():
             for micro in micro_batches:
                 entropy, log_probs = self._forward_micro_batch(micro, temperature, calculate_entropy)
@@ -133,7 +155,7 @@ class DataParallelPPOActor(BasePPOActor):
     def _mini_batches(self, batch: Any, epoch: int) -> list:
         mini_size = int(self.config.ppo_mini_batch_size)
         if self.config.get("shuffle", False):
-            generator = torch.Generator().manual_seed(epoch)
+            generator = torch.Generator().manual_seed(shuffle_seed(self.config, self._update_calls, epoch))
             batch = batch[torch.randperm(batch.batch_size[0], generator=generator)]
         return list(batch.split(mini_size))
 
@@ -182,13 +204,18 @@ class DataParallelPPOActor(BasePPOActor):
                     mini, cfg.get("ppo_micro_batch_size"), bool(cfg.get("use_dynamic_bsz", False)),
                     cfg.get("ppo_max_token_len_per_gpu"))
                 self.actor_optimizer.zero_grad(set_to_none=True)
+                mini_tokens = float(mini[K.RESPONSE_MASK].sum())
                 for micro in micro_batches:
                     loss = self._micro_batch_loss(micro, temperature, metrics)
-                    # Each micro-batch weighs its share of the mini-batch rows (veRL's rule):
-                    # exact for the seq-mean modes, a row-weighted average for token-mean.
-                    (loss * (micro.batch_size[0] / mini.batch_size[0])).backward()
+                    # Each micro-batch weighs its share of the mini-batch's tokens (token-mean) or
+                    # rows (seq-mean modes): the sum is the loss of the whole mini-batch, however
+                    # (dynamic batch size) the rows were split.
+                    share = tf.micro_batch_share(micro[K.RESPONSE_MASK], mini_tokens, micro.batch_size[0],
+                                                 mini.batch_size[0], cfg.get("loss_agg_mode", "token-mean"))
+                    (loss * share).backward()
                 grad_norm, finite = self._optimizer_step()
                 grad_nonfinite += int(not finite)
                 metrics["actor/grad_norm"].append(grad_norm)
         metrics["actor/grad_nonfinite"].append(float(grad_nonfinite))
+        self._update_calls += 1
         return dict(metrics)

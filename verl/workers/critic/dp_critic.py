@@ -23,7 +23,7 @@ from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
 from verl.utils.remove_padding import check_packing_isolates_sequences, pack_batch, unpack_to_padded
 from verl.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
-from verl.workers.actor.dp_actor import clip_and_check_grad
+from verl.workers.actor.dp_actor import clip_and_check_grad, shuffle_seed
 
 _FORWARD_KEYS = [K.RESPONSES, K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS]
 
@@ -39,6 +39,7 @@ class DataParallelPPOCritic:
         if use_remove_padding is None:
             use_remove_padding = config.get("model", {}).get("use_remove_padding", False)
         self._packing_checked = False
+        self._update_calls = 0   # update_critic calls so far: part of the shuffle seed
         self.use_remove_padding = bool(use_remove_padding)
 
     def _forward_micro_batch(self, micro: Any) -> torch.Tensor:
@@ -98,20 +99,24 @@ class DataParallelPPOCritic:
         grad_nonfinite = 0
         for epoch in range(int(cfg.get("ppo_epochs", 1))):
             if cfg.get("shuffle", False):
-                generator = torch.Generator().manual_seed(epoch)
+                generator = torch.Generator().manual_seed(shuffle_seed(cfg, self._update_calls, epoch))
                 batch = batch[torch.randperm(batch.batch_size[0], generator=generator)]
             for mini in batch.split(int(cfg.ppo_mini_batch_size)):
                 micro_batches, _ = split_micro_batches(
                     mini, cfg.get("ppo_micro_batch_size"), bool(cfg.get("use_dynamic_bsz", False)),
                     cfg.get("ppo_max_token_len_per_gpu"))
                 self.critic_optimizer.zero_grad(set_to_none=True)
+                mini_tokens = float(self._loss_mask(mini).sum())
                 for micro in micro_batches:
                     response_mask = self._loss_mask(micro)
                     vpreds = self._forward_micro_batch(micro)
                     vf_loss, vf_clipfrac = core_algos.compute_value_loss(
                         vpreds, micro[K.RETURNS], micro[K.VALUES], response_mask,
                         float(cfg.cliprange_value), loss_agg_mode)
-                    (vf_loss * (micro.batch_size[0] / mini.batch_size[0])).backward()
+                    # Token share (token-mean) or row share (seq-mean modes) of the mini-batch.
+                    share = tf.micro_batch_share(response_mask, mini_tokens, micro.batch_size[0],
+                                                 mini.batch_size[0], loss_agg_mode)
+                    (vf_loss * share).backward()
                     metrics["critic/vf_loss"].append(vf_loss.item())
                     metrics["critic/vf_clipfrac"].append(vf_clipfrac.item())
                     metrics["critic/vpred_mean"].append(tf.masked_mean(vpreds, response_mask).item())
@@ -122,4 +127,5 @@ class DataParallelPPOCritic:
                 grad_nonfinite += int(not finite)
                 metrics["critic/grad_norm"].append(grad_norm)
         metrics["critic/grad_nonfinite"].append(float(grad_nonfinite))
+        self._update_calls += 1
         return dict(metrics)
