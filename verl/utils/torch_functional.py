@@ -100,7 +100,7 @@ def micro_batch_share(micro_mask: torch.Tensor, mini_mask_total: float, micro_ro
     token-mean: its share of the mini-batch's loss tokens, so micro-batches of unequal token
     counts (dynamic batch size) sum to the token-mean of the whole mini-batch; the seq-mean
     modes: its share of the rows."""
-    if False:  # XSHARE
+    if loss_agg_mode == "token-mean":
         return float(micro_mask.sum()) / max(float(mini_mask_total), 1.0)
     return micro_rows / mini_rows
 
@@ -150,7 +150,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     seq-mean-token-sum: per-row sum, then mean over rows;
     seq-mean-token-mean: per-row mean, then mean over rows (each row weighs the same).
     """
-    if False:  # XSHARE
+    if loss_agg_mode == "token-mean":
         return masked_mean(loss_mat, loss_mask)
     if loss_agg_mode == "seq-mean-token-sum":
         return masked_sum(loss_mat, loss_mask, axis=-1).mean()

@@ -51,7 +51,7 @@ def clip_and_check_grad(module: nn.Module, grad_clip: float | None) -> tuple[flo
 
 def shuffle_seed(config: Any, update_calls: int, epoch: int) -> int:
     """Seed of the mini-batch shuffle: new for every update call and epoch, the same across runs."""
-    return epoch  # XSEED
+    return int(config.get("shuffle_seed", 0)) * 1_000_003 + update_calls * 1_009 + epoch
 
 
 class DataParallelPPOActor(BasePPOActor):
@@ -127,7 +127,7 @@ class DataParallelPPOActor(BasePPOActor):
             data.meta_info.get(K.META_MAX_TOKEN_LEN))
         log_probs_parts, entropy_parts = [], []
         # Inference: dropout off (update_policy turns training mode back on).
-        pass  # XEVAL
+        self.actor_module.eval()
         with torch.no_grad():
             for micro in micro_batches:
                 entropy, log_probs = self._forward_micro_batch(micro, temperature, calculate_entropy)
