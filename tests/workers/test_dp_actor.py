@@ -75,10 +75,13 @@ def test_packed_log_probs_equal_padded_log_probs(tiny_model_dir, single_rank_gro
     lp_packed, ent_packed = packed.compute_log_prob(data, calculate_entropy=True)
     mask = data.batch[K.ATTENTION_MASK][:, -lp_padded.shape[1]:].bool()
     assert lp_padded.shape == (6, 6)
+    # Packed vs padded fp32 attention over <= 14 tokens: summation-order rounding, ~1e-6 on
+    # log-probs and entropies of size < 10 (ln V); 1e-5 holds on any CPU, a leak moves them by > 1e-2.
     torch.testing.assert_close(lp_packed[mask], lp_padded[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_packed[mask], ent_padded[mask], atol=1e-5, rtol=0)
     # Packing must isolate sequences: with two rows in one pack, the second row is unchanged.
     lp_one_row, _ = packed.compute_log_prob(with_meta(data.slice(1, 2)), calculate_entropy=False)
+    # Same argument: a pack of one row vs two differs by rounding only.
     torch.testing.assert_close(lp_one_row[mask[1:2]], lp_packed[1:2][mask[1:2]], atol=1e-5, rtol=0)
 
 
@@ -176,6 +179,7 @@ def test_temperature_divides_logits_before_log_softmax(tiny_model_dir, single_ra
         logits = actor.actor_module(input_ids=batch[K.INPUT_IDS], attention_mask=batch[K.ATTENTION_MASK],
                                     position_ids=batch[K.POSITION_IDS]).logits[:, -7:-1]
     expected = torch.log_softmax(logits / 2.0, dim=-1).gather(-1, batch[K.RESPONSES].unsqueeze(-1)).squeeze(-1)
+    # The same fp32 forward and log-softmax, kernels possibly batched differently: ~1e-6 rounding.
     torch.testing.assert_close(lp_hot, expected, atol=1e-5, rtol=0)
     assert not torch.allclose(lp_hot, lp_cold)
 
