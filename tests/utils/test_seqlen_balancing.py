@@ -96,3 +96,50 @@ def test_rearrange_reduces_on_the_batch_device(monkeypatch) -> None:
     batch = TensorDict({"attention_mask": torch.ones(4, 6, dtype=torch.long)}, batch_size=[4])
     rearrange_micro_batches(batch, max_token_len=12)
     assert seen == [batch["attention_mask"].device]
+
+
+def _two_rank_worker(rank: int, port: int, lengths: list[list[int]], results) -> None:
+    import torch.distributed as dist_
+
+    from verl.utils import seqlen_balancing
+
+    dist_.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        devices: list[str] = []
+        real_all_reduce = dist_.all_reduce
+
+        def recording_all_reduce(tensor, *args, **kwargs):
+            devices.append(str(tensor.device))
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        seqlen_balancing.dist.all_reduce = recording_all_reduce
+        batch = _batch(lengths[rank])
+        micro_batches, _ = rearrange_micro_batches(batch, max_token_len=16)
+        results.put((rank, len(micro_batches), devices, str(batch["attention_mask"].device)))
+    finally:
+        dist_.destroy_process_group()
+
+
+def test_ranks_agree_on_the_micro_batch_count_in_a_real_gloo_group() -> None:
+    """Two real gloo ranks: rank 0 alone would need 1 micro-batch, rank 1 needs 4; both run 4,
+    and every tensor handed to all_reduce lives on the batch's device."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lengths = [[2, 3, 4, 5], [16, 16, 16, 16]]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_two_rank_worker, args=(rank, port, lengths, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [count for _, count, _, _ in got] == [4, 4]
+    for _, _, devices, batch_device in got:
+        assert devices == [batch_device]
