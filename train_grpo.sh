@@ -5,7 +5,7 @@
 #   BASE_MODEL=Qwen/Qwen2.5-3B-Instruct N_GPUS=2 bash train_grpo.sh [extra hydra overrides...]
 #
 # Environment: BASE_MODEL, DATA_DIR (default data/nq_search), EXPERIMENT_NAME, N_GPUS (default 8),
-# WAND_PROJECT, RETRIEVER_URL, ROLLOUT_NAME (hf; vllm once its engine lands). Extra arguments are Hydra overrides and win over the defaults here.
+# WAND_PROJECT, RETRIEVER_URL, ROLLOUT_NAME (auto: vllm with a GPU and vllm installed, else hf; or hf / vllm). Extra arguments are Hydra overrides and win over the defaults here.
 # With no BASE_MODEL on a machine with no GPU, this runs the small offline CPU demo instead.
 # ppo_mini_batch_size counts rollouts (rows after the n_agent repetition), as in the original:
 # 128 = 32 prompts x 4 samples, 2 optimizer steps per training step (docs/training.md).
@@ -26,7 +26,7 @@ export EXPERIMENT_NAME=${EXPERIMENT_NAME:-nq-search-r1-grpo-$(basename "$BASE_MO
 N_GPUS=${N_GPUS:-8}
 WAND_PROJECT=${WAND_PROJECT:-Search-R1}
 RETRIEVER_URL=${RETRIEVER_URL:-http://127.0.0.1:8000/retrieve}
-ROLLOUT_NAME=${ROLLOUT_NAME:-hf}  # the vLLM engine is the next milestone; `hf` runs everywhere
+ROLLOUT_NAME=${ROLLOUT_NAME:-auto}  # auto = vllm on a GPU with vllm installed, hf otherwise
 export VLLM_ATTENTION_BACKEND=${VLLM_ATTENTION_BACKEND:-XFORMERS}
 
 # `+trainer.val_*` may be appended only once: leave ours out when the caller passes them.

@@ -51,14 +51,14 @@ DEFAULT_RL_OVERRIDES = (
     "data.max_response_length=40",
     "data.max_obs_length=128",
     "actor_rollout_ref.rollout.name=hf",
-    "actor_rollout_ref.rollout.n_agent=8",
+    "actor_rollout_ref.rollout.n_agent=5",          # Search-R1's GRPO group size
     "actor_rollout_ref.rollout.temperature=0.8",
     "actor_rollout_ref.rollout.micro_batch_size=256",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size=128",
     "actor_rollout_ref.ref.log_prob_micro_batch_size=128",
     "actor_rollout_ref.actor.optim.lr=1e-4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=256",
-    "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=160",   # 32 prompts x 5 rollouts: one optimizer step per RL step
+    "actor_rollout_ref.actor.ppo_micro_batch_size=40",
     "actor_rollout_ref.actor.use_kl_loss=true",
     "actor_rollout_ref.actor.kl_loss_coef=0.01",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
@@ -81,8 +81,8 @@ DEFAULT_RL_OVERRIDES = (
 
 
 # Measured on an idle 2-core CPU (docs/demo.md), for the start line's estimate only.
-SECONDS_PER_RL_STEP = 17.0
-SECONDS_PER_VALIDATION = 12.0
+SECONDS_PER_RL_STEP = 30.0
+SECONDS_PER_VALIDATION = 8.0
 SECONDS_START = 45.0          # world, index, retrieval server, Ray and workers, final save and plot
 SECONDS_PER_SFT_STEP = 1.0    # only when the warm start is (re)built here
 

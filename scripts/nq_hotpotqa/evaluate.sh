@@ -10,7 +10,7 @@
 #   OUTPUT_JSON     where to write {"val/test_score/<source>": em, ..., "overall": em} (default eval_results.json)
 #   RETRIEVER_URL   a running retrieval server (default http://127.0.0.1:8000/retrieve)
 #   N_GPUS          GPUs (or CPU workers) per node (default: all visible GPUs, else 1)
-#   ROLLOUT_NAME    rollout engine (default hf)
+#   ROLLOUT_NAME    rollout engine: auto (default: vllm with a GPU and vllm, else hf) | hf | vllm
 # Any extra argument is passed to the trainer as a Hydra override (later ones win).
 set -euo pipefail
 
@@ -24,8 +24,7 @@ RETRIEVER_URL=${RETRIEVER_URL:-http://127.0.0.1:8000/retrieve}
 if [ -z "${N_GPUS:-}" ]; then
     N_GPUS=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
-# The vLLM engine is the next milestone: `hf` runs everywhere (ROLLOUT_NAME=vllm once it lands).
-ROLLOUT=${ROLLOUT_NAME:-hf}
+ROLLOUT=${ROLLOUT_NAME:-auto}
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     DEVICE=cuda
 else
