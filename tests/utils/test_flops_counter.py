@@ -49,3 +49,17 @@ def test_gpu_peak_table_and_cached_cpu_measurement():
     assert 1e7 < first < 1e14
     assert get_device_peak_flops("cpu") == first  # measured once, then cached
     assert flops_counter._measured_cpu_peak_flops.cache_info().hits >= 1
+
+
+def test_measuring_the_cpu_peak_leaves_the_global_rng_alone() -> None:
+    """The workers measure their peak after seeding their sampling RNG: it must not shift it."""
+    import torch
+
+    from verl.utils.flops_counter import _measured_cpu_peak_flops
+
+    _measured_cpu_peak_flops.cache_clear()
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    assert _measured_cpu_peak_flops(size=64, repeats=1) > 0
+    assert torch.equal(torch.rand(4), expected)

@@ -42,8 +42,10 @@ def gpu_peak_flops_by_name(name: str) -> float:
 @functools.lru_cache(maxsize=1)
 def _measured_cpu_peak_flops(size: int = 512, repeats: int = 5) -> float:
     """Best fp32 matmul throughput of a few square matmuls; measured once per process."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+    # Its own generator: measuring the peak must not move the worker's sampling RNG.
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator)
+    b = torch.randn(size, size, generator=generator)
     torch.mm(a, b)  # warm-up: first call pays for allocation and thread start-up
     best = float("inf")
     for _ in range(repeats):
