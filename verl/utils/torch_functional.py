@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -93,16 +94,30 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces).reshape(batch_shape)
 
 
-def micro_batch_share(micro_mask: torch.Tensor, mini_mask_total: float, micro_rows: int, mini_rows: int,
-                      loss_agg_mode: str) -> float:
+def micro_batch_share(micro_mask: torch.Tensor, mini_mask_total: float, micro_rows: int, mini_rows: float,
+                      loss_agg_mode: str, dp_size: int = 1) -> float:
     """The weight of one micro-batch's loss in its mini-batch's gradient.
 
     token-mean: its share of the mini-batch's loss tokens, so micro-batches of unequal token
     counts (dynamic batch size) sum to the token-mean of the whole mini-batch; the seq-mean
-    modes: its share of the rows."""
+    modes: its share of the rows. Under data parallelism pass the totals over all ranks
+    (`data_parallel_totals`) and their number: FSDP averages gradients over the ranks, so each
+    share is scaled by `dp_size` and the update is the global mini-batch's loss, whatever the
+    ranks' token counts."""
     if loss_agg_mode == "token-mean":
-        return float(micro_mask.sum()) / max(float(mini_mask_total), 1.0)
-    return micro_rows / mini_rows
+        return dp_size * float(micro_mask.sum()) / max(float(mini_mask_total), 1.0)
+    return dp_size * micro_rows / mini_rows
+
+
+def data_parallel_totals(tokens: float, rows: int, device: torch.device | str) -> tuple[float, float, int]:
+    """(tokens, rows) of this rank's mini-batch summed over the data-parallel ranks, and their
+    number; (tokens, rows, 1) without a process group. The tensor lives on `device` (NCCL reduces
+    CUDA tensors only)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tokens, float(rows), 1
+    totals = torch.tensor([tokens, float(rows)], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return float(totals[0]), float(totals[1]), dist.get_world_size()
 
 
 def clip_by_value(x: torch.Tensor, lo: torch.Tensor | float, hi: torch.Tensor | float) -> torch.Tensor:

@@ -204,14 +204,18 @@ class DataParallelPPOActor(BasePPOActor):
                     mini, cfg.get("ppo_micro_batch_size"), bool(cfg.get("use_dynamic_bsz", False)),
                     cfg.get("ppo_max_token_len_per_gpu"))
                 self.actor_optimizer.zero_grad(set_to_none=True)
-                mini_tokens = float(mini[K.RESPONSE_MASK].sum())
+                # Totals over the data-parallel ranks: the update is the global mini-batch's loss
+                # (with local totals it would be the mean of the ranks' losses, which depends on
+                # how the tokens fell between ranks).
+                mini_tokens, mini_rows, dp_size = tf.data_parallel_totals(
+                    float(mini[K.RESPONSE_MASK].sum()), mini.batch_size[0], mini[K.RESPONSE_MASK].device)
                 for micro in micro_batches:
                     loss = self._micro_batch_loss(micro, temperature, metrics)
                     # Each micro-batch weighs its share of the mini-batch's tokens (token-mean) or
                     # rows (seq-mean modes): the sum is the loss of the whole mini-batch, however
                     # (dynamic batch size) the rows were split.
                     share = tf.micro_batch_share(micro[K.RESPONSE_MASK], mini_tokens, micro.batch_size[0],
-                                                 mini.batch_size[0], cfg.get("loss_agg_mode", "token-mean"))
+                                                 mini_rows, cfg.get("loss_agg_mode", "token-mean"), dp_size)
                     (loss * share).backward()
                 grad_norm, finite = self._optimizer_step()
                 grad_nonfinite += int(not finite)

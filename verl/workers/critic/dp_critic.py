@@ -106,7 +106,10 @@ class DataParallelPPOCritic:
                     mini, cfg.get("ppo_micro_batch_size"), bool(cfg.get("use_dynamic_bsz", False)),
                     cfg.get("ppo_max_token_len_per_gpu"))
                 self.critic_optimizer.zero_grad(set_to_none=True)
-                mini_tokens = float(self._loss_mask(mini).sum())
+                mini_mask = self._loss_mask(mini)
+                # Totals over the data-parallel ranks: the update is the global mini-batch's loss.
+                mini_tokens, mini_rows, dp_size = tf.data_parallel_totals(
+                    float(mini_mask.sum()), mini.batch_size[0], mini_mask.device)
                 for micro in micro_batches:
                     response_mask = self._loss_mask(micro)
                     vpreds = self._forward_micro_batch(micro)
@@ -115,7 +118,7 @@ class DataParallelPPOCritic:
                         float(cfg.cliprange_value), loss_agg_mode)
                     # Token share (token-mean) or row share (seq-mean modes) of the mini-batch.
                     share = tf.micro_batch_share(response_mask, mini_tokens, micro.batch_size[0],
-                                                 mini.batch_size[0], loss_agg_mode)
+                                                 mini_rows, loss_agg_mode, dp_size)
                     (vf_loss * share).backward()
                     metrics["critic/vf_loss"].append(vf_loss.item())
                     metrics["critic/vf_clipfrac"].append(vf_clipfrac.item())

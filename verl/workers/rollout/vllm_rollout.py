@@ -141,7 +141,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             max_tokens=params.response_length,
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,
-            stop_token_ids=list(params.eos_token_ids),
+            stop_token_ids=[t for t in params.eos_token_ids if t >= 0] or None,
             ignore_eos=params.ignore_eos,
             logprobs=0,           # the sampled token's own log-prob
             detokenize=bool(params.stop),
