@@ -62,7 +62,7 @@ class RetrievalBadRequest(RetrievalError):
     """The server refused the request (4xx); retrying the same body cannot help."""
 
 
-def _error_detail(response: requests.Response) -> str:
+def _error_detail(response: Any) -> str:
     """The server's own message for a refused request (FastAPI puts it in ``detail``)."""
     try:
         body = response.json()
@@ -71,6 +71,24 @@ def _error_detail(response: requests.Response) -> str:
     if isinstance(body, dict) and "detail" in body:
         return str(body["detail"])[:500]
     return str(body)[:500]
+
+
+def check_client_settings(url: str, topk: int, timeout: float, max_retries: int, max_batch_queries: int,
+                          pool_size: int) -> None:
+    """Refuse settings no /retrieve client can work with, naming the setting."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
+    for name, value in (
+        ("topk", topk),
+        ("max_batch_queries", max_batch_queries),
+        ("pool_size", pool_size),
+    ):
+        if value < 1:
+            raise ValueError(f"retrieval client {name} must be >= 1, got {value}")
+    if timeout <= 0:
+        raise ValueError(f"retrieval client timeout must be > 0, got {timeout}")
+    if max_retries < 0:
+        raise ValueError(f"retrieval client max_retries must be >= 0, got {max_retries}")
 
 
 class RetrievalClient:
@@ -90,19 +108,7 @@ class RetrievalClient:
         max_batch_queries: int = 512,
         pool_size: int = 16,
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
-        for name, value in (
-            ("topk", topk),
-            ("max_batch_queries", max_batch_queries),
-            ("pool_size", pool_size),
-        ):
-            if value < 1:
-                raise ValueError(f"RetrievalClient.{name} must be >= 1, got {value}")
-        if timeout <= 0:
-            raise ValueError(f"RetrievalClient.timeout must be > 0, got {timeout}")
-        if max_retries < 0:
-            raise ValueError(f"RetrievalClient.max_retries must be >= 0, got {max_retries}")
+        check_client_settings(url, topk, timeout, max_retries, max_batch_queries, pool_size)
         self.url = url
         self.topk = topk
         self.timeout = timeout
@@ -205,42 +211,43 @@ class RetrievalClient:
         except requests.RequestException as exc:
             raise RetrievalError(f"retrieval request failed: {exc}", None, self.url) from exc
 
-        status = response.status_code
-        if 400 <= status < 500:
-            raise RetrievalBadRequest(
-                f"retrieval server refused the request: {_error_detail(response)}", status, self.url
-            )
-        if status >= 500:
-            raise RetrievalUnavailable(
-                f"retrieval server answered HTTP {status} after {self.max_retries} retries: {_error_detail(response)}",
-                status,
-                self.url,
-            )
-        return self._parse(response, n_queries=len(queries))
+        raise_for_retrieve_status(response, self.url, self.max_retries)
+        return parse_retrieve_response(response, len(queries), self.url)
 
-    def _parse(self, response: requests.Response, n_queries: int) -> list[list[Hit]]:
-        status = response.status_code
+
+def raise_for_retrieve_status(response: Any, url: str, max_retries: int) -> None:
+    """The typed error for a 4xx / 5xx answer (a requests or httpx response), after retries."""
+    status = response.status_code
+    if 400 <= status < 500:
+        raise RetrievalBadRequest(f"retrieval server refused the request: {_error_detail(response)}", status, url)
+    if status >= 500:
+        raise RetrievalUnavailable(
+            f"retrieval server answered HTTP {status} after {max_retries} retries: {_error_detail(response)}",
+            status,
+            url,
+        )
+
+
+def parse_retrieve_response(response: Any, n_queries: int, url: str) -> list[list[Hit]]:
+    """The hits of a 2xx /retrieve answer (a requests or httpx response), one list per query."""
+    status = response.status_code
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise RetrievalError("retrieval server answered with a body that is not JSON", status, url) from exc
+    result = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(result, list):
+        raise RetrievalError("retrieval server answer has no 'result' list", status, url)
+    if len(result) != n_queries:
+        raise RetrievalError(
+            f"retrieval server answered {len(result)} result lists for {n_queries} queries", status, url
+        )
+    hits: list[list[Hit]] = []
+    for i, per_query in enumerate(result):
+        if not isinstance(per_query, list):
+            raise RetrievalError(f"result[{i}] is not a list", status, url)
         try:
-            body = response.json()
-        except ValueError as exc:
-            raise RetrievalError(
-                "retrieval server answered with a body that is not JSON", status, self.url
-            ) from exc
-        result = body.get("result") if isinstance(body, dict) else None
-        if not isinstance(result, list):
-            raise RetrievalError("retrieval server answer has no 'result' list", status, self.url)
-        if len(result) != n_queries:
-            raise RetrievalError(
-                f"retrieval server answered {len(result)} result lists for {n_queries} queries",
-                status,
-                self.url,
-            )
-        hits: list[list[Hit]] = []
-        for i, per_query in enumerate(result):
-            if not isinstance(per_query, list):
-                raise RetrievalError(f"result[{i}] is not a list", status, self.url)
-            try:
-                hits.append([Hit.from_wire(obj) for obj in per_query])
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise RetrievalError(f"result[{i}] holds a malformed hit: {exc}", status, self.url) from exc
-        return hits
+            hits.append([Hit.from_wire(obj) for obj in per_query])
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise RetrievalError(f"result[{i}] holds a malformed hit: {exc}", status, url) from exc
+    return hits

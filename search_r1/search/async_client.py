@@ -1,0 +1,130 @@
+"""asyncio client for POST /retrieve: the retrieval path of the asynchronous rollout.
+
+In the async rollout every trajectory is its own coroutine and searches when it gets to a
+search, so retrieval is many small concurrent requests rather than one batch a turn. This
+client behaves as ``RetrievalClient`` does, on an ``httpx.AsyncClient``:
+
+- connection failures and HTTP 500/502/503/504 are retried with exponential backoff
+  (``backoff_factor * 2**(retry - 1)`` seconds before retry ``retry``), at most
+  ``max_retries`` times; other 5xx answers are not retried;
+- 4xx answers are never retried (``RetrievalBadRequest``);
+- a read timeout is not retried (``RetrievalTimeout``): the server has the request;
+- a long query list goes out in chunks of ``max_batch_queries``, concurrently, and the
+  answers are joined in query order;
+- the same typed errors, so a failure becomes the same counted observation (DESIGN §4.9).
+
+One client belongs to one event loop (httpx's connection pool does); ``aclose()`` it, or
+use ``async with``. Needs ``httpx`` (extra ``retriever``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from search_r1.search.client import (
+    RETRYABLE_STATUS,
+    RetrievalError,
+    RetrievalTimeout,
+    RetrievalUnavailable,
+    check_client_settings,
+    parse_retrieve_response,
+    raise_for_retrieve_status,
+)
+from search_r1.search.schema import Hit
+
+
+def _import_httpx() -> Any:
+    try:
+        import httpx
+    except ImportError as err:
+        raise ImportError("the async retrieval client needs httpx: pip install -e .[retriever]") from err
+    return httpx
+
+
+class AsyncRetrievalClient:
+    """Pooled, retrying asyncio client for POST /retrieve; settings as ``RetrievalClient``'s."""
+
+    def __init__(
+        self,
+        url: str,
+        topk: int = 3,
+        timeout: float = 30.0,
+        max_retries: int = 3,
+        backoff_factor: float = 0.5,
+        max_batch_queries: int = 512,
+        pool_size: int = 64,
+    ) -> None:
+        check_client_settings(url, topk, timeout, max_retries, max_batch_queries, pool_size)
+        httpx = _import_httpx()
+        self.url = url
+        self.topk = topk
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff_factor = backoff_factor
+        self.max_batch_queries = max_batch_queries
+        self.pool_size = pool_size
+        self._httpx = httpx
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),
+        )
+
+    def __repr__(self) -> str:
+        return f"AsyncRetrievalClient(url={self.url!r}, topk={self.topk}, timeout={self.timeout})"
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncRetrievalClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def retrieve(
+        self, queries: Sequence[str], topk: int | None = None, return_scores: bool = True
+    ) -> list[list[Hit]]:
+        """Hits for each query, in query order, best first. Raises ``RetrievalError`` (or a subclass)."""
+        if isinstance(queries, str):
+            raise TypeError("queries must be a sequence of strings, not a single string")
+        topk = self.topk if topk is None else topk
+        chunks = [list(queries[i : i + self.max_batch_queries]) for i in range(0, len(queries), self.max_batch_queries)]
+        answers = await asyncio.gather(*(self._post_chunk(chunk, topk, return_scores) for chunk in chunks))
+        return [hits for answer in answers for hits in answer]
+
+    async def _post_chunk(self, queries: list[str], topk: int, return_scores: bool) -> list[list[Hit]]:
+        httpx = self._httpx
+        payload = {"queries": queries, "topk": topk, "return_scores": return_scores}
+        retry = 0
+        while True:
+            try:
+                response = await self._client.post(self.url, json=payload)
+            except httpx.TimeoutException as exc:
+                if not isinstance(exc, httpx.ConnectTimeout):
+                    raise RetrievalTimeout(
+                        f"retrieval server did not answer within {self.timeout}s ({type(exc).__name__})",
+                        None,
+                        self.url,
+                    ) from exc
+                failure: BaseException | int = exc
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                failure = exc
+            except httpx.HTTPError as exc:
+                raise RetrievalError(f"retrieval request failed: {exc}", None, self.url) from exc
+            else:
+                if response.status_code not in RETRYABLE_STATUS:
+                    raise_for_retrieve_status(response, self.url, self.max_retries)
+                    return parse_retrieve_response(response, len(queries), self.url)
+                failure = response.status_code
+            if retry == self.max_retries:
+                if isinstance(failure, int):
+                    raise_for_retrieve_status(response, self.url, self.max_retries)
+                raise RetrievalUnavailable(
+                    f"retrieval server unreachable after {self.max_retries} retries ({type(failure).__name__})",
+                    None,
+                    self.url,
+                ) from failure
+            retry += 1
+            await asyncio.sleep(self.backoff_factor * 2 ** (retry - 1))
