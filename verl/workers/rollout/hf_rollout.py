@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from verl.utils import batch_keys as K
-from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
 
 
 @dataclass(frozen=True)
@@ -189,8 +189,6 @@ class HFRollout(BaseRollout):
         Writes prompts (B, P), responses (B, R), input_ids (B, P+R), attention_mask (B, P+R:
         1 on every sampled token, the emitted EOS included), position_ids (B, P+R).
         """
-        from verl.protocol import DataProto
-
         params = self._sampling_params(prompts.meta_info)
         idx = prompts.batch[K.INPUT_IDS]
         attention_mask = prompts.batch[K.ATTENTION_MASK]
@@ -206,15 +204,4 @@ class HFRollout(BaseRollout):
         responses = torch.cat([r for r, _, _ in parts], dim=0)
         response_mask = torch.cat([m for _, m, _ in parts], dim=0)
         log_probs = torch.cat([lp for _, _, lp in parts], dim=0)
-        # Positions keep counting over sampled tokens and repeat the last one over padding.
-        response_positions = position_ids[:, -1:] + torch.cumsum(response_mask, dim=-1)
-        tensors = {
-            K.PROMPTS: idx,
-            K.RESPONSES: responses,
-            K.INPUT_IDS: torch.cat([idx, responses], dim=-1),
-            K.ATTENTION_MASK: torch.cat([attention_mask, response_mask], dim=-1),
-            K.POSITION_IDS: torch.cat([position_ids, response_positions], dim=-1),
-            K.ROLLOUT_LOG_PROBS: log_probs,
-        }
-        return DataProto.from_dict(tensors=tensors, non_tensors=dict(prompts.non_tensor_batch),
-                                   meta_info=dict(prompts.meta_info))
+        return prompt_and_response_batch(prompts, responses, response_mask, log_probs)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from verl.utils import batch_keys as K
-from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
 from verl.workers.rollout.hf_rollout import SamplingParams as RolloutParams
 from verl.workers.rollout.hf_rollout import sampling_params_from
 
@@ -153,12 +153,9 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
 
         Writes what HFRollout writes (prompts, responses, input_ids, attention_mask, position_ids)
         plus rollout_log_probs (B, R): each sampled token's log-prob, 0 on padding."""
-        from verl.protocol import DataProto
-
         params = sampling_params_from(self.config, prompts.meta_info, self.tokenizer)
         idx = prompts.batch[K.INPUT_IDS]
         attention_mask = prompts.batch[K.ATTENTION_MASK]
-        position_ids = prompts.batch[K.POSITION_IDS]
         batch_size, length = idx.shape[0], params.response_length
         requests = [{"prompt_token_ids": ids} for ids in strip_left_padding(idx, attention_mask)]
         outputs = self.llm.generate(requests, sampling_params=self._vllm_params(params), use_tqdm=False)
@@ -176,14 +173,4 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
                     [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=False)])
         device = idx.device
         responses, response_mask, log_probs = responses.to(device), response_mask.to(device), log_probs.to(device)
-        response_positions = position_ids[:, -1:] + torch.cumsum(response_mask, dim=-1)
-        tensors = {
-            K.PROMPTS: idx,
-            K.RESPONSES: responses,
-            K.INPUT_IDS: torch.cat([idx, responses], dim=-1),
-            K.ATTENTION_MASK: torch.cat([attention_mask, response_mask], dim=-1),
-            K.POSITION_IDS: torch.cat([position_ids, response_positions], dim=-1),
-            K.ROLLOUT_LOG_PROBS: log_probs,
-        }
-        return DataProto.from_dict(tensors=tensors, non_tensors=dict(prompts.non_tensor_batch),
-                                   meta_info=dict(prompts.meta_info))
+        return prompt_and_response_batch(prompts, responses, response_mask, log_probs)
