@@ -28,7 +28,7 @@ from search_r1.search.client import (
     RetrievalError,
     RetrievalTimeout,
     RetrievalUnavailable,
-    check_client_settings,
+    _RetrieveEndpoint,
     parse_retrieve_response,
     raise_for_retrieve_status,
 )
@@ -43,36 +43,19 @@ def _import_httpx() -> Any:
     return httpx
 
 
-class AsyncRetrievalClient:
-    """Pooled, retrying asyncio client for POST /retrieve; settings as ``RetrievalClient``'s."""
+class AsyncRetrievalClient(_RetrieveEndpoint):
+    """Pooled, retrying asyncio client for POST /retrieve; settings as ``RetrievalClient``'s,
+    except ``pool_size`` (default 64: many trajectories search at once)."""
 
-    def __init__(
-        self,
-        url: str,
-        topk: int = 3,
-        timeout: float = 30.0,
-        max_retries: int = 3,
-        backoff_factor: float = 0.5,
-        max_batch_queries: int = 512,
-        pool_size: int = 64,
-    ) -> None:
-        check_client_settings(url, topk, timeout, max_retries, max_batch_queries, pool_size)
+    default_pool_size = 64
+
+    def _open(self) -> None:
         httpx = _import_httpx()
-        self.url = url
-        self.topk = topk
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.backoff_factor = backoff_factor
-        self.max_batch_queries = max_batch_queries
-        self.pool_size = pool_size
         self._httpx = httpx
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),
+            timeout=httpx.Timeout(self.timeout),
+            limits=httpx.Limits(max_connections=self.pool_size, max_keepalive_connections=self.pool_size),
         )
-
-    def __repr__(self) -> str:
-        return f"AsyncRetrievalClient(url={self.url!r}, topk={self.topk}, timeout={self.timeout})"
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -87,16 +70,14 @@ class AsyncRetrievalClient:
         self, queries: Sequence[str], topk: int | None = None, return_scores: bool = True
     ) -> list[list[Hit]]:
         """Hits for each query, in query order, best first. Raises ``RetrievalError`` (or a subclass)."""
-        if isinstance(queries, str):
-            raise TypeError("queries must be a sequence of strings, not a single string")
         topk = self.topk if topk is None else topk
-        chunks = [list(queries[i : i + self.max_batch_queries]) for i in range(0, len(queries), self.max_batch_queries)]
-        answers = await asyncio.gather(*(self._post_chunk(chunk, topk, return_scores) for chunk in chunks))
+        answers = await asyncio.gather(*(self._post_chunk(chunk, topk, return_scores)
+                                         for chunk in self._chunks(queries)))
         return [hits for answer in answers for hits in answer]
 
     async def _post_chunk(self, queries: list[str], topk: int, return_scores: bool) -> list[list[Hit]]:
         httpx = self._httpx
-        payload = {"queries": queries, "topk": topk, "return_scores": return_scores}
+        payload = self._payload(queries, topk, return_scores)
         retry = 0
         while True:
             try:

@@ -73,30 +73,12 @@ def _error_detail(response: Any) -> str:
     return str(body)[:500]
 
 
-def check_client_settings(url: str, topk: int, timeout: float, max_retries: int, max_batch_queries: int,
-                          pool_size: int) -> None:
-    """Refuse settings no /retrieve client can work with, naming the setting."""
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
-    for name, value in (
-        ("topk", topk),
-        ("max_batch_queries", max_batch_queries),
-        ("pool_size", pool_size),
-    ):
-        if value < 1:
-            raise ValueError(f"retrieval client {name} must be >= 1, got {value}")
-    if timeout <= 0:
-        raise ValueError(f"retrieval client timeout must be > 0, got {timeout}")
-    if max_retries < 0:
-        raise ValueError(f"retrieval client max_retries must be >= 0, got {max_retries}")
+class _RetrieveEndpoint:
+    """What every /retrieve client shares: its settings (checked, naming the bad one), the
+    request body, and the split of a long query list into chunks of ``max_batch_queries``.
+    Subclasses open their transport in ``_open``."""
 
-
-class RetrievalClient:
-    """Pooled, retrying client for POST /retrieve.
-
-    ``url`` is the full endpoint, as in the trainer's ``retriever.url``
-    (e.g. ``http://127.0.0.1:8000/retrieve``).
-    """
+    default_pool_size = 16
 
     def __init__(
         self,
@@ -106,9 +88,22 @@ class RetrievalClient:
         max_retries: int = 3,
         backoff_factor: float = 0.5,
         max_batch_queries: int = 512,
-        pool_size: int = 16,
+        pool_size: int | None = None,
     ) -> None:
-        check_client_settings(url, topk, timeout, max_retries, max_batch_queries, pool_size)
+        pool_size = self.default_pool_size if pool_size is None else pool_size
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
+        for name, value in (
+            ("topk", topk),
+            ("max_batch_queries", max_batch_queries),
+            ("pool_size", pool_size),
+        ):
+            if value < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {value}")
+        if timeout <= 0:
+            raise ValueError(f"{type(self).__name__}.timeout must be > 0, got {timeout}")
+        if max_retries < 0:
+            raise ValueError(f"{type(self).__name__}.max_retries must be >= 0, got {max_retries}")
         self.url = url
         self.topk = topk
         self.timeout = timeout
@@ -116,6 +111,33 @@ class RetrievalClient:
         self.backoff_factor = backoff_factor
         self.max_batch_queries = max_batch_queries
         self.pool_size = pool_size
+        self._open()
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r}, topk={self.topk}, timeout={self.timeout})"
+
+    def _chunks(self, queries: Sequence[str]) -> list[list[str]]:
+        if isinstance(queries, str):
+            raise TypeError("queries must be a sequence of strings, not a single string")
+        return [list(queries[i : i + self.max_batch_queries]) for i in range(0, len(queries), self.max_batch_queries)]
+
+    @staticmethod
+    def _payload(queries: list[str], topk: int, return_scores: bool) -> dict[str, Any]:
+        return {"queries": queries, "topk": topk, "return_scores": return_scores}
+
+
+class RetrievalClient(_RetrieveEndpoint):
+    """Pooled, retrying client for POST /retrieve.
+
+    ``url`` is the full endpoint, as in the trainer's ``retriever.url``
+    (e.g. ``http://127.0.0.1:8000/retrieve``). Settings: ``topk``, ``timeout`` (s),
+    ``max_retries``, ``backoff_factor``, ``max_batch_queries``, ``pool_size`` (default 16).
+    """
+
+    def _open(self) -> None:
         self._session = self._make_session()
 
     def _make_session(self) -> requests.Session:
@@ -148,10 +170,7 @@ class RetrievalClient:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._session = self._make_session()
-
-    def __repr__(self) -> str:
-        return f"RetrievalClient(url={self.url!r}, topk={self.topk}, timeout={self.timeout})"
+        self._open()
 
     def close(self) -> None:
         self._session.close()
@@ -183,19 +202,13 @@ class RetrievalClient:
         Without ``return_scores`` the server sends bare documents and every
         ``Hit.score`` is 0.0. Raises ``RetrievalError`` (or a subclass) on failure.
         """
-        if isinstance(queries, str):
-            raise TypeError("queries must be a sequence of strings, not a single string")
         topk = self.topk if topk is None else topk
-        results: list[list[Hit]] = []
-        for start in range(0, len(queries), self.max_batch_queries):
-            chunk = list(queries[start : start + self.max_batch_queries])
-            results.extend(self._post_chunk(chunk, topk, return_scores))
-        return results
+        return [hits for chunk in self._chunks(queries) for hits in self._post_chunk(chunk, topk, return_scores)]
 
     def _post_chunk(self, queries: list[str], topk: int, return_scores: bool) -> list[list[Hit]]:
-        payload = {"queries": queries, "topk": topk, "return_scores": return_scores}
         try:
-            response = self._session.post(self.url, json=payload, timeout=self.timeout)
+            response = self._session.post(self.url, json=self._payload(queries, topk, return_scores),
+                                          timeout=self.timeout)
         except requests.Timeout as exc:
             raise RetrievalTimeout(
                 f"retrieval server did not answer within {self.timeout}s ({type(exc).__name__})",
