@@ -35,7 +35,13 @@ import torch
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.actions import Action
-from search_r1.llm_agent.tensor_helper import left_pad, position_ids_from_mask, real_tokens, right_pad
+from search_r1.llm_agent.tensor_helper import (
+    left_pad,
+    masked_rows,
+    position_ids_from_mask,
+    real_tokens,
+    right_pad,
+)
 from verl.utils import batch_keys as K
 
 
@@ -276,8 +282,7 @@ class LLMGenerationManager:
         response_mask = out.batch[K.ATTENTION_MASK][:, -responses.shape[1]:]
         log_probs = None
         if K.ROLLOUT_LOG_PROBS in out.batch.keys():
-            lp = out.batch[K.ROLLOUT_LOG_PROBS]
-            log_probs = [row[m.bool()].tolist() for row, m in zip(lp, response_mask, strict=True)]
+            log_probs = masked_rows(out.batch[K.ROLLOUT_LOG_PROBS], response_mask)
         return real_tokens(responses, response_mask), log_probs
 
     def _retriever(self) -> Any:

@@ -53,8 +53,13 @@ def cut_to_effective_len(tensors: dict[str, torch.Tensor], attention_mask: torch
     return {k: v[:, :width] for k, v in tensors.items()}
 
 
+def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> list[list]:
+    """The values of each row where `mask` is 1, in order, as lists."""
+    if values.shape != mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape")
+    return [row[m.bool()].tolist() for row, m in zip(values, mask, strict=True)]
+
+
 def real_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     """The tokens of each row where `mask` is 1, in order, as lists."""
-    if ids.shape != mask.shape:
-        raise ValueError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} differ in shape")
-    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    return masked_rows(ids, mask)
