@@ -7,8 +7,10 @@ Hydra composes `config/ppo_trainer.yaml` with the overrides (struct mode: an unk
 fails); `validate_config` rejects contradictions before anything starts. Ray is started
 locally (on a machine with no GPU, `trainer.n_gpus_per_node` CPU worker processes) or
 joined at `trainer.ray_address` ("auto" or host:port, e.g. under Slurm). The driver loop
-runs in this process; workers are Ray actors. Unlike the original, the driver is not a
-Ray task, which keeps it importable and testable: `run_ppo(config)`.
+runs in this process; workers are Ray actors. Joining a cluster (or `RAY_ADDRESS`) waits at most
+`trainer.ray_wait_s` for `trainer.nnodes` nodes of `trainer.n_gpus_per_node` workers each
+(docs/multinode.md). Unlike the original, the driver is not a Ray task, which keeps it
+importable and testable: `run_ppo(config)`.
 """
 
 from __future__ import annotations
@@ -55,16 +57,69 @@ def _has_gpu(config: DictConfig) -> bool:
     return bool(is_cuda_available())
 
 
+def cluster_address(config: DictConfig) -> str | None:
+    """The Ray cluster to join: `trainer.ray_address` ("auto" or host:port), else `RAY_ADDRESS`,
+    else None (start a local Ray)."""
+    address = config.trainer.ray_address or os.environ.get("RAY_ADDRESS") or None
+    return str(address) if address is not None else None
+
+
+def check_cluster_settings(config: DictConfig) -> None:
+    """Reject cluster settings that cannot work, naming the key, before anything starts."""
+    wait = config.trainer.get("ray_wait_s")
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        raise ValueError(f"trainer.ray_wait_s must be a number of seconds >= 0, got {wait!r}")
+    nnodes = config.trainer.nnodes
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"trainer.nnodes must be an int >= 1, got {nnodes!r}")
+    if nnodes > 1 and cluster_address(config) is None:
+        raise ValueError(
+            f"trainer.nnodes={nnodes} needs a Ray cluster of {nnodes} nodes, but trainer.ray_address is null "
+            "and RAY_ADDRESS is unset (a local Ray is one node): start the cluster (docs/multinode.md) and "
+            "pass trainer.ray_address=auto or host:port")
+
+
+def per_node_need(config: DictConfig, nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """Resources one node must have for its `trainer.n_gpus_per_node` workers: GPUs (and a CPU each)
+    on a GPU cluster or with trainer.device=cuda, CPUs only with trainer.device=cpu or when no live
+    node has a GPU (CPU workers)."""
+    workers = float(config.trainer.n_gpus_per_node)
+    device = config.trainer.device
+    any_gpu = any(node.get("Resources", {}).get("GPU", 0) > 0 for node in nodes)
+    if device == "cuda" or (device != "cpu" and any_gpu):
+        return {"CPU": workers, "GPU": workers}
+    return {"CPU": workers}
+
+
+def wait_for_cluster(config: DictConfig) -> list[str]:
+    """Block (at most `trainer.ray_wait_s`) until the joined cluster has `trainer.nnodes` nodes with
+    the workers' resources each; a RuntimeError names what is missing. Returns the node ids."""
+    from verl.single_controller.ray.base import wait_for_nodes
+
+    nnodes, per_node = int(config.trainer.nnodes), int(config.trainer.n_gpus_per_node)
+    return wait_for_nodes(
+        nnodes, lambda nodes: per_node_need(config, nodes), timeout_s=float(config.trainer.ray_wait_s),
+        what=f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node} (trainer.device={config.trainer.device})")
+
+
 def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
-    """Start or join Ray; returns True when this call started it (so it shuts it down)."""
+    """Start or join Ray; returns True when this call started it (so it shuts it down). Joining a
+    cluster waits (bounded) until it has the nodes the workers need."""
     import ray
 
     if ray.is_initialized():
         return False
     runtime_env = {"env_vars": dict(WORKER_ENV)}
-    address = config.trainer.ray_address
+    address = cluster_address(config)
     if address:
         ray.init(address=address, runtime_env=runtime_env)
+        try:
+            node_ids = wait_for_cluster(config)
+        except BaseException:
+            ray.shutdown()
+            raise
+        logger.info("joined the Ray cluster at %s: %d node(s) fit the workers (%s)", address, len(node_ids),
+                    ", ".join(n[:8] for n in node_ids))
     else:
         # One CPU per worker process plus one for the driver's own tasks.
         ray.init(num_cpus=world_size(config) + 1, num_gpus=None if use_gpu else 0,
@@ -120,9 +175,10 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
     """Train per `config`; returns the per-step metrics. `reward_fn` replaces the rule reward (tests)."""
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
+    check_cluster_settings(config)
     trainer, started_ray = None, False
     try:
-        if config.trainer.ray_address:
+        if cluster_address(config):
             # Joining a cluster: its resources, not this node's, say whether the workers have GPUs.
             started_ray = _init_ray(config, use_gpu=True)
             trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)

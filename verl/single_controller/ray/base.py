@@ -1,15 +1,16 @@
 """Ray backend of the single controller: placement groups, named worker actors, colocated roles.
 
-The driver builds a RayResourcePool (one placement group per node, one bundle per process),
-then a RayWorkerGroup that starts one actor per bundle with its rank/rendezvous environment,
+The driver builds a RayResourcePool (one placement group spanning the nodes, one bundle per node),
+then a RayWorkerGroup that starts node i's actors in bundle i with their rank/rendezvous environment,
 and binds the worker class's @register methods on itself. On a machine without GPUs the
 bundles are CPU-only and everything (gloo process groups included) runs the same way.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -34,6 +35,62 @@ def _unwrap_actor_class(cls: Any) -> type:
     return cls.__ray_actor_class__ if isinstance(cls, ActorClass) else cls
 
 
+def alive_nodes() -> list[dict[str, Any]]:
+    """The cluster's live nodes as `ray.nodes()` reports them (NodeID, NodeManagerAddress, Resources)."""
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def _fits(node: dict[str, Any], need: dict[str, float]) -> bool:
+    total = node.get("Resources", {})
+    return all(total.get(key, 0.0) >= amount for key, amount in need.items())
+
+
+def describe_nodes(nodes: list[dict[str, Any]] | None = None, need: dict[str, float] | None = None) -> str:
+    """One line naming every live node and its CPU/GPU totals (and whether it fits `need`)."""
+    nodes = alive_nodes() if nodes is None else nodes
+    parts = []
+    for node in nodes:
+        total = node.get("Resources", {})
+        text = (f"{node.get('NodeManagerAddress')} [node {str(node.get('NodeID'))[:8]}] "
+                f"CPU={total.get('CPU', 0):g} GPU={total.get('GPU', 0):g}")
+        if need is not None:
+            text += " (fits)" if _fits(node, need) else " (too small)"
+        parts.append(text)
+    return f"{len(nodes)} live node(s): " + ("; ".join(parts) if parts else "none")
+
+
+def wait_for_nodes(
+    nnodes: int,
+    need: dict[str, float] | Callable[[list[dict[str, Any]]], dict[str, float]],
+    timeout_s: float,
+    poll_s: float = 1.0,
+    what: str = "",
+) -> list[str]:
+    """Block until `nnodes` live nodes each have at least `need` resources in total; returns their ids.
+
+    `need` may be a function of the live nodes (re-evaluated each poll), e.g. GPUs once any node
+    has one. After `timeout_s` raises RuntimeError naming what is missing; `what` says which
+    settings asked for it (e.g. "trainer.nnodes=2 x trainer.n_gpus_per_node=8").
+    """
+    if nnodes < 1:
+        raise ValueError(f"wait_for_nodes: nnodes must be >= 1, got {nnodes}")
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    while True:
+        nodes = alive_nodes()
+        wanted = need(nodes) if callable(need) else need
+        fitting = [node for node in nodes if _fits(node, wanted)]
+        if len(fitting) >= nnodes:
+            return [node["NodeID"] for node in fitting]
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"the Ray cluster has {len(fitting)} of the {nnodes} node(s) with {wanted} each that "
+                f"{what or 'the resource pool'} needs (missing {nnodes - len(fitting)}) after waiting "
+                f"{timeout_s:g}s; {describe_nodes(nodes, wanted)}. Start the missing node(s) with "
+                f"`ray start --address=<head>:<port>` or lower the node/worker counts."
+            )
+        time.sleep(poll_s)
+
+
 class RayResourcePool(ResourcePool):
     """Processes per node, reserved as Ray placement groups (created on first use)."""
 
@@ -55,33 +112,38 @@ class RayResourcePool(ResourcePool):
         """GPU bundles only when asked for and the cluster has GPUs; otherwise CPU-only bundles."""
         return bool(self.use_gpu and ray.cluster_resources().get("GPU", 0) > 0)
 
-    def bundle(self) -> dict[str, float]:
-        # max_colocate_count actors (one per colocated group) share each bundle.
-        bundle = {"CPU": float(self.max_colocate_count)}
+    def bundle(self, processes: int = 1) -> dict[str, float]:
+        """Resources of `processes` worker processes on one node."""
+        # max_colocate_count actors (one per colocated group) share each process's slot.
+        bundle = {"CPU": float(self.max_colocate_count * processes)}
         if self.gpus_in_use():
-            bundle["GPU"] = 1.0
+            bundle["GPU"] = float(processes)
         return bundle
 
-    def get_placement_groups(self, strategy: str = "STRICT_PACK") -> list[PlacementGroup]:
+    def get_placement_groups(self) -> list[PlacementGroup]:
+        """One placement group spanning the pool's nodes: bundle i holds node i's processes.
+
+        STRICT_SPREAD puts every bundle on a different Ray node, so `process_on_nodes=[8, 8]`
+        is 8 workers on each of two nodes (never 16 on one big node); the workers of node i
+        share bundle i, each holding one process's share of it. Returned as a one-item list.
+        """
         if self.pgs is not None:
             return self.pgs
-        bundle = self.bundle()
+        bundles = [self.bundle(count) for count in self._store]
+        strategy = "STRICT_SPREAD" if len(bundles) > 1 else "STRICT_PACK"
+        name = f"{self.name_prefix}verl_group" if self.name_prefix else ""
         lifetime = "detached" if self.detached else None
-        pgs = []
-        for node, count in enumerate(self._store):
-            name = f"{self.name_prefix}verl_group_{node}" if self.name_prefix else ""
-            pgs.append(placement_group([dict(bundle) for _ in range(count)], strategy=strategy, name=name, lifetime=lifetime))
+        pg = placement_group(bundles, strategy=strategy, name=name, lifetime=lifetime)
         try:
-            ray.get([pg.ready() for pg in pgs], timeout=PLACEMENT_GROUP_TIMEOUT_S)
+            ray.get(pg.ready(), timeout=PLACEMENT_GROUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as err:
-            for pg in pgs:
-                remove_placement_group(pg)
+            remove_placement_group(pg)
             raise RuntimeError(
-                f"RayResourcePool(process_on_nodes={self._store}) could not reserve bundles {bundle} within "
-                f"{PLACEMENT_GROUP_TIMEOUT_S}s; cluster has {ray.available_resources()} available"
+                f"RayResourcePool(process_on_nodes={self._store}) could not reserve {strategy} bundles {bundles} "
+                f"within {PLACEMENT_GROUP_TIMEOUT_S}s; {describe_nodes()}"
             ) from err
-        self.pgs = pgs
-        return pgs
+        self.pgs = [pg]
+        return self.pgs
 
     def release(self) -> None:
         """Give the reserved bundles back to the cluster (kill the pool's actors first)."""
@@ -178,7 +240,8 @@ class RayWorkerGroup(WorkerGroup):
         self.master_addr, self.master_port = _rendezvous_for(pgs[0])
         world_size = pool.world_size
         rank = 0
-        for node, (pg, local_world_size) in enumerate(zip(pgs, pool.store, strict=True)):
+        (pg,) = pgs
+        for node, local_world_size in enumerate(pool.store):
             for local_rank in range(local_world_size):
                 env = {
                     "RANK": str(rank),
@@ -194,7 +257,7 @@ class RayWorkerGroup(WorkerGroup):
                 # Ray sets CUDA_VISIBLE_DEVICES for actors that hold a GPU share; CPU actors hold none.
                 actor = cia.create_actor(
                     pg,
-                    bundle_index=local_rank,
+                    bundle_index=node,
                     env_vars=env,
                     name=name,
                     num_cpus=1,
