@@ -26,6 +26,7 @@ Departures from the original Search-R1 (DESIGN §4):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,8 +70,14 @@ class GenerationConfig:
     retrieval_max_retries: int = 3
     stop: tuple[str, ...] = actions.STOP_STRINGS
     max_total_response_length: int | None = None
+    # sync: one engine call per turn for all rows; async: one coroutine per trajectory in each
+    # rollout worker (async_generation.py, docs/agent.md "Sync and async rollout").
+    mode: str = "sync"
 
     def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"GenerationConfig.mode (actor_rollout_ref.rollout.mode) must be 'sync' or 'async', "
+                             f"got {self.mode!r}")
         for name in ("max_start_length", "max_prompt_length", "max_response_length", "max_obs_length", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GenerationConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -93,6 +100,17 @@ class GenerationConfig:
                 f"max_response_length + max_obs_length = {turn_budget}"
             )
         self.stop = tuple(self.stop)
+
+
+# generate_trajectories' contract: the config goes in meta_info, rows and counters come back per row.
+META_AGENT_CONFIG = "agent_config"
+AGENT_ROWS = "agent_rows"
+AGENT_STATS = "agent_stats"
+
+
+def eos_token_ids(meta: dict[str, Any]) -> frozenset[int]:
+    eos = meta[K.META_EOS_TOKEN_ID]
+    return frozenset(int(e) for e in eos) if isinstance(eos, list | tuple) else frozenset({int(eos)})
 
 
 @dataclass
@@ -340,8 +358,9 @@ class LLMGenerationManager:
         """
         rows, prompt_mask = self._initial_rows(gen_batch, initial_input_ids)
         meta = self._generation_meta(gen_batch)
-        eos = meta[K.META_EOS_TOKEN_ID]
-        eos_ids = frozenset(int(e) for e in eos) if isinstance(eos, list | tuple) else frozenset({int(eos)})
+        if self.config.mode == "async":
+            return self._run_async(initial_input_ids.long(), prompt_mask, meta)
+        eos_ids = eos_token_ids(meta)
         turn_budget = self.config.max_response_length + self.config.max_obs_length
         stats: Counter[str] = Counter()
         timing = {"generate": 0.0, "retrieval": 0.0}
@@ -382,6 +401,30 @@ class LLMGenerationManager:
                                  None if sampled_log_probs is None else sampled_log_probs[k])
 
         return self._compose_final_output(rows, initial_input_ids.long(), prompt_mask, stats, timing)
+
+    def _run_async(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, meta: dict[str, Any]) -> Any:
+        """Each rollout worker runs its shard's trajectories as coroutines
+        (`generate_trajectories`); the rows come back whole and are composed here."""
+        from verl.protocol import DataProto
+
+        batch = DataProto.from_dict(
+            tensors={K.INPUT_IDS: prompts, K.ATTENTION_MASK: prompt_mask},
+            meta_info={**meta, META_AGENT_CONFIG: dataclasses.asdict(self.config)})
+        start = time.perf_counter()
+        out = self.actor_rollout_wg.generate_trajectories(batch)
+        wall = time.perf_counter() - start
+        rows = list(out.non_tensor_batch[AGENT_ROWS])
+        per_row = list(out.non_tensor_batch[AGENT_STATS])
+        if len(rows) != prompts.shape[0]:
+            raise ValueError(f"generate_trajectories returned {len(rows)} rows for {prompts.shape[0]} prompts")
+        stats: Counter[str] = Counter()
+        for counts in per_row:
+            stats.update(counts)
+        # Generation and retrieval overlap: 'generate' is the rollout's wall time, 'retrieval'
+        # the mean time a trajectory waited for the retriever.
+        timing = {"generate": wall, "retrieval": stats.pop("retrieval_ms", 0) / 1000.0 / max(1, len(rows))}
+        stats.pop("generate_ms", None)
+        return self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
 
     def _apply_turn(self, row: _Row, res: _TurnResult, search_obs: str | None, is_final: bool,
                     stats: Counter[str], sampled_log_probs: list[float] | None = None) -> None:

@@ -204,6 +204,12 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name not in ROLLOUT_NAMES:
         errors.append(f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; choose one of {list(ROLLOUT_NAMES)}")
+    mode = rollout.get("mode", "sync")
+    if mode not in ("sync", "async"):
+        errors.append(f"actor_rollout_ref.rollout.mode={mode!r} is unknown; choose 'sync' or 'async'")
+    elif mode == "async" and not cfg.do_search:
+        errors.append("actor_rollout_ref.rollout.mode=async runs the multi-turn search loop; with do_search=false "
+                      "every row is one generate call: use mode=sync")
     if not cfg.actor_rollout_ref.hybrid_engine:
         errors.append("actor_rollout_ref.hybrid_engine=False is not supported: actor, rollout and ref share one process")
     if cfg.actor_rollout_ref.actor.state_masking and not cfg.do_search:

@@ -15,6 +15,8 @@ step); each worker turns them into per-rank sizes in __init__, veRL style.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -237,21 +239,61 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         eos_token_id, pad_token_id, do_sample, temperature, response_length, stop.
         Writes prompts, responses, input_ids, attention_mask, position_ids."""
         self._require(self._is_rollout, "generate_sequences")
-        fsdp_cfg = self.config.actor.fsdp_config
         prompts = prompts.to(self.device)
         prompts.meta_info.setdefault(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
         prompts.meta_info.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
+        with self._generation_phase():
+            output = self.rollout.generate_sequences(prompts)
+        return output.to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_trajectories(self, prompts: DataProto) -> DataProto:
+        """Async rollout of this rank's rows, one coroutine per trajectory (search_r1.llm_agent.async_generation).
+
+        Reads input_ids / attention_mask (the prompts, left-padded) and meta_info: the sampling
+        keys of generate_sequences plus 'agent_config' (the driver's GenerationConfig as a dict).
+        Writes non-tensors 'agent_rows' (each row's turns, masks and stop reason) and
+        'agent_stats' (its counters), and the tensor 'num_turns'."""
+        self._require(self._is_rollout, "generate_trajectories")
+        from search_r1.llm_agent import generation
+        from search_r1.llm_agent.async_generation import run_shard
+        from search_r1.llm_agent.tensor_helper import real_tokens
+
+        meta = dict(prompts.meta_info)
+        meta.setdefault(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
+        meta.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
+        gen_config = generation.GenerationConfig(**meta.pop(generation.META_AGENT_CONFIG))
+        ids = real_tokens(prompts.batch[K.INPUT_IDS].long(), prompts.batch[K.ATTENTION_MASK].long())
+        # One draw of the rank's seeded RNG per call; each request's seed derives from it.
+        call_seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        with self._generation_phase():
+            rows, stats, _ = run_shard(self.tokenizer, gen_config, self.rollout.step_engine(meta), ids, call_seed,
+                                       generation.eos_token_ids(meta))
+        return DataProto.from_dict(
+            tensors={"num_turns": torch.tensor([row.n_turns for row in rows], dtype=torch.long)},
+            non_tensors={generation.AGENT_ROWS: rows, generation.AGENT_STATS: [dict(c) for c in stats]})
+
+    @contextmanager
+    def _generation_phase(self) -> Iterator[None]:
+        """The rollout engine ready with the actor's current weights, in eval mode; put back after."""
+        fsdp_cfg = self.config.actor.fsdp_config
         if isinstance(self.rollout, HFRollout):
             self._onload(self.actor_module, None, fsdp_cfg)
-            with self.rollout_sharding_manager:
-                output = self.rollout.generate_sequences(prompts)
-            self._offload(self.actor_module, None, fsdp_cfg)
+            was_training = self.actor_module.training
+            self.actor_module.eval()
+            try:
+                with self.rollout_sharding_manager:
+                    yield
+            finally:
+                self.actor_module.train(was_training)
+                self._offload(self.actor_module, None, fsdp_cfg)
         else:
             self._sync_rollout_weights()
-            output = self.rollout.generate_sequences(prompts)
-            self.rollout.sleep()
-            device_utils.empty_cache()
-        return output.to("cpu")
+            try:
+                yield
+            finally:
+                self.rollout.sleep()
+                device_utils.empty_cache()
 
     def _sync_rollout_weights(self) -> None:
         """Wake the engine and load the actor's weights into it unless it already has this version.

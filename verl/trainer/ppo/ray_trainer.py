@@ -247,7 +247,8 @@ class RayPPOTrainer:
             no_think_rl=bool(self.config.algorithm.no_think_rl), search_url=self.config.retriever.url,
             topk=int(self.config.retriever.topk), retrieval_timeout=float(self.config.retriever.timeout),
             retrieval_max_retries=int(self.config.retriever.max_retries),
-            stop=tuple(self.config.actor_rollout_ref.rollout.stop))
+            stop=tuple(self.config.actor_rollout_ref.rollout.stop),
+            mode=str(self.config.actor_rollout_ref.rollout.get("mode", "sync")))
         manager = LLMGenerationManager(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
                                        config=gen_config, is_validation=validation)
         self._gen_managers[validation] = manager

@@ -134,6 +134,15 @@ class HFRollout(BaseRollout):
     def _sampling_params(self, meta: dict) -> SamplingParams:
         return sampling_params_from(self.config, meta, self.tokenizer)
 
+    def step_engine(self, meta: dict) -> Any:
+        """A continuous-batching engine over this module for the async rollout (`async_engine.py`);
+        at most `micro_batch_size` requests decode together. The caller puts the module in eval mode."""
+        from verl.workers.rollout.async_engine import HFStepEngine
+
+        return HFStepEngine(self.module, self._sampling_params(meta), self.tokenizer,
+                            max_num_seqs=int(self.config.get("micro_batch_size") or 64),
+                            accepts_logits_to_keep=self._accepts_logits_to_keep)
+
     @torch.no_grad()
     def _generate_micro_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               position_ids: torch.Tensor, params: SamplingParams

@@ -131,6 +131,12 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
 
     # --- generation ---------------------------------------------------------------
 
+    def step_engine(self, meta: dict) -> VLLMStepEngine:
+        """The engine driven one step at a time for the async rollout (`async_engine.py`): requests
+        join between steps (vLLM's own continuous batching). The caller syncs the weights first."""
+        params = sampling_params_from(self.config, meta, self.tokenizer)
+        return VLLMStepEngine(self.llm.llm_engine, self._vllm_params(params), self._vllm)
+
     def _vllm_params(self, params: RolloutParams) -> Any:
         greedy = not params.do_sample or params.temperature <= 0
         return self._vllm.SamplingParams(
@@ -174,3 +180,43 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         device = idx.device
         responses, response_mask, log_probs = responses.to(device), response_mask.to(device), log_probs.to(device)
         return prompt_and_response_batch(prompts, responses, response_mask, log_probs)
+
+
+class VLLMStepEngine:
+    """vLLM's in-process engine core, stepped by `AsyncEngine`.
+
+    Why not `AsyncLLM`: it runs the engine core in another process, where the actor's weights
+    cannot be reloaded in place; stepping the in-process `LLMEngine` gives the same continuous
+    batching (requests added between steps join the running batch) with the hybrid engine's
+    weight sync unchanged. Each request carries its own seed."""
+
+    def __init__(self, engine: Any, params: Any, vllm: Any) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine = engine
+        self.params = params
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self._vllm = vllm
+
+    def add(self, request_id: str, prompt_ids: Any, seed: int) -> None:
+        params = self.params.clone()
+        params.seed = int(seed)
+        params.output_kind = self._final_only
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def step(self) -> list[tuple[str, Any]]:
+        from verl.workers.rollout.async_engine import Completion
+
+        finished = []
+        for out in self.engine.step():
+            if not out.finished:
+                continue
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            log_probs = ([float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=False)]
+                         if completion.logprobs is not None else [0.0] * len(ids))
+            finished.append((out.request_id, Completion(ids, log_probs)))
+        return finished

@@ -1,0 +1,123 @@
+"""Asynchronous multi-turn rollout: one coroutine per trajectory (`rollout.mode=async`).
+
+Each trajectory runs generate -> cut and parse -> search -> append on its own, against a
+continuous-batching engine (`verl.workers.rollout.async_engine.AsyncEngine`) and the
+asyncio retrieval client, so a row that searches does not wait for the batch's slowest
+generation, and the engine never idles while some rows still have turns to go.
+
+The rules are the sync manager's, called, not copied: the rolling context
+(`_context`), the cut at the first action (`_cut_turn`), observations, stop rules and the
+final no-search turn (`_apply_turn`). Only the order in which rows advance differs; each
+row sees exactly what it would see in sync mode. This runs inside each rollout worker on
+its shard of rows (`ActorRolloutRefWorker.generate_trajectories`); the driver composes the
+batch with the sync manager's `_compose_final_output`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from search_r1.llm_agent import actions
+from search_r1.llm_agent.generation import LLMGenerationManager, _Row
+
+# Request seed = f(call seed, row, turn): what a row samples does not depend on timing.
+_ROW_STRIDE = 1_000_003
+_TURN_STRIDE = 7_919
+
+
+def request_seed(call_seed: int, row: int, turn: int) -> int:
+    return (int(call_seed) * _ROW_STRIDE + row * _TURN_STRIDE + turn) % (2**63 - 1)
+
+
+class AsyncAgentLoop:
+    """Rolls out every row of a shard as its own coroutine; `run` returns the rows and their counters."""
+
+    def __init__(self, manager: LLMGenerationManager, engine: Any, client: Any | None,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.manager = manager
+        self.engine = engine
+        self.client = client
+        self.eos_token_ids = eos_token_ids
+
+    async def _search(self, query: str) -> tuple[str, bool]:
+        """(observation, failed): one query per request; a failure becomes an observation."""
+        from search_r1.search.client import RetrievalError
+
+        if self.client is None:
+            raise ValueError("GenerationConfig.search_url (retriever.url) is required when the policy searches")
+        try:
+            results = await self.client.retrieve([query], topk=self.manager.config.topk, return_scores=True)
+        except RetrievalError:
+            return actions.render_search_failure(), True
+        if len(results) != 1:
+            raise ValueError(f"retrieval returned {len(results)} result lists for 1 query")
+        return actions.render_observation(results[0]), False
+
+    async def trajectory(self, row: _Row, index: int, call_seed: int) -> Counter[str]:
+        config = self.manager.config
+        turn_budget = config.max_response_length + config.max_obs_length
+        stats: Counter[str] = Counter()
+        timing = {"generate": 0.0, "retrieval": 0.0}
+        for turn in range(config.max_turns + 1):
+            is_final = turn == config.max_turns
+            row.stop_reason = actions.stop_if_context_full(row.response_len, turn_budget,
+                                                           config.max_total_response_length)
+            if not row.active:
+                break
+            context, cut = self.manager._context(row)
+            stats["context_cuts"] += int(cut)
+            if cut and row.cut_from < 0:
+                row.cut_from = row.response_len
+            start = time.perf_counter()
+            completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn))
+            timing["generate"] += time.perf_counter() - start
+            res = self.manager._cut_turn(completion.token_ids, self.eos_token_ids)
+            observation = None
+            if res.action.kind == "search" and not is_final:
+                start = time.perf_counter()
+                observation, failed = await self._search(res.action.content)
+                timing["retrieval"] += time.perf_counter() - start
+                stats["search_failures"] += int(failed)
+            stats["generated_tokens"] += res.generated
+            stats["kept_tokens"] += len(res.kept_ids)
+            self.manager._apply_turn(row, res, observation, is_final, stats, completion.log_probs)
+            if not row.active:
+                break
+        stats["generate_ms"] += round(timing["generate"] * 1000)
+        stats["retrieval_ms"] += round(timing["retrieval"] * 1000)
+        return stats
+
+    async def run(self, prompts: Sequence[list[int]], call_seed: int) -> tuple[list[_Row], list[Counter[str]]]:
+        rows = [_Row(prompt_ids=list(ids)) for ids in prompts]
+        stats = await asyncio.gather(*(self.trajectory(row, i, call_seed) for i, row in enumerate(rows)))
+        return rows, list(stats)
+
+
+def run_shard(tokenizer: Any, config: Any, step_engine: Any, prompts: Sequence[list[int]], call_seed: int,
+              eos_token_ids: frozenset[int]) -> tuple[list[_Row], list[Counter[str]], int]:
+    """Worker side: roll out `prompts` with one coroutine each; returns (rows, per-row counters,
+    engine steps). `config` is the driver's GenerationConfig."""
+    from verl.workers.rollout.async_engine import AsyncEngine
+
+    manager = LLMGenerationManager(tokenizer, None, config)
+
+    async def main() -> tuple[list[_Row], list[Counter[str]], int]:
+        engine = AsyncEngine(step_engine)
+        client = None
+        if config.search_url:
+            from search_r1.search.async_client import AsyncRetrievalClient
+
+            client = AsyncRetrievalClient(config.search_url, topk=config.topk, timeout=config.retrieval_timeout,
+                                          max_retries=config.retrieval_max_retries)
+        try:
+            rows, stats = await AsyncAgentLoop(manager, engine, client, eos_token_ids).run(prompts, call_seed)
+        finally:
+            if client is not None:
+                await client.aclose()
+        return rows, stats, engine.steps
+
+    return asyncio.run(main())
