@@ -4,7 +4,10 @@ and one GRPO step with search via run_ppo."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,22 +31,31 @@ RESPONSE_LENGTH = 40
 N_ROWS = 5          # odd: the worker group pads the batch for its 2 workers and drops the padding
 
 
-@pytest.fixture(scope="module")
-def rollout_group(ray_cluster, search_world: SearchWorld):
+@contextmanager
+def rollout_workers(model_dir: str, engine: str) -> Iterator[Any]:
+    """Two real FSDP actor/rollout workers in Ray with the given engine."""
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-    cfg = load_trainer_config(search_world.model_dir, **{
-        "actor_rollout_ref.rollout.name": "hf", "data.max_prompt_length": 512,
+    cfg = load_trainer_config(model_dir, **{
+        "actor_rollout_ref.rollout.name": engine, "data.max_prompt_length": 512,
         "data.max_response_length": RESPONSE_LENGTH, "actor_rollout_ref.rollout.micro_batch_size": 4})
     OmegaConf.resolve(cfg)
     pool = RayResourcePool([2], use_gpu=False)
     group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
                                                       role="actor_rollout"))
-    group.init_model()
-    yield group
-    group.shutdown()
-    pool.release()
+    try:
+        group.init_model()
+        yield group
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+@pytest.fixture(scope="module")
+def rollout_group(ray_cluster, search_world: SearchWorld):
+    with rollout_workers(search_world.model_dir, "hf") as group:
+        yield group
 
 
 def _tokenizer(world: SearchWorld):
@@ -80,9 +92,9 @@ STAT_KEYS = ("turns_stats", "active_mask", "valid_action_stats", "valid_search_s
              "obs_truncated", "context_cuts", "generated_tokens", "kept_tokens", "stop_reasons")
 
 
-def test_greedy_async_rollout_equals_sync_rollout(rollout_group, search_world: SearchWorld) -> None:
-    sync = _roll(rollout_group, search_world, "sync", validation=True)
-    async_ = _roll(rollout_group, search_world, "async", validation=True)
+def assert_greedy_async_equals_sync(group, world: SearchWorld) -> None:
+    sync = _roll(group, world, "sync", validation=True)
+    async_ = _roll(group, world, "async", validation=True)
     for key in (K.PROMPTS, K.RESPONSES, K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS, K.INFO_MASK, K.LOSS_MASK,
                 K.CONTEXT_CUT_MASK):
         assert torch.equal(sync.batch[key], async_.batch[key]), key
@@ -93,6 +105,10 @@ def test_greedy_async_rollout_equals_sync_rollout(rollout_group, search_world: S
     # Same logits up to the rounding of differently padded batches (float32, tiny model).
     assert torch.allclose(sync.batch[K.ROLLOUT_LOG_PROBS], async_.batch[K.ROLLOUT_LOG_PROBS], atol=1e-4)
     assert set(async_.meta_info["timing_s"]) == {"generate", "retrieval"}
+
+
+def test_greedy_async_rollout_equals_sync_rollout(rollout_group, search_world: SearchWorld) -> None:
+    assert_greedy_async_equals_sync(rollout_group, search_world)
 
 
 def test_sampled_async_rollout_is_token_exact_with_exact_masks(rollout_group, search_world: SearchWorld) -> None:

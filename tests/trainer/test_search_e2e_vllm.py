@@ -70,3 +70,18 @@ def test_greedy_validation_on_vllm_gives_the_same_score_twice(
                                    extra=[*VLLM, "+trainer.val_only=true"], expect_steps=[0])[0]
         scores.append({k: v for k, v in history.items() if k.startswith("val/") and "timing" not in k})
     assert scores[0] and scores[0] == scores[1]
+
+
+def test_async_rollout_on_vllm_equals_sync_under_greedy(ray_cluster, vllm_search_world: SearchWorld) -> None:
+    from tests.trainer.test_async_rollout import assert_greedy_async_equals_sync, rollout_workers
+
+    with rollout_workers(vllm_search_world.model_dir, "vllm") as group:
+        assert_greedy_async_equals_sync(group, vllm_search_world)
+
+
+def test_grpo_step_with_search_on_vllm_in_async_mode(ray_cluster, vllm_search_world: SearchWorld,
+                                                     tmp_path: Path) -> None:
+    step, served = _run_with_search(vllm_search_world, tmp_path, "grpo",
+                                    extra=[*VLLM, "actor_rollout_ref.rollout.mode=async"])
+    _assert_searched_against_the_server(step, served)
+    assert step["rollout/log_prob_gap_max"] < 1e-3
