@@ -79,6 +79,10 @@ class Encoder:
         self.model = AutoModel.from_pretrained(model_name_or_path, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.model_name_or_path = model_name_or_path
+        # Cost of one forward call in padded-token equivalents, for ``length_groups``. CPU:
+        # measured for MiniLM (~17 ms per call vs ~0.7 ms per token). GPU: a guess (not
+        # measured here) that keeps batches whole, since padding there costs little.
+        self.group_overhead_tokens = 24.0 if self.device.type == "cpu" else 4096.0
 
     @property
     def dim(self) -> int:
@@ -98,22 +102,79 @@ class Encoder:
 
     @torch.inference_mode()
     def encode(self, texts: list[str], is_query: bool = True, batch_size: int = 64) -> np.ndarray:
-        """Encode ``texts`` into an (N, D) float32 array of unit vectors."""
+        """Encode ``texts`` into an (N, D) float32 array of unit vectors.
+
+        Texts are tokenized once, sorted by token count and run in groups padded only to
+        their own longest member (``length_groups``): on CPU the forward costs about the
+        same per token, pad or not, so padding a batch of 128 queries to its longest
+        wasted ~30% of the encoder's time. Rows are put back in input order at the end.
+        """
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
         prefix = self.query_prefix if is_query else self.passage_prefix
-        # Encode in length order so each batch pads to similar lengths; undo at the end.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        chunks: list[np.ndarray] = []
-        for start in range(0, len(texts), batch_size):
-            batch = [prefix + texts[i] for i in order[start : start + batch_size]]
-            inputs = self.tokenizer(
-                batch, max_length=self.max_length, padding=True, truncation=True, return_tensors="pt"
-            ).to(self.device)
+        tokens = self.tokenizer(
+            [prefix + t for t in texts], max_length=self.max_length, truncation=True, padding=False
+        )
+        lengths_N = [len(ids) for ids in tokens["input_ids"]]
+        order = sorted(range(len(texts)), key=lengths_N.__getitem__)
+        emb_ND = np.empty((len(texts), self.dim), dtype=np.float32)
+        for start, end in length_groups(
+            [lengths_N[i] for i in order], batch_size, self.group_overhead_tokens
+        ):
+            rows = order[start:end]
+            inputs = self._padded(tokens, rows, max(lengths_N[i] for i in rows))
             output = self.model(**inputs, return_dict=True)
             emb_BD = self._pool(output, inputs["attention_mask"]).float()
-            emb_BD = torch.nn.functional.normalize(emb_BD, dim=-1)
-            chunks.append(emb_BD.cpu().numpy())
-        if not chunks:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        emb_ND = np.empty((len(texts), self.dim), dtype=np.float32)
-        emb_ND[order] = np.concatenate(chunks, axis=0)
+            emb_ND[rows] = torch.nn.functional.normalize(emb_BD, dim=-1).cpu().numpy()
         return emb_ND
+
+    def _padded(self, tokens: dict, rows: list[int], length: int) -> dict[str, torch.Tensor]:
+        """Rows ``rows`` of unpadded tokenizer output as (B, length) tensors, padded on the tokenizer's side."""
+        pad_left = self.tokenizer.padding_side == "left"
+        out = {}
+        for key, seqs in tokens.items():
+            fill = self.tokenizer.pad_token_id if key == "input_ids" else 0
+            batch_BT = torch.full((len(rows), length), fill, dtype=torch.long)
+            for b, i in enumerate(rows):
+                seq = torch.as_tensor(seqs[i], dtype=torch.long)
+                if pad_left:
+                    batch_BT[b, length - len(seq) :] = seq
+                else:
+                    batch_BT[b, : len(seq)] = seq
+            out[key] = batch_BT.to(self.device)
+        return out
+
+
+def length_groups(sorted_lengths: list[int], max_batch: int, overhead_tokens: float) -> list[tuple[int, int]]:
+    """Split token counts (ascending) into ``[start, end)`` batches of at most ``max_batch``.
+
+    A batch costs about ``overhead_tokens + size * longest`` (a fixed cost per forward
+    call plus one per padded position); the split minimising the sum over batches is
+    found by dynamic programming over the distinct lengths, so equal lengths are never
+    split apart except to respect ``max_batch``.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    # Runs of equal length: ends[r] is one past the last index with the r-th distinct length.
+    ends = [
+        i + 1
+        for i in range(len(sorted_lengths))
+        if i + 1 == len(sorted_lengths) or sorted_lengths[i + 1] != sorted_lengths[i]
+    ]
+    starts = [0] + ends[:-1]
+    best = [0.0] + [float("inf")] * len(ends)  # best[r]: cost of the first r runs
+    cut = [0] * (len(ends) + 1)
+    for r in range(1, len(ends) + 1):
+        longest = sorted_lengths[ends[r - 1] - 1]
+        for first in range(r):  # the last group holds runs first .. r-1
+            size = ends[r - 1] - starts[first]
+            cost = best[first] + -(-size // max_batch) * overhead_tokens + size * longest
+            if cost < best[r]:
+                best[r], cut[r] = cost, first
+    groups: list[tuple[int, int]] = []
+    r = len(ends)
+    while r > 0:
+        lo, hi = starts[cut[r]], ends[r - 1]
+        groups[:0] = [(s, min(s + max_batch, hi)) for s in range(lo, hi, max_batch)]
+        r = cut[r]
+    return groups

@@ -189,3 +189,21 @@ def test_cli_defaults_match_the_original_and_bind_localhost() -> None:
     assert (args.host, args.port, args.topk, args.retriever_name) == ("127.0.0.1", 8000, 3, "e5")
     args = parse_args(["--index_path", "i", "--corpus_path", "c", "--retriever_name", "bm25", "--faiss_gpu", "--no_coalesce"])
     assert args.faiss_gpu and args.no_coalesce and args.index_path == "i"
+
+
+def test_coalesced_single_query_requests_get_the_hits_of_one_batch_request(dense_retriever) -> None:
+    """Distinct queries sent one per request (coalesced into batches of other sizes and
+    length groups) get the same passages, in the same order, as when sent in one request."""
+    queries = [f"{word} number {i}" for i, word in enumerate(["glacier", "honeybee", "lighthouse on the coast",
+               "the moon", "a telescope and the stars", "bread and yeast", "volcano ash", "chess"] * 3)]
+    config = ServerConfig(cache_size=0, max_wait_ms=20.0, limits=ServerLimits(max_queries_per_request=64))
+    with serve_in_background(create_app(dense_retriever, config)) as url:
+        together = post(url, {"queries": queries, "topk": 4, "return_scores": True}).json()["result"]
+        alone = asyncio.run(_fire(url, [{"queries": [q], "topk": 4, "return_scores": True} for q in queries]))
+        counters = requests.get(f"{url}/health", timeout=30).json()["counters"]
+    # Really coalesced (fewer searches than the 25 requests) and really searched (no cache).
+    assert counters["searches"] < counters["requests"] == 25 and counters["cache_hits"] == 0
+    for want, resp in zip(together, alone, strict=True):
+        got = resp.json()["result"][0]
+        assert [h["document"]["id"] for h in got] == [h["document"]["id"] for h in want]
+        assert [h["score"] for h in got] == pytest.approx([h["score"] for h in want], abs=1e-5)

@@ -6,9 +6,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from search_r1.search.corpus import Corpus, CorpusFormatError, default_arrow_path
-from search_r1.search.encoders import BGE_QUERY_INSTRUCTION, detect_family
+from search_r1.search.encoders import BGE_QUERY_INSTRUCTION, detect_family, length_groups
 from search_r1.search.retrievers import BM25Retriever, DenseRetriever
 from search_r1.search.schema import Hit
 from tests.search.conftest import DISTINCT_TITLES, TINY_CORPUS_SIZE, read_rows
@@ -93,6 +94,37 @@ def test_encoder_returns_unit_float32_rows_independent_of_batching(minilm_encode
     # 6 layers on any CPU; 1e-5 keeps a 10x margin, a pad token leaking into pooling moves them > 1e-2.
     np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
     np.testing.assert_allclose(together, one_by_one, atol=1e-5)
+
+
+def test_length_groups_cover_all_rows_in_order_within_the_batch_limit() -> None:
+    lengths = sorted([7, 7, 8, 9, 9, 9, 12, 12, 20, 31, 31, 31, 31, 40])
+    for overhead in (0.0, 24.0, 1e9):
+        groups = length_groups(lengths, max_batch=4, overhead_tokens=overhead)
+        assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+        assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
+        assert all(0 < end - start <= 4 for start, end in groups)
+    # Free calls: every distinct length alone (no padding at all), split at max_batch.
+    free = length_groups(lengths, max_batch=4, overhead_tokens=0.0)
+    assert all(len(set(lengths[s:e])) == 1 for s, e in free)
+    # Costly calls: as few batches as max_batch allows, i.e. plain chunks of 4.
+    assert length_groups(lengths, max_batch=4, overhead_tokens=1e9) == [(0, 4), (4, 8), (8, 12), (12, 14)]
+    assert length_groups([], max_batch=4, overhead_tokens=24.0) == []
+
+
+def test_length_grouped_encoding_matches_one_padded_batch(minilm_encoder, dense_retriever) -> None:
+    """The encoder before length grouping padded all queries of a call to the longest one;
+    embeddings and hits must not change."""
+    queries = ["x", "bees make honey", "where is the lighthouse on the rocky northern coast of the grey sea",
+               "glacier", "who built the first steam loom", "a telescope", "moon phases and the sunlit half"]
+    with torch.inference_mode():
+        inputs = minilm_encoder.tokenizer(queries, max_length=128, padding=True, truncation=True, return_tensors="pt")
+        output = minilm_encoder.model(**inputs, return_dict=True)
+        reference = torch.nn.functional.normalize(minilm_encoder._pool(output, inputs["attention_mask"]), dim=-1)
+    grouped = minilm_encoder.encode(queries, is_query=True, batch_size=64)
+    np.testing.assert_allclose(grouped, reference.numpy(), atol=1e-5)  # tolerance: see the test above
+    _, rows_ref = dense_retriever.index.search(reference.numpy(), 5)
+    _, rows_new = dense_retriever.index.search(grouped, 5)
+    np.testing.assert_array_equal(rows_new, rows_ref)
 
 
 @pytest.mark.parametrize("retriever_fixture", ["bm25_retriever", "dense_retriever"])
