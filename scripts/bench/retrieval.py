@@ -58,6 +58,7 @@ class ServerSpec:
     coalesce: bool
     retriever_model: str = "none"
     original_repo: str | None = None  # set: run the original Search-R1 server from this checkout
+    encode_workers: int = 1
 
 
 def free_port() -> int:
@@ -108,7 +109,7 @@ def _server_command(spec: ServerSpec, port: int, threads: int, workdir: Path) ->
             "--index_path", spec.index_path, "--corpus_path", spec.corpus_path,
             "--retriever_name", spec.retriever_name, "--retriever_model", spec.retriever_model,
             "--port", str(port), "--cache_size", "0", "--max_queries_per_request", "1024",
-            "--num_threads", str(threads),
+            "--num_threads", str(threads), "--encode_workers", str(spec.encode_workers),
         ]  # fmt: skip
         if not spec.coalesce:
             cmd.append("--no_coalesce")
@@ -391,11 +392,18 @@ def run(args: argparse.Namespace) -> dict:
         ServerSpec("bm25_coalesce_on", "bm25", bm25_dir, corpus_path, True),
         ServerSpec("bm25_coalesce_off", "bm25", bm25_dir, corpus_path, False),
     ]
+    if args.encode_workers > 1:
+        specs.append(
+            ServerSpec(
+                f"dense_coalesce_on_w{args.encode_workers}", "minilm", dense_path, corpus_path, True, model,
+                encode_workers=args.encode_workers,
+            )
+        )
     if args.original_repo:
         specs.append(ServerSpec("dense_original", "minilm", dense_path, corpus_path, True, model, args.original_repo))
     chosen = set(args.servers.split(",")) if args.servers else None
     if chosen is not None:
-        specs = [s for s in specs if s.name in chosen or (s.original_repo and "dense_original" in chosen)]
+        specs = [s for s in specs if s.name in chosen or s.encode_workers > 1]
     results = {spec.name: bench_server(spec, args, queries, workdir) for spec in specs}
     summary: dict = {
         f"{kind}_concurrent_vs_batch_ratio": results[f"{kind}_coalesce_on"]["concurrent_vs_batch_ratio"]
@@ -507,6 +515,10 @@ def main() -> None:
         "--servers", default=None,
         help="comma-separated subset of dense_coalesce_on,dense_coalesce_off,bm25_coalesce_on,"
         "bm25_coalesce_off,dense_original (default: all)",
+    )
+    p.add_argument(
+        "--encode_workers", type=int, default=1,
+        help="also run our dense server with this many --encode_workers (when > 1)",
     )
     p.add_argument("--server_threads", type=int, default=1, help="torch/FAISS threads of the server process")
     p.add_argument(

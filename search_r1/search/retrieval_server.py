@@ -182,6 +182,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num_threads", type=int, default=0,
         help="CPU threads for torch and FAISS (0: library default); 1 is fastest on a busy machine",
     )
+    p.add_argument(
+        "--encode_workers", type=int, default=1,
+        help="CPU: threads that encode parts of a batch side by side (one core each); 1 on a shared machine",
+    )
     p.add_argument("--switch_interval_ms", type=float, default=0.5, help="Python GIL switch interval")
     p.add_argument("--corpus_cache_dir", default=None, help="where the corpus Arrow store is cached")
     p.add_argument("--host", default="127.0.0.1")
@@ -245,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         use_fp16=args.use_fp16,
         batch_size=args.encode_batch_size,
         corpus_cache_dir=args.corpus_cache_dir,
+        encode_workers=args.encode_workers,
     )
     logger.info(
         "serving %s retriever over %d passages on http://%s:%d (coalesce=%s)",

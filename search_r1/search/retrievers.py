@@ -282,6 +282,7 @@ def build_retriever(
     use_fp16: bool = False,
     batch_size: int = 64,
     corpus_cache_dir: str | None = None,
+    encode_workers: int = 1,
 ) -> BaseRetriever:
     """Open the corpus and index named on the server's command line."""
     corpus = Corpus.open(corpus_path, cache_dir=corpus_cache_dir)
@@ -290,6 +291,11 @@ def build_retriever(
     if not retriever_model:
         raise ValueError(f"retriever_name={retriever_name!r} is dense and needs --retriever_model")
     encoder = Encoder(
-        retriever_model, pooling=pooling, max_length=max_length, use_fp16=use_fp16, family_hint=retriever_name
+        retriever_model,
+        pooling=pooling,
+        max_length=max_length,
+        use_fp16=use_fp16,
+        family_hint=retriever_name,
+        workers=encode_workers,
     )
     return DenseRetriever(index_path, corpus, encoder, faiss_gpu=faiss_gpu, batch_size=batch_size)

@@ -127,6 +127,16 @@ def test_length_grouped_encoding_matches_one_padded_batch(minilm_encoder, dense_
     np.testing.assert_array_equal(rows_new, rows_ref)
 
 
+def test_encoder_workers_split_batches_without_changing_vectors(minilm_path: str, minilm_encoder) -> None:
+    from search_r1.search.encoders import Encoder
+
+    two = Encoder(minilm_path, max_length=128, device="cpu", workers=2)
+    texts = [f"passage about town {i} on the river" for i in range(9)] + ["x", "bees make honey in a hive"]
+    np.testing.assert_allclose(two.encode(texts, batch_size=4), minilm_encoder.encode(texts, batch_size=4), atol=1e-5)
+    with pytest.raises(ValueError, match="workers"):
+        Encoder(minilm_path, device="cpu", workers=0)
+
+
 @pytest.mark.parametrize("retriever_fixture", ["bm25_retriever", "dense_retriever"])
 def test_query_naming_a_title_returns_that_passage_first(request, retriever_fixture: str) -> None:
     retriever = request.getfixturevalue(retriever_fixture)
