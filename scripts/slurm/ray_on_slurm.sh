@@ -1,25 +1,196 @@
 #!/usr/bin/env bash
-# Start a Ray cluster over the nodes of the current Slurm allocation, then run a command
-# on the head node with RAY_ADDRESS set so the Search-R1 driver joins it
-# (trainer.ray_address=auto). Used by the *.sbatch files in this folder.
+# Inside a Slurm allocation: start a Ray cluster over its nodes and a retrieval server, run a
+# command on the first node with RAY_ADDRESS and RETRIEVER_URL exported, then stop everything
+# it started -- on success, on failure, and when Slurm ends the job (time limit, scancel: SIGTERM).
+# Used by the *.sbatch files in this folder:
 #
-#   bash scripts/slurm/ray_on_slurm.sh bash train_grpo.sh trainer.nnodes=$SLURM_NNODES ...
+#   bash scripts/slurm/ray_on_slurm.sh bash train_grpo.sh trainer.ray_address=auto trainer.nnodes=$SLURM_NNODES ...
+#
+# 1. the Ray head on the first node (`srun -w <head> ray start --head --block`), then `ray start
+#    --address=<head>:<port> --block` on every other node (srun, one task per node);
+# 2. waits until all $SLURM_NNODES nodes have joined (at most RAY_JOIN_TIMEOUT_S), else fails
+#    naming the nodes that did not;
+# 3. unless RETRIEVER_URL is set (a server you run yourself), runs retrieval_launch.sh on
+#    RETRIEVER_NODE (default: the head) listening on 0.0.0.0:RETRIEVER_PORT and waits until its
+#    /health answers (at most RETRIEVER_WAIT_S); its variables (file_path, index_file,
+#    corpus_file, retriever_name, ...) pass through the environment;
+# 4. runs the command; its exit status is the job's.
+#
+# Environment (all optional):
+#   SEARCH_R1_VENV     virtualenv whose bin/ goes first on PATH (default: ./.venv when present)
+#   RAY_PORT           GCS port (default 6379 + SLURM_JOB_ID % 1000, so jobs sharing a node differ);
+#                      the Ray client server takes RAY_PORT+1
+#   RAY_TMP_DIR        Ray's --temp-dir on every node (default /tmp/ray_$SLURM_JOB_ID)
+#   GPUS_PER_NODE      --num-gpus for `ray start` (default: Ray detects the node's GPUs)
+#   RAY_CPUS_PER_NODE  --num-cpus for `ray start` (default: Ray detects)
+#   RAY_JOIN_TIMEOUT_S (default 300)   RETRIEVER_WAIT_S (default 900: a wiki-18 index loads for minutes)
+#   RETRIEVER_URL | RETRIEVER_NODE, RETRIEVER_PORT (default 8000)
+#   RAY_AUTH_MODE      exported as is; default "disabled" (token auth needs the same token file
+#                      on every node: set RAY_AUTH_MODE=token with a shared ~/.ray/auth_token)
 set -euo pipefail
+
+log() { echo "[ray_on_slurm] $(date +%H:%M:%S) $*"; }
+die() { log "ERROR: $*" >&2; exit 1; }
+
+[ "$#" -gt 0 ] || die "usage: ray_on_slurm.sh COMMAND [ARGS...]"
 : "${SLURM_JOB_NODELIST:?run inside a Slurm allocation (sbatch/salloc)}"
-port=${RAY_PORT:-6379}
-gpus=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+: "${SLURM_JOB_ID:?run inside a Slurm allocation (sbatch/salloc)}"
+
+if [ -n "${SEARCH_R1_VENV:-}" ]; then
+    export PATH="$SEARCH_R1_VENV/bin:$PATH"
+elif [ -x .venv/bin/python ]; then
+    export PATH="$PWD/.venv/bin:$PATH"
+fi
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
+port=${RAY_PORT:-$((6379 + SLURM_JOB_ID % 1000))}
+ray_tmp=${RAY_TMP_DIR:-/tmp/ray_$SLURM_JOB_ID}
+join_timeout=${RAY_JOIN_TIMEOUT_S:-300}
+retriever_wait=${RETRIEVER_WAIT_S:-900}
+
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+[ "${#nodes[@]}" -ge 1 ] || die "no nodes in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
 head=${nodes[0]}
-head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')
+workers=("${nodes[@]:1}")
 
-srun --nodes=1 --ntasks=1 -w "$head" ray start --head --node-ip-address="$head_ip" \
-  --port="$port" --num-gpus="$gpus" --block &
-sleep "${RAY_HEAD_WAIT:-20}"
-for node in "${nodes[@]:1}"; do
-  srun --nodes=1 --ntasks=1 -w "$node" ray start --address="$head_ip:$port" --num-gpus="$gpus" --block &
-done
-sleep "${RAY_WORKER_WAIT:-20}"
+# Every background step this script starts: stopped (SIGTERM, which srun passes to its task)
+# in reverse order on exit. `ray start --block` stops its node's raylet, GCS and workers on SIGTERM.
+step_pids=()
+step_names=()
+train_pid=""
+retriever_health=""
 
+on_node() {  # on_node NODE CMD...: one task on NODE; steps share the allocation's CPUs
+    local node=$1
+    shift
+    srun --overlap --nodes=1 --ntasks=1 -w "$node" "$@"
+}
+
+start_step() {  # start_step NAME NODE CMD...: in the background; $! is srun itself (not a subshell)
+    local name=$1 node=$2
+    shift 2
+    srun --overlap --nodes=1 --ntasks=1 -w "$node" "$@" &
+    step_pids+=("$!")
+    step_names+=("$name on $node")
+}
+
+cleanup() {
+    local rc=$? i pid
+    trap - EXIT INT TERM
+    set +e
+    log "shutting down (exit status $rc)"
+    if [ -n "$train_pid" ] && kill -0 "$train_pid" 2>/dev/null; then
+        kill -TERM "$train_pid" 2>/dev/null
+    fi
+    if [ -n "$retriever_health" ]; then
+        log "retrieval server at the end: $(curl_health "$retriever_health")"
+    fi
+    for ((i = ${#step_pids[@]} - 1; i >= 0; i--)); do
+        pid=${step_pids[$i]}
+        if kill -0 "$pid" 2>/dev/null; then
+            log "stopping ${step_names[$i]}"
+            kill -TERM "$pid" 2>/dev/null
+        fi
+    done
+    for ((i = ${#step_pids[@]} - 1; i >= 0; i--)); do
+        pid=${step_pids[$i]}
+        for _ in $(seq 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+        if kill -0 "$pid" 2>/dev/null; then
+            log "${step_names[$i]} still running after 20s: SIGKILL"
+            kill -KILL "$pid" 2>/dev/null
+        fi
+        wait "$pid" 2>/dev/null
+    done
+    log "stopped"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'log "caught SIGTERM (time limit or scancel)"; exit 143' TERM
+trap 'log "caught SIGINT"; exit 130' INT
+
+curl_health() {  # curl_health URL: the /health JSON, or an empty string
+    python3 - "$1" <<'EOF' 2>/dev/null || true
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=5) as r:
+    print(r.read().decode().strip())
+EOF
+}
+
+node_ip() { on_node "$1" hostname --ip-address | awk '{print $1}'; }
+
+# --- 1. the Ray cluster ---------------------------------------------------------------------
+head_ip=$(node_ip "$head")
+[ -n "$head_ip" ] || die "no IP address for the head node $head"
 export RAY_ADDRESS="$head_ip:$port"
-echo "[ray_on_slurm] cluster at $RAY_ADDRESS with ${#nodes[@]} node(s) x $gpus GPU(s)"
-"$@"
+node_args=(--block --temp-dir="$ray_tmp" --disable-usage-stats)
+[ -n "${GPUS_PER_NODE:-}" ] && node_args+=(--num-gpus="$GPUS_PER_NODE")
+[ -n "${RAY_CPUS_PER_NODE:-}" ] && node_args+=(--num-cpus="$RAY_CPUS_PER_NODE")
+log "job $SLURM_JOB_ID: ${#nodes[@]} node(s): ${nodes[*]}; Ray head on $head ($RAY_ADDRESS)"
+start_step "ray head" "$head" ray start --head --node-ip-address="$head_ip" --port="$port" \
+    --ray-client-server-port="$((port + 1))" --include-dashboard=false "${node_args[@]}"
+
+ray_nodes_alive() {  # prints the IPs of the live Ray nodes, one a line (nothing while the GCS is down)
+    timeout 60 python3 - "$RAY_ADDRESS" <<'EOF' 2>/dev/null || true
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+for node in ray.nodes():
+    if node["Alive"]:
+        print(node["NodeManagerAddress"])
+EOF
+}
+
+deadline=$((SECONDS + join_timeout))
+until [ -n "$(ray_nodes_alive)" ]; do
+    [ "$SECONDS" -lt "$deadline" ] || die "the Ray head on $head did not come up within ${join_timeout}s"
+    kill -0 "${step_pids[0]}" 2>/dev/null || die "ray start --head on $head exited; see its output above"
+    sleep 3
+done
+for node in "${workers[@]}"; do
+    start_step "ray node" "$node" ray start --address="$RAY_ADDRESS" "${node_args[@]}"
+done
+while true; do
+    mapfile -t joined < <(ray_nodes_alive)
+    [ "${#joined[@]}" -ge "${#nodes[@]}" ] && break
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        missing=()
+        for node in "${workers[@]}"; do
+            ip=$(node_ip "$node")
+            case " ${joined[*]} " in *" $ip "*) ;; *) missing+=("$node ($ip)") ;; esac
+        done
+        die "${#joined[@]} of ${#nodes[@]} Ray nodes joined within ${join_timeout}s; missing: ${missing[*]:-?}"
+    fi
+    sleep 3
+done
+log "Ray cluster up: ${#joined[@]} node(s) joined at $RAY_ADDRESS"
+
+# --- 2. the retrieval server -------------------------------------------------------------------
+if [ -n "${RETRIEVER_URL:-}" ]; then
+    log "using the retrieval server at $RETRIEVER_URL (RETRIEVER_URL is set)"
+else
+    retriever_node=${RETRIEVER_NODE:-$head}
+    retriever_port=${RETRIEVER_PORT:-8000}
+    retriever_ip=$(node_ip "$retriever_node")
+    start_step "retrieval server" "$retriever_node" bash retrieval_launch.sh --host 0.0.0.0 --port "$retriever_port"
+    retriever_pid=${step_pids[-1]}
+    retriever_health="http://$retriever_ip:$retriever_port/health"
+    deadline=$((SECONDS + retriever_wait))
+    until health=$(curl_health "$retriever_health") && [ -n "$health" ]; do
+        kill -0 "$retriever_pid" 2>/dev/null || die "the retrieval server on $retriever_node exited; see its output above"
+        [ "$SECONDS" -lt "$deadline" ] || die "no retrieval server at $retriever_health after ${retriever_wait}s"
+        sleep 2
+    done
+    export RETRIEVER_URL="http://$retriever_ip:$retriever_port/retrieve"
+    log "retrieval server up on $retriever_node at $RETRIEVER_URL: $health"
+fi
+
+# --- 3. the command (in the background, so that a SIGTERM runs the trap at once) ---------------
+log "running: $*"
+"$@" &
+train_pid=$!
+set +e
+wait "$train_pid"
+rc=$?
+set -e
+train_pid=""
+log "command exited with status $rc"
+exit "$rc"

@@ -1,0 +1,136 @@
+"""Real Slurm on this machine: scripts/slurm/local_cluster.sh configures and starts munged,
+slurmctld and slurmd (installing Debian's slurm-wlm if missing), then `sbatch
+scripts/slurm/train_grpo.sbatch` runs one GRPO step with search to completion: the job starts
+the Ray head with srun, the retrieval server (retrieval_launch.sh over a BM25 index of the tiny
+corpus), trains through train_grpo.sh, and stops everything. A second job that fails midway
+(after Ray and the server are up) must leave no Ray or server process behind.
+
+If the Slurm daemons cannot start, the tests fail with local_cluster.sh's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scripts.bench.toy_task import toy_overrides
+from tests.conftest import free_port
+from tests.multinode._local_ray import REPO, ray_env
+from tests.trainer._search_model import TOPK, build_bm25_retriever, write_corpus
+from tests.trainer.test_search_e2e import BATCH_SIZE, N_AGENT, SearchWorld
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
+SBATCH = REPO / "scripts" / "slurm" / "train_grpo.sbatch"
+
+
+@pytest.fixture(scope="module")
+def slurm_env() -> dict[str, str]:
+    """The environment sbatch needs (SLURM_CONF), once the one-machine cluster is up and idle."""
+    start = subprocess.run(["bash", str(LOCAL_CLUSTER), "start"], capture_output=True, text=True, timeout=900)
+    if start.returncode != 0:
+        pytest.fail(f"the local Slurm cluster did not start (scripts/slurm/local_cluster.sh start, "
+                    f"rc {start.returncode}):\n{start.stdout}\n{start.stderr}")
+    line = subprocess.run(["bash", str(LOCAL_CLUSTER), "env"], capture_output=True, text=True, check=True).stdout
+    conf = re.fullmatch(r"export SLURM_CONF=(\S+)\s*", line)
+    assert conf, line
+    env = ray_env(SLURM_CONF=conf.group(1))
+    env.pop("RETRIEVER_URL", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def tiny_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(corpus, BM25 index folder) of the tiny corpus the warmed-up model searches."""
+    root = tmp_path_factory.mktemp("slurm_corpus")
+    corpus = write_corpus(root / "corpus.jsonl")
+    build_bm25_retriever(corpus, root / "index")
+    (index,) = [p.parent for p in (root / "index").rglob("search_r1_bm25.json")]
+    return corpus, index
+
+
+def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], out: Path,
+            extra: list[str]) -> tuple[int, str, str]:
+    """Submit train_grpo.sbatch (one node, 2 CPUs, 1 CPU worker), wait for it; (exit code, job id, log)."""
+    corpus, index_dir = index
+    overrides = [o for o in toy_overrides(world.model_dir, world.data, str(out / "ckpt"), adv_estimator="grpo",
+                                          n_workers=1, batch_size=BATCH_SIZE, n_agent=N_AGENT, response_length=40)
+                 # the sbatch script sets these two from the allocation
+                 if not o.startswith(("trainer.nnodes=", "trainer.n_gpus_per_node="))] + [
+        "do_search=true", "max_turns=2", "actor_rollout_ref.actor.state_masking=true",
+        "data.max_start_length=160", "data.max_prompt_length=512", "data.max_obs_length=160",
+        f"retriever.topk={TOPK}", "actor_rollout_ref.rollout.temperature=0.7",
+        "trainer.logger=[console,jsonl]", f"hydra.run.dir={out / 'hydra'}", *extra]
+    job_env = dict(env, BASE_MODEL=world.model_dir, WORKERS_PER_NODE="1", SEARCH_R1_VENV=str(REPO / ".venv"),
+                   EXPERIMENT_NAME=str(out / "grpo-slurm"),      # train_grpo.sh tees its log to $EXPERIMENT_NAME.log
+                   RAY_PORT=str(free_port()), RETRIEVER_PORT=str(free_port()),
+                   retriever_name="bm25", index_file=str(index_dir), corpus_file=str(corpus))
+    log = out / "job.out"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "--wait", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+         "--cpus-per-task=2", "--time=00:20:00", f"--output={log}", "--job-name=search-r1-test",
+         str(SBATCH), *overrides],
+        cwd=REPO, env=job_env, capture_output=True, text=True, timeout=1500)
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}\n{proc.stderr}"
+    return proc.returncode, job_id, log.read_text() if log.exists() else ""
+
+
+def _leftovers(job_id: str, retriever_port: str | None = None) -> list[str]:
+    """Command lines of processes still alive from the job: its Ray (temp dir /tmp/ray_<job>) or server."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"/tmp/ray_{job_id}" in cmd or ("retrieval_server" in cmd and retriever_port and retriever_port in cmd):
+            found.append(f"{entry.name}: {cmd[:200]}")
+    return found
+
+
+def _port_in_log(log: str) -> str | None:
+    match = re.search(r"retrieval server up on \S+ at http://[\d.]+:(\d+)/retrieve", log)
+    return match.group(1) if match else None
+
+
+def test_sbatch_train_grpo_runs_a_step_with_its_own_ray_and_retrieval_server(
+        slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
+    rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path, [])
+    assert rc == 0, log[-6000:]
+    assert "Ray cluster up: 1 node(s) joined" in log
+    assert "retrieval server up on" in log and "command exited with status 0" in log
+    # the trainer's step, as the job log shows it (train_grpo.sh tees the driver's output)
+    records = [json.loads(line) for line in (tmp_path / "ckpt" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    step = records[0]
+    assert step["env/number_of_valid_search"] > 0 and step["env/search_failures"] == 0
+    assert re.search(r"^step:1 - .*env/number_of_valid_search:", log, re.M), log[-3000:]
+    # the job's own server answered the searches: its counters at shut-down
+    end = re.search(r"retrieval server at the end: (\{.*\})", log)
+    assert end, log[-3000:]
+    counters = json.loads(end.group(1))["counters"]
+    assert counters["cache_hits"] + counters["cache_misses"] > 0
+    assert "stopped" in log
+    assert _leftovers(job_id, _port_in_log(log)) == []
+
+
+def test_a_job_failing_midway_leaves_no_ray_or_server_process(
+        slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
+    # Ray and the retrieval server are up by the time the driver reads the (missing) training data.
+    rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path,
+                              [f"data.train_files={tmp_path / 'missing.parquet'}"])
+    assert rc != 0, log[-4000:]
+    assert "Ray cluster up: 1 node(s) joined" in log and "retrieval server up on" in log, log[-4000:]
+    assert "missing.parquet" in log
+    assert re.search(r"command exited with status [1-9]", log)
+    assert "shutting down" in log and "stopped" in log
+    assert _leftovers(job_id, _port_in_log(log)) == []
