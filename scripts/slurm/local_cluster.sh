@@ -94,7 +94,7 @@ ReturnToService=2
 SlurmctldTimeout=30
 SlurmdTimeout=60
 InactiveLimit=0
-KillWait=10
+KillWait=30
 MinJobAge=600
 $node_line NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP

@@ -56,7 +56,7 @@ def tiny_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], out: Path,
-            extra: list[str]) -> tuple[int, str, str]:
+            extra: list[str], time_limit: str = "00:20:00") -> tuple[int, str, str]:
     """Submit train_grpo.sbatch (one node, 2 CPUs, 1 CPU worker), wait for it; (exit code, job id, log)."""
     corpus, index_dir = index
     overrides = [o for o in toy_overrides(world.model_dir, world.data, str(out / "ckpt"), adv_estimator="grpo",
@@ -74,7 +74,7 @@ def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], o
     log = out / "job.out"
     proc = subprocess.run(
         ["sbatch", "--parsable", "--wait", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
-         "--cpus-per-task=2", "--time=00:20:00", f"--output={log}", "--job-name=search-r1-test",
+         "--cpus-per-task=2", f"--time={time_limit}", f"--output={log}", "--job-name=search-r1-test",
          str(SBATCH), *overrides],
         cwd=REPO, env=job_env, capture_output=True, text=True, timeout=1500)
     job_id = proc.stdout.strip().split(";")[0]
@@ -133,4 +133,24 @@ def test_a_job_failing_midway_leaves_no_ray_or_server_process(
     assert "missing.parquet" in log
     assert re.search(r"command exited with status [1-9]", log)
     assert "shutting down" in log and "stopped" in log
+    assert _leftovers(job_id, _port_in_log(log)) == []
+
+
+def _job_state(env: dict[str, str], job_id: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    match = re.search(r"JobState=(\S+)", out)
+    return match.group(1) if match else out
+
+
+def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
+        slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
+    # A 1-minute limit and a run of many steps: Slurm sends SIGTERM mid-training (then SIGKILL
+    # after KillWait=30 s); the script's trap must stop the Ray node and the server in time.
+    rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path,
+                              ["trainer.total_training_steps=500", "trainer.total_epochs=500"], time_limit="1")
+    assert rc != 0, log[-4000:]
+    assert _job_state(slurm_env, job_id) == "TIMEOUT"
+    assert "running: bash train_grpo.sh" in log and "caught SIGTERM" in log, log[-4000:]
+    assert "command exited with status 0" not in log
+    assert "stopped" in log
     assert _leftovers(job_id, _port_in_log(log)) == []
