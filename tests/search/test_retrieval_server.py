@@ -207,3 +207,18 @@ def test_coalesced_single_query_requests_get_the_hits_of_one_batch_request(dense
         got = resp.json()["result"][0]
         assert [h["document"]["id"] for h in got] == [h["document"]["id"] for h in want]
         assert [h["score"] for h in got] == pytest.approx([h["score"] for h in want], abs=1e-5)
+
+
+def test_server_process_makes_idle_openmp_threads_passive_unless_told_otherwise() -> None:
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os, search_r1.search.retrieval_server, torch; "
+             "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ACTIVE"
