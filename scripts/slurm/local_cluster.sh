@@ -128,7 +128,7 @@ start() {
         state=$(node_state)
         case "$state" in
             idle|mixed|allocated) log "node $(hostname -s) is $state"; return 0 ;;
-            down*|drain*|drained*|fail*)
+            down*|drain*|fail*)
                 scontrol update nodename="$(hostname -s)" state=resume >/dev/null 2>&1 || true ;;
         esac
         sleep 1

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,19 @@ def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], o
     return proc.returncode, job_id, log.read_text() if log.exists() else ""
 
 
+def _final_state(env: dict[str, str], job_id: str, timeout_s: float = 90.0) -> str:
+    """The job's state once Slurm has finished ending it (`sbatch --wait` may return while it is
+    still COMPLETING, i.e. while slurmd is still tearing the job down)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+        match = re.search(r"JobState=(\S+)", out)
+        state = match.group(1) if match else out.strip()
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") or time.monotonic() > deadline:
+            return state
+        time.sleep(1)
+
+
 def _leftovers(job_id: str, retriever_port: str | None = None) -> list[str]:
     """Command lines of processes still alive from the job: its Ray (temp dir /tmp/ray_<job>) or server."""
     found = []
@@ -120,6 +134,7 @@ def test_sbatch_train_grpo_runs_a_step_with_its_own_ray_and_retrieval_server(
     counters = json.loads(end.group(1))["counters"]
     assert counters["cache_hits"] + counters["cache_misses"] > 0
     assert "stopped" in log
+    assert _final_state(slurm_env, job_id) == "COMPLETED"
     assert _leftovers(job_id, _port_in_log(log)) == []
 
 
@@ -133,13 +148,10 @@ def test_a_job_failing_midway_leaves_no_ray_or_server_process(
     assert "missing.parquet" in log
     assert re.search(r"command exited with status [1-9]", log)
     assert "shutting down" in log and "stopped" in log
+    assert _final_state(slurm_env, job_id) == "FAILED"
     assert _leftovers(job_id, _port_in_log(log)) == []
 
 
-def _job_state(env: dict[str, str], job_id: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
-    match = re.search(r"JobState=(\S+)", out)
-    return match.group(1) if match else out
 
 
 def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
@@ -149,7 +161,7 @@ def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
     rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path,
                               ["trainer.total_training_steps=500", "trainer.total_epochs=500"], time_limit="1")
     assert rc != 0, log[-4000:]
-    assert _job_state(slurm_env, job_id) == "TIMEOUT"
+    assert _final_state(slurm_env, job_id) == "TIMEOUT"
     assert "running: bash train_grpo.sh" in log and "caught SIGTERM" in log, log[-4000:]
     assert "command exited with status 0" not in log
     assert "stopped" in log

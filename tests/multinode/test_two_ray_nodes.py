@@ -54,7 +54,10 @@ def _overrides(world: SearchWorld, out: Path, nnodes: int, workers_per_node: int
         "do_search=true", "max_turns=2", "actor_rollout_ref.actor.state_masking=true",
         "data.max_start_length=160", "data.max_prompt_length=512", "data.max_obs_length=160",
         f"retriever.url={world.server_url}/retrieve", f"retriever.topk={TOPK}",
-        "actor_rollout_ref.rollout.temperature=0.7",
+        # hotter than test_search_e2e's 0.7, so that some samples go wrong (seeded: the same ones in
+        # every run): rewards differ within a group, and the GRPO advantages, policy loss and gradient
+        # being compared are not zero
+        "actor_rollout_ref.rollout.temperature=1.0",
         # Hydra's own output folder goes to the test's tmp, not ./outputs
         f"hydra.run.dir={out / 'hydra'}",
     ]
@@ -106,6 +109,7 @@ def test_grpo_step_with_search_on_two_ray_nodes_matches_one_node(
     keys = sorted(k for k in one_step if not k.startswith(MACHINE_METRICS))
     assert keys == sorted(k for k in two_step if not k.startswith(MACHINE_METRICS))
     assert "actor/pg_loss" in keys and "actor/grad_norm" in keys and "critic/score/mean" in keys
+    assert one_step["critic/advantages/max"] > 0 and one_step["actor/grad_norm"] > 1e-3   # not a trivial step
     different = {k: (one_step[k], two_step[k]) for k in keys
                  if not (one_step[k] == two_step[k] or math.isclose(one_step[k], two_step[k],
                                                                     rel_tol=1e-6, abs_tol=1e-9))}
