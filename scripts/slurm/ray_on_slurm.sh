@@ -94,9 +94,11 @@ cleanup() {
     done
     for ((i = ${#step_pids[@]} - 1; i >= 0; i--)); do
         pid=${step_pids[$i]}
-        for _ in $(seq 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+        # 10 s each: a Ray node drains for up to 30 s on SIGTERM, and Slurm's KillWait (often 30 s)
+        # bounds this whole trap after a time limit.
+        for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
         if kill -0 "$pid" 2>/dev/null; then
-            log "${step_names[$i]} still running after 20s: SIGKILL"
+            log "${step_names[$i]} still running after 10s: SIGKILL"
             kill -KILL "$pid" 2>/dev/null
         fi
         wait "$pid" 2>/dev/null
