@@ -11,13 +11,12 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
 from search_r1.llm_agent.tensor_helper import left_pad, position_ids_from_mask
 from search_r1.prompt import make_prefix
-from tests.workers._batches import load_trainer_config
+from tests.workers._batches import actor_rollout_workers
 from verl.protocol import DataProto
 from verl.utils import batch_keys as K
 
@@ -80,18 +79,9 @@ def test_multiturn_search_on_vllm_keeps_sampled_ids_and_masks_observations(
         taught_dir: str, retrieval_url: str, ray_cluster) -> None:
     from transformers import AutoTokenizer
 
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker
-
     tok = AutoTokenizer.from_pretrained(taught_dir)
-    cfg = load_trainer_config(taught_dir, **{"actor_rollout_ref.rollout.name": "vllm",
-                                             "data.max_prompt_length": 1024, "data.max_response_length": 48})
-    OmegaConf.resolve(cfg)
-    pool = RayResourcePool([2], use_gpu=False)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
-                                                   role="actor_rollout"))
-    try:
-        wg.init_model()
+    with actor_rollout_workers(taught_dir, **{"actor_rollout_ref.rollout.name": "vllm",
+                                              "data.max_prompt_length": 1024, "data.max_response_length": 48}) as wg:
         prompts = [_chat_prompt_ids(tok, QUESTION)] * 2
         ids, mask = left_pad(prompts, tok.pad_token_id)
         gen_batch = DataProto.from_dict(tensors={K.INPUT_IDS: ids, K.ATTENTION_MASK: mask,
@@ -100,9 +90,6 @@ def test_multiturn_search_on_vllm_keeps_sampled_ids_and_masks_observations(
         config = GenerationConfig(max_turns=2, max_start_length=512, max_prompt_length=1024, max_response_length=48,
                                   max_obs_length=400, search_url=retrieval_url, topk=1)
         out = LLMGenerationManager(tok, wg, config, is_validation=True).run_llm_loop(gen_batch, ids)
-    finally:
-        wg.shutdown()
-        pool.release()
 
     meta = out.meta_info
     assert meta["valid_search_stats"] == [1, 1] and meta["stop_reasons"]["answered"] == 2

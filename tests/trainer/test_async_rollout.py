@@ -4,14 +4,10 @@ and one GRPO step with search via run_ppo."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
@@ -20,7 +16,7 @@ from search_r1.prompt import make_prefix
 from tests.trainer import test_search_e2e
 from tests.trainer._search_model import QUESTIONS, TOPK
 from tests.trainer.test_search_e2e import SearchWorld, _assert_searched_against_the_server, _run_with_search
-from tests.workers._batches import free_port, load_trainer_config
+from tests.workers._batches import actor_rollout_workers, free_port
 from verl.protocol import DataProto
 from verl.utils import batch_keys as K
 from verl.utils.dataset.rl_dataset import prompt_to_text
@@ -31,25 +27,11 @@ RESPONSE_LENGTH = 40
 N_ROWS = 5          # odd: the worker group pads the batch for its 2 workers and drops the padding
 
 
-@contextmanager
-def rollout_workers(model_dir: str, engine: str) -> Iterator[Any]:
+def rollout_workers(model_dir: str, engine: str):
     """Two real FSDP actor/rollout workers in Ray with the given engine."""
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker
-
-    cfg = load_trainer_config(model_dir, **{
+    return actor_rollout_workers(model_dir, **{
         "actor_rollout_ref.rollout.name": engine, "data.max_prompt_length": 512,
         "data.max_response_length": RESPONSE_LENGTH, "actor_rollout_ref.rollout.micro_batch_size": 4})
-    OmegaConf.resolve(cfg)
-    pool = RayResourcePool([2], use_gpu=False)
-    group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
-                                                      role="actor_rollout"))
-    try:
-        group.init_model()
-        yield group
-    finally:
-        group.shutdown()
-        pool.release()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -22,6 +25,26 @@ def load_trainer_config(model_path: str, **overrides: object):
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, merge=False)
     return cfg
+
+
+@contextmanager
+def actor_rollout_workers(model_path: str, workers: int = 2, **overrides: object) -> Iterator[Any]:
+    """`workers` real FSDP actor/rollout workers in Ray (role actor_rollout), models loaded, over the
+    trainer config with `overrides`; shut down and their bundles released on exit."""
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    cfg = load_trainer_config(model_path, **overrides)
+    OmegaConf.resolve(cfg)
+    pool = RayResourcePool([workers], use_gpu=False)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
+                                                      role="actor_rollout"))
+    try:
+        group.init_model()
+        yield group
+    finally:
+        group.shutdown()
+        pool.release()
 
 
 def free_port() -> int:
