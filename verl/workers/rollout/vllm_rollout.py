@@ -135,7 +135,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         """The engine driven one step at a time for the async rollout (`async_engine.py`): requests
         join between steps (vLLM's own continuous batching). The caller syncs the weights first."""
         params = sampling_params_from(self.config, meta, self.tokenizer)
-        return VLLMStepEngine(self.llm.llm_engine, self._vllm_params(params), self._vllm)
+        return VLLMStepEngine(self.llm.llm_engine, self._vllm_params(params))
 
     def _vllm_params(self, params: RolloutParams) -> Any:
         greedy = not params.do_sample or params.temperature <= 0
@@ -170,16 +170,23 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         response_mask = torch.zeros((batch_size, length), dtype=attention_mask.dtype)
         log_probs = torch.zeros((batch_size, length), dtype=torch.float32)
         for row, out in enumerate(outputs):
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)[:length]
+            ids, lps = sampled_ids_and_log_probs(out)
+            ids, lps = ids[:length], lps[:length]
             responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             response_mask[row, : len(ids)] = 1
-            if completion.logprobs is not None:
-                log_probs[row, : len(ids)] = torch.tensor(
-                    [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=False)])
+            log_probs[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
         device = idx.device
         responses, response_mask, log_probs = responses.to(device), response_mask.to(device), log_probs.to(device)
         return prompt_and_response_batch(prompts, responses, response_mask, log_probs)
+
+
+def sampled_ids_and_log_probs(output: Any) -> tuple[list[int], list[float]]:
+    """A finished vLLM RequestOutput's sampled ids and each one's log-prob (0.0 where vLLM gave none)."""
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    if completion.logprobs is None:
+        return ids, [0.0] * len(ids)
+    return ids, [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=False)]
 
 
 class VLLMStepEngine:
@@ -190,13 +197,12 @@ class VLLMStepEngine:
     batching (requests added between steps join the running batch) with the hybrid engine's
     weight sync unchanged. Each request carries its own seed."""
 
-    def __init__(self, engine: Any, params: Any, vllm: Any) -> None:
+    def __init__(self, engine: Any, params: Any) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         self.engine = engine
         self.params = params
         self._final_only = RequestOutputKind.FINAL_ONLY
-        self._vllm = vllm
 
     def add(self, request_id: str, prompt_ids: Any, seed: int) -> None:
         params = self.params.clone()
@@ -210,13 +216,5 @@ class VLLMStepEngine:
     def step(self) -> list[tuple[str, Any]]:
         from verl.workers.rollout.async_engine import Completion
 
-        finished = []
-        for out in self.engine.step():
-            if not out.finished:
-                continue
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            log_probs = ([float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=False)]
-                         if completion.logprobs is not None else [0.0] * len(ids))
-            finished.append((out.request_id, Completion(ids, log_probs)))
-        return finished
+        return [(out.request_id, Completion(*sampled_ids_and_log_probs(out)))
+                for out in self.engine.step() if out.finished]
