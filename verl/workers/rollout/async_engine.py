@@ -29,7 +29,7 @@ from torch import nn
 from verl.workers.rollout.hf_rollout import (
     SamplingParams,
     StopStringMatcher,
-    filter_top_k_top_p,
+    sample_next_token,
     sampled_log_probs,
 )
 
@@ -171,7 +171,7 @@ class HFStepEngine:
         if not self._live:
             return []
         logits = self._logits
-        tokens = self._sample(logits)
+        tokens = sample_next_token(logits, self.params, [live.generator for live in self._live])
         token_log_probs = sampled_log_probs(logits, tokens, self.params).tolist()
         finished: list[tuple[str, Completion]] = []
         keep: list[int] = []
@@ -192,16 +192,6 @@ class HFStepEngine:
         return finished
 
     # --- internals ----------------------------------------------------------------------
-
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        params = self.params
-        if not params.do_sample or params.temperature <= 0:
-            return torch.argmax(logits, dim=-1)
-        probs = torch.softmax(filter_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p),
-                              dim=-1)
-        # One draw per request from its own generator: independent of who shares the step.
-        return torch.cat([torch.multinomial(probs[row], 1, generator=live.generator)
-                          for row, live in enumerate(self._live)]).to(logits.device)
 
     def _admit(self) -> None:
         room = self.max_num_seqs - len(self._live)

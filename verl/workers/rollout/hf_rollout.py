@@ -13,6 +13,7 @@ it emitted included). Owning the loop makes all three explicit.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +54,16 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
-def sample_next_token(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(B, V) logits of the last position -> (B,) next token ids."""
+def sample_next_token(logits: torch.Tensor, params: SamplingParams,
+                      generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+    """(B, V) logits of the last position -> (B,) next token ids. With `generators` (one per row)
+    each row draws from its own generator, so its sample does not depend on the other rows."""
     if not params.do_sample or params.temperature <= 0:
         return torch.argmax(logits, dim=-1)
-    logits = filter_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
-    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(-1)
+    probs = torch.softmax(filter_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
+    if generators is None:
+        return torch.multinomial(probs, num_samples=1).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[row], 1, generator=gen) for row, gen in enumerate(generators)])
 
 
 def sampling_params_from(config: Any, meta: dict, tokenizer: Any = None) -> SamplingParams:
