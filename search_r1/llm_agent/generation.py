@@ -423,7 +423,6 @@ class LLMGenerationManager:
         # Generation and retrieval overlap: 'generate' is the rollout's wall time, 'retrieval'
         # the mean time a trajectory waited for the retriever.
         timing = {"generate": wall, "retrieval": stats.pop("retrieval_ms", 0) / 1000.0 / max(1, len(rows))}
-        stats.pop("generate_ms", None)
         return self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
 
     def _apply_turn(self, row: _Row, res: _TurnResult, search_obs: str | None, is_final: bool,
