@@ -129,13 +129,12 @@ class Encoder:
         )
         lengths_N = [len(ids) for ids in tokens["input_ids"]]
         order = sorted(range(len(texts)), key=lengths_N.__getitem__)
-        parts = [
-            order[start:end][w :: self.workers] if end - start >= 2 * self.workers else order[start:end]
-            for start, end in length_groups(
-                [lengths_N[i] for i in order], batch_size, self.group_overhead_tokens
-            )
-            for w in range(self.workers if end - start >= 2 * self.workers else 1)
-        ]
+        parts: list[list[int]] = []
+        for start, end in length_groups([lengths_N[i] for i in order], batch_size, self.group_overhead_tokens):
+            group = order[start:end]
+            # Deal a group out to the workers only when each gets at least two rows.
+            ways = self.workers if len(group) >= 2 * self.workers else 1
+            parts += [group[w::ways] for w in range(ways)]
         emb_ND = np.empty((len(texts), self.dim), dtype=np.float32)
         if self._executor is None:
             for rows in parts:
