@@ -10,6 +10,7 @@ actor must not train on.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,20 +40,26 @@ class SearchWorld:
     data: ToyPaths
 
 
-@pytest.fixture(scope="module")
-def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SearchWorld]:
-    """A BM25 server over the tiny corpus, a model warmed up to search it, and the question parquets."""
+@contextmanager
+def serve_search_world(root: Path, base_model_dir: str) -> Iterator[SearchWorld]:
+    """A BM25 server over the tiny corpus, the model at `base_model_dir` warmed up to search it,
+    and the question parquets, all under `root`; the server stops on exit."""
     from search_r1.search.retrieval_server import create_app
     from search_r1.search.serving import serve_in_background
 
-    root = tmp_path_factory.mktemp("search_world")
     corpus = write_corpus(root / "corpus.jsonl")
     retriever = build_bm25_retriever(corpus, root / "index")
     # The warm-up reads the retriever directly, so the server's counters start at zero.
-    model_dir = warm_up_searching_model(tiny_model_dir, retriever, root / "model", steps=200)
+    model_dir = warm_up_searching_model(base_model_dir, retriever, root / "model", steps=200)
     data = write_question_parquets(root / "data")
     with serve_in_background(create_app(retriever)) as url:
         yield SearchWorld(server_url=url, model_dir=str(model_dir), data=data)
+
+
+@pytest.fixture(scope="module")
+def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SearchWorld]:
+    with serve_search_world(tmp_path_factory.mktemp("search_world"), tiny_model_dir) as world:
+        yield world
 
 
 def _queries_answered(url: str) -> int:

@@ -12,17 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer._search_model import (
-    build_bm25_retriever,
-    warm_up_searching_model,
-    write_corpus,
-    write_question_parquets,
-)
 from tests.trainer.test_search_e2e import (
     SearchWorld,
     _assert_searched_against_the_server,
     _finite,
     _run_with_search,
+    serve_search_world,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -32,19 +27,13 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm"]
 
 @pytest.fixture(scope="module")
 def vllm_search_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SearchWorld]:
-    from search_r1.search.retrieval_server import create_app
-    from search_r1.search.serving import serve_in_background
     from verl.utils.tiny_model import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("vllm_search_world")
     base = make_tiny_checkpoint(root / "base", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                 intermediate_size=256)
-    corpus = write_corpus(root / "corpus.jsonl")
-    retriever = build_bm25_retriever(corpus, root / "index")
-    model_dir = warm_up_searching_model(str(base), retriever, root / "model", steps=200)
-    data = write_question_parquets(root / "data")
-    with serve_in_background(create_app(retriever)) as url:
-        yield SearchWorld(server_url=url, model_dir=str(model_dir), data=data)
+    with serve_search_world(root, str(base)) as world:
+        yield world
 
 
 def test_grpo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
