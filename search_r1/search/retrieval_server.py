@@ -7,7 +7,9 @@ HTTP contract (DESIGN §3.1, unchanged from the original Search-R1 so its client
 Differences from the original: concurrent requests are coalesced into one batched
 search (``coalescer.Coalescer``; ``--no_coalesce`` turns it off), repeated
 (query, topk) pairs are answered from an LRU cache, every request is checked against
-``ServerLimits`` (4xx with a message, never a crash), and it binds 127.0.0.1 by default.
+``ServerLimits`` (4xx with a message, never a crash; an over-long query is truncated, not
+refused: dense to ``--max_length`` tokens as the original's encoder did, BM25 to
+``--max_query_chars`` characters), and it binds 127.0.0.1 by default.
 
     python -m search_r1.search.retrieval_server --index_path index/bm25 \\
         --corpus_path example/corpus.jsonl --retriever_name bm25 --topk 3
@@ -107,6 +109,7 @@ class RetrievalService:
             max_batch_queries=config.max_batch_queries,
         )
         self.rejected = 0
+        self.truncated_queries = 0
 
     async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         results: list[list[Hit] | None] = [self.cache.get(q, topk) for q in queries]
@@ -131,6 +134,7 @@ class RetrievalService:
                 "cache_hits": self.cache.hits,
                 "cache_misses": self.cache.misses,
                 "rejected": self.rejected,
+                "truncated_queries": self.truncated_queries,
             },
         }
 
@@ -163,6 +167,7 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
     async def retrieve(request: Request) -> JSONResponse:
         body = await read_json_body(request, RetrieveRequest, config.limits.max_body_bytes)
         valid = validate_request(body, config.limits, config.default_topk)
+        service.truncated_queries += valid.truncated
         results = await service.search(valid.queries, valid.topk)
         return JSONResponse(
             {"result": [[hit.to_wire(valid.return_scores) for hit in hits] for hits in results]}
@@ -200,7 +205,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max_queries_per_request", type=int, default=ServerLimits.max_queries_per_request)
-    p.add_argument("--max_query_chars", type=int, default=ServerLimits.max_query_chars)
+    p.add_argument(
+        "--max_query_chars", type=int, default=ServerLimits.max_query_chars,
+        help="a longer query is cut to this many characters (not refused); dense retrievers also "
+             "keep only the first --max_length tokens",
+    )
     p.add_argument("--max_topk", type=int, default=ServerLimits.max_topk)
     p.add_argument("--max_body_bytes", type=int, default=ServerLimits.max_body_bytes)
     p.add_argument("--no_coalesce", action="store_true", default=False, help="search each request alone")

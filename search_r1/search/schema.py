@@ -57,7 +57,12 @@ class RetrieveResponse(BaseModel):
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask of a server; anything beyond answers 4xx."""
+    """What one request may ask of a server; anything beyond answers 4xx, except a long query.
+
+    A query longer than ``max_query_chars`` is cut to that many characters, not refused: one
+    over-long query (a model that rambles inside ``<search>``) must not fail the whole
+    batch of a turn. The request as a whole stays bounded by ``max_body_bytes``.
+    """
 
     max_queries_per_request: int = 512
     max_query_chars: int = 2048
@@ -86,12 +91,15 @@ class ValidRequest:
     queries: list[str]
     topk: int
     return_scores: bool
+    truncated: int = 0  # how many queries were cut to ``ServerLimits.max_query_chars``
 
 
 def validate_request(request: RetrieveRequest, limits: ServerLimits, default_topk: int) -> ValidRequest:
     """Check ``request`` against ``limits``; raise ``RequestError`` naming the bad field.
 
     ``default_topk`` is used when the request leaves ``topk`` out (the server's --topk).
+    A query over ``limits.max_query_chars`` is cut to that many characters (counted in
+    ``ValidRequest.truncated``).
     """
     queries = request.queries
     if len(queries) == 0:
@@ -105,17 +113,15 @@ def validate_request(request: RetrieveRequest, limits: ServerLimits, default_top
     for i, query in enumerate(queries):
         if not isinstance(query, str):
             raise RequestError(f"queries[{i}] must be a string, got {type(query).__name__}")
-        if len(query) > limits.max_query_chars:
-            raise RequestError(
-                f"queries[{i}] has {len(query)} characters; the limit is {limits.max_query_chars}",
-                status_code=413,
-            )
+    cut = limits.max_query_chars
+    truncated = sum(len(q) > cut for q in queries)
     topk = default_topk if request.topk is None else request.topk
     if topk < 1:
         raise RequestError(f"field 'topk' must be >= 1, got {topk}")
     if topk > limits.max_topk:
         raise RequestError(f"field 'topk' is {topk}; this server's cap is {limits.max_topk}")
-    return ValidRequest(queries=list(queries), topk=topk, return_scores=request.return_scores)
+    return ValidRequest(queries=[q[:cut] for q in queries], topk=topk, return_scores=request.return_scores,
+                        truncated=truncated)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,6 @@ def test_topk_defaults_to_server_setting_and_is_respected(server_url: str) -> No
         ({"queries": ["Glacier"], "topk": 11}, 422, "cap is 10"),
         ({"queries": ["Glacier"], "topk": "many"}, 422, "topk"),
         ({"queries": ["q"] * 9}, 413, "at most 8"),
-        ({"queries": ["q" * 201]}, 413, "limit is 200"),
         ({"queries": ["q" * 150] * 8, "pad": "x" * 5000}, 413, "4096 bytes"),
         ([["not", "an", "object"]], 422, "body"),
     ],
@@ -83,6 +82,46 @@ def test_bad_input_answers_4xx_with_message_and_server_keeps_serving(
     assert resp.status_code == status, resp.text
     assert re.search(message, resp.json()["detail"]), resp.json()
     assert post(server_url, {"queries": ["Lighthouse"], "topk": 1}).json()["result"][0][0]["id"] == "8"
+
+
+def test_an_over_long_query_is_truncated_and_the_rest_of_its_batch_answered(server_url: str) -> None:
+    """One query over --max_query_chars (200 here) no longer makes the whole request a 413: it is
+    cut to its first 200 characters and every query of the batch gets its hits."""
+    long_query = "Lighthouse keeper on a rocky coast " * 30   # 1050 characters
+    queries = ["Glacier", long_query, "Telescope"]
+    resp = post(server_url, {"queries": queries, "topk": 3, "return_scores": True})
+    assert resp.status_code == 200, resp.text
+    result = resp.json()["result"]
+    assert len(result) == 3 and all(len(hits) == 3 for hits in result)
+    alone = [post(server_url, {"queries": [q], "topk": 3, "return_scores": True}).json()["result"][0]
+             for q in ("Glacier", long_query[:200], "Telescope")]
+    for got, expected in zip(result, alone, strict=True):
+        assert [h["document"]["id"] for h in got] == [h["document"]["id"] for h in expected]
+        assert [h["score"] for h in got] == pytest.approx([h["score"] for h in expected], abs=1e-5)
+    assert result[1][0]["document"]["id"] == DISTINCT_TITLES["Lighthouse"]
+    health = requests.get(f"{server_url}/health", timeout=30).json()
+    assert health["counters"]["truncated_queries"] >= 1
+    # The request as a whole is still bounded.
+    assert post(server_url, {"queries": [long_query] * 4 + ["x" * 4096]}).status_code == 413
+
+
+def test_dense_server_truncates_a_long_query_at_the_encoders_token_limit(dense_retriever) -> None:
+    """Dense: as the original encoder (max_length, truncation=True), only the first max_length
+    tokens count; the tail of a query past them changes nothing. Default limits (2048 chars)."""
+    tokenizer, max_length = dense_retriever.encoder.tokenizer, dense_retriever.encoder.max_length
+    head = "telescope lens and mirror " * 40                # > max_length (128) tokens
+    long_query = head + "honeybee colony and hive " * 200    # > 2048 characters: refused before
+    kept_ids = tokenizer(long_query, max_length=max_length, truncation=True, add_special_tokens=True)["input_ids"]
+    assert len(tokenizer(long_query, verbose=False)["input_ids"]) > max_length == len(kept_ids)
+    token_prefix = tokenizer.decode(kept_ids, skip_special_tokens=True)   # uncased model: same ids
+    with serve_in_background(create_app(dense_retriever, ServerConfig(cache_size=0))) as url:
+        resp = post(url, {"queries": ["Glacier", long_query], "topk": 3, "return_scores": True})
+        assert resp.status_code == 200, resp.text
+        got = resp.json()["result"][1]
+        expected = post(url, {"queries": [token_prefix], "topk": 3, "return_scores": True}).json()["result"][0]
+    assert got[0]["document"]["id"] == DISTINCT_TITLES["Telescope"]
+    assert [h["document"]["id"] for h in got] == [h["document"]["id"] for h in expected]
+    assert [h["score"] for h in got] == pytest.approx([h["score"] for h in expected], abs=1e-4)
 
 
 def test_malformed_json_body_answers_400(server_url: str) -> None:
