@@ -7,23 +7,26 @@ skipped when the output exists, so a second `run_demo` starts at RL within secon
     data/demo/bm25/                       its BM25 index (the project's index builder)
     data/demo/flashrag/demo_{onehop,twohop}/{train,test}.jsonl   questions, FlashRAG layout
     data/demo/{train,test}.parquet        RL data, by the same code as scripts/data_process
-    data/demo/sft/train.parquet           demonstrations from OTHER worlds
+    data/demo/sft/train.parquet           demonstrations from OTHER worlds (train.fingerprint: their sha256)
     data/demo/model_init/                 tokenizer (trained on yet another world) + random Qwen2
     data/demo/sft_phase{i}/huggingface/   a warm start built here (last phase: where RL starts), only
                                           when the settings differ from the shipped one's or
                                           demo.rebuild_warmstart=true
     example/demo_warmstart/               the shipped warm start (scripts/demo/warmstart.py), the default
+
+`scripts.demo.run_demo.build_all` builds them all. The demo's modules import downwards only:
+world <- demonstrations <- build <- warmstart <- run_demo (tests/test_import_cycles.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import pandas as pd
-from tqdm import tqdm
 
 from scripts.data_process.common import build_merged, write_flashrag_jsonl, write_parquet
 from scripts.demo.demonstrations import make_demonstrations
@@ -81,6 +84,41 @@ class DemoSettings:
     @property
     def warmstart_path(self) -> Path:
         return REPO_ROOT / self.warmstart_dir
+
+
+def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
+    """`demo.<field>=v` arguments set DemoSettings; everything else is a trainer override."""
+    settings = DemoSettings()
+    known = {f.name: f for f in fields(DemoSettings)}
+    overrides = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key.startswith("demo."):
+            name = key[len("demo."):]
+            if name not in known or not sep:
+                raise SystemExit(f"unknown demo setting {arg!r}; known: demo.{{{', '.join(sorted(known))}}}")
+            current = getattr(settings, name)
+            if isinstance(current, tuple):  # comma-separated ints: demo.sft_steps=300,200
+                parsed: object = tuple(int(v) for v in value.strip("[]()").split(",") if v.strip())
+            elif isinstance(current, bool):  # bool("false") would be True
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise SystemExit(f"demo.{name} takes true or false, got {value!r}")
+                parsed = value.lower() in ("true", "1")
+            else:
+                parsed = type(current)(value)
+            setattr(settings, name, parsed)
+        else:
+            overrides.append(arg)
+    return settings, overrides
+
+
+def fingerprint(data: object) -> str:
+    """sha256 of `data` as canonical JSON: how a build's inputs (texts, demonstrations) are compared.
+
+    The demonstrations are not a function of the settings alone: a searched demonstration's
+    second passage is often a BM25 score-0 tie, and bm25s breaks ties with numpy's top-k,
+    whose order depends on the CPU's SIMD kernels (AVX2 vs AVX-512)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def _question_row(q: Question, i: int) -> dict:
@@ -148,6 +186,11 @@ def build_model_init(s: DemoSettings) -> Path:
     return save_model_and_tokenizer(model, tok, out)
 
 
+def sft_data_fingerprint_path(s: DemoSettings) -> Path:
+    """Where build_sft_data records the fingerprint of the rows it wrote."""
+    return s.root / "sft" / "train.fingerprint"
+
+
 def build_sft_data(s: DemoSettings) -> Path:
     out = s.root / "sft" / "train.parquet"
     if out.exists():
@@ -157,6 +200,7 @@ def build_sft_data(s: DemoSettings) -> Path:
     rows = [{"prompt": [{"role": "user", "content": make_prefix(q.text)}],
              "turns": [asdict(t) for t in turns], "kind": q.kind} for q, turns in demos]
     out.parent.mkdir(parents=True, exist_ok=True)
+    sft_data_fingerprint_path(s).write_text(fingerprint(rows) + "\n")
     pd.DataFrame(rows).to_parquet(out, index=False)
     return out
 
@@ -192,17 +236,3 @@ def build_warm_start(s: DemoSettings) -> Path:
         model = hf_dir
     return model
 
-
-def build_all(s: DemoSettings) -> dict[str, Path]:
-    """Corpus and BM25 index, RL questions, and the warm start (shipped, or built here)."""
-    from scripts.demo.warmstart import resolve_warmstart
-
-    s.root.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=3, desc="build (world, index, questions, warm start)", unit="part") as bar:
-        corpus, index_dir = build_corpus_and_index(s)
-        bar.update(1)
-        train_pq, test_pq = build_questions(s)
-        bar.update(1)
-        model = resolve_warmstart(s)
-        bar.update(1)
-    return {"corpus": corpus, "index": index_dir, "train": train_pq, "test": test_pq, "model": model}

@@ -33,12 +33,14 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
-from scripts.demo.build import DemoSettings, build_all
+from scripts.demo.build import DemoSettings, build_corpus_and_index, build_questions, split_args
+from scripts.demo.warmstart import MANIFEST, read_manifest, resolve_warmstart, warmstart_settings
 from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS
 
 # RL settings found to work for the demo (see docs/demo.md); any can be overridden.
@@ -102,30 +104,17 @@ class DemoSummary:
     plot_path: str
 
 
-def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
-    """`demo.<field>=v` arguments set DemoSettings; everything else is a trainer override."""
-    settings = DemoSettings()
-    known = {f.name: f for f in fields(DemoSettings)}
-    overrides = []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if key.startswith("demo."):
-            name = key[len("demo."):]
-            if name not in known or not sep:
-                raise SystemExit(f"unknown demo setting {arg!r}; known: demo.{{{', '.join(sorted(known))}}}")
-            current = getattr(settings, name)
-            if isinstance(current, tuple):  # comma-separated ints: demo.sft_steps=300,200
-                parsed: object = tuple(int(v) for v in value.strip("[]()").split(",") if v.strip())
-            elif isinstance(current, bool):  # bool("false") would be True
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise SystemExit(f"demo.{name} takes true or false, got {value!r}")
-                parsed = value.lower() in ("true", "1")
-            else:
-                parsed = type(current)(value)
-            setattr(settings, name, parsed)
-        else:
-            overrides.append(arg)
-    return settings, overrides
+def build_all(s: DemoSettings) -> dict[str, Path]:
+    """Corpus and BM25 index, RL questions, and the warm start (shipped, or built here)."""
+    s.root.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=3, desc="build (world, index, questions, warm start)", unit="part") as bar:
+        corpus, index_dir = build_corpus_and_index(s)
+        bar.update(1)
+        train_pq, test_pq = build_questions(s)
+        bar.update(1)
+        model = resolve_warmstart(s)
+        bar.update(1)
+    return {"corpus": corpus, "index": index_dir, "train": train_pq, "test": test_pq, "model": model}
 
 
 def _given(overrides: list[str], key: str) -> str | None:
@@ -226,8 +215,6 @@ def validations(steps: int, test_freq: int) -> int:
 
 def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int) -> str:
     """One line saying what the demo will do and about how long it takes."""
-    from scripts.demo.warmstart import MANIFEST, read_manifest, warmstart_settings
-
     shipped = (s.warmstart_path / MANIFEST).exists() and not s.rebuild_warmstart and \
         read_manifest(s.warmstart_path).settings == warmstart_settings(s)
     cached = (s.root / f"sft_phase{len(s.sft_steps) - 1}" / "huggingface" / "config.json").exists()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.demo.build import DemoSettings, build_warm_start
+from scripts.demo.build import DemoSettings, build_warm_start, split_args
 
 MANIFEST = "manifest.json"
 REBUILD_COMMAND = "python -m scripts.demo.warmstart"
@@ -138,8 +138,6 @@ def resolve_warmstart(s: DemoSettings) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from scripts.demo.run_demo import split_args
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="folder to write (default: demo.warmstart_dir)")
     parser.add_argument("--check", action="store_true", help="only verify the folder against its manifest")

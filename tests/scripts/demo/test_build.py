@@ -8,8 +8,14 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from scripts.demo.build import DemoSettings, build_corpus_and_index, build_model_init, build_questions
-from scripts.demo.run_demo import overall_em, split_args, validations
+from scripts.demo.build import (
+    DemoSettings,
+    build_corpus_and_index,
+    build_model_init,
+    build_questions,
+    split_args,
+)
+from scripts.demo.run_demo import overall_em, validations
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 
