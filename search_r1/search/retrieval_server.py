@@ -189,9 +189,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retriever_model", default="intfloat/e5-base-v2", help="encoder name or path (dense)")
     p.add_argument("--faiss_gpu", action="store_true", default=False, help="shard the FAISS index over GPUs")
     p.add_argument("--pooling_method", default="auto", choices=["auto", "mean", "cls", "pooler"])
-    p.add_argument("--max_length", type=int, default=256, help="encoder max tokens per query")
-    p.add_argument("--use_fp16", action="store_true", default=False)
-    p.add_argument("--encode_batch_size", type=int, default=128)
+    p.add_argument("--max_length", type=int, default=256, help="encoder max tokens per query (longer: truncated)")
+    p.add_argument(
+        "--use_fp16", action=argparse.BooleanOptionalAction, default=None,
+        help="encoder in fp16 (default: yes on a GPU, as the original server; always fp32 on CPU)",
+    )
+    p.add_argument("--encode_batch_size", type=int, default=512, help="queries per encoder call (original: 512)")
     p.add_argument(
         "--num_threads", type=int, default=0,
         help="CPU threads for torch and FAISS (0: library default); 1 is fastest on a busy machine",

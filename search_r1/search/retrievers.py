@@ -279,12 +279,15 @@ def build_retriever(
     faiss_gpu: bool = False,
     pooling: str = "auto",
     max_length: int = 256,
-    use_fp16: bool = False,
-    batch_size: int = 64,
+    use_fp16: bool | None = None,
+    batch_size: int = 512,
     corpus_cache_dir: str | None = None,
     encode_workers: int = 1,
 ) -> BaseRetriever:
-    """Open the corpus and index named on the server's command line."""
+    """Open the corpus and index named on the server's command line.
+
+    Encoder defaults are the original server's: 256 query tokens, batches of 512, fp16 on a
+    GPU (``use_fp16=None``; ``encoders.encoder_dtype``), fp32 on CPU."""
     corpus = Corpus.open(corpus_path, cache_dir=corpus_cache_dir)
     if retriever_name == "bm25":
         return BM25Retriever(index_path, corpus)
