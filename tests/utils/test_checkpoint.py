@@ -121,3 +121,82 @@ def test_checkpoint_round_trips_model_optimizer_schedule_and_hf_export_loads(tin
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert (tmp_path / "hf" / "tokenizer.json").exists() or (tmp_path / "hf" / "tokenizer_config.json").exists()
+
+
+def _saved_dtypes(hf_dir) -> set[torch.dtype]:
+    from safetensors import safe_open
+
+    dtypes = set()
+    for shard in hf_dir.glob("model-*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            dtypes |= {f.get_tensor(name).dtype for name in f.keys()}
+    return dtypes
+
+
+def _config_dtype(hf_dir) -> str:
+    import json
+
+    saved = json.loads((hf_dir / "config.json").read_text())
+    return saved.get("dtype") or saved.get("torch_dtype")
+
+
+def test_hf_export_is_bf16_when_the_source_config_says_bf16(tiny_model_dir, tmp_path):
+    """The workers load the model in fp32 (master weights); a checkpoint whose config.json says
+    bfloat16 (as Qwen2.5's does) is exported in bf16, and its config says so."""
+    import json
+    import shutil
+
+    from verl.utils.checkpoint.hf_export import export_hf_model
+
+    source = tmp_path / "bf16_source"
+    shutil.copytree(tiny_model_dir, source)
+    config = json.loads((source / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config["dtype"] = "bfloat16"
+    (source / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    assert next(model.parameters()).dtype == torch.float32
+    export_hf_model(model, None, str(tmp_path / "hf"))
+    assert _saved_dtypes(tmp_path / "hf") == {torch.bfloat16}
+    assert _config_dtype(tmp_path / "hf") == "bfloat16"
+    assert model.config.dtype == torch.float32  # the live model's config is left alone
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert next(exported.parameters()).dtype == torch.bfloat16
+    ids = torch.arange(3, 15).unsqueeze(0)
+    with torch.no_grad():
+        # bf16 keeps 8 bits of mantissa: the logits move by ~1e-2, a wrong tensor by far more.
+        torch.testing.assert_close(exported(input_ids=ids).logits.float(), model(input_ids=ids).logits,
+                                   atol=0.1, rtol=0.05)
+
+
+def test_hf_export_keeps_fp32_for_an_fp32_model_trained_without_mixed_precision(tiny_model_dir, tmp_path):
+    from verl.utils.checkpoint.hf_export import export_hf_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    export_hf_model(model, None, str(tmp_path / "hf"))
+    assert _saved_dtypes(tmp_path / "hf") == {torch.float32}
+    assert _config_dtype(tmp_path / "hf") == "float32"
+    export_hf_model(model, None, str(tmp_path / "hf16"), dtype=torch.bfloat16)   # an explicit dtype wins
+    assert _saved_dtypes(tmp_path / "hf16") == {torch.bfloat16} and _config_dtype(tmp_path / "hf16") == "bfloat16"
+
+
+def test_hf_export_is_bf16_when_training_used_bf16_mixed_precision(tiny_model_dir, tmp_path):
+    """FSDP2 with the GPU workers' policy (bf16 compute, fp32 master weights), here on one CPU rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from verl.utils.checkpoint.hf_export import export_dtype, export_hf_model
+    from verl.utils.fsdp_utils import apply_fsdp2, gpu_mixed_precision
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        module = apply_fsdp2(model, init_device_mesh("cpu", (1,)), gpu_mixed_precision())
+        assert next(module.parameters()).dtype == torch.float32 and export_dtype(module) == torch.bfloat16
+        export_hf_model(module, None, str(tmp_path / "hf"))
+    finally:
+        dist.destroy_process_group()
+    assert _saved_dtypes(tmp_path / "hf") == {torch.bfloat16}
+    assert _config_dtype(tmp_path / "hf") == "bfloat16"
+    assert next(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto").parameters()).dtype == torch.bfloat16

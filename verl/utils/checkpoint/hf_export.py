@@ -5,11 +5,24 @@ joins) and rank 0 appends each to the current safetensors shard, writing the
 shard out once it passes `max_shard_mb`. Peak host memory is about one shard,
 never the whole model. The folder loads with `AutoModelForCausalLM.from_pretrained`.
 
+Export dtype (`export_dtype`), first match wins:
+1. the `dtype` argument;
+2. the dtype training computed in: FSDP2's mixed-precision `param_dtype` (bf16 on GPU, where
+   the workers keep fp32 master weights and compute in bf16);
+3. bf16 when the source checkpoint's config says so (`dtype` / `torch_dtype` in the
+   config.json the model was loaded from, e.g. Qwen2.5's): the workers load in fp32, which
+   overwrites the in-memory `config.dtype`, so the file is read;
+4. otherwise the parameters' own dtype (fp32 on the CPU demo, whose model config says fp32).
+Floating tensors are cast, integer buffers are kept, and the exported config.json states the
+export dtype, so `from_pretrained(path, dtype="auto")` loads what was written. A bf16 export
+is half the size of an fp32 one and is what vLLM and `infer.py` load anyway.
+
     export_hf_model(fsdp_module, tokenizer, "ckpt/global_step_10/actor/huggingface")
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import Any
@@ -28,6 +41,50 @@ def _rank() -> int:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _training_param_dtype(module: nn.Module) -> torch.dtype | None:
+    """FSDP2's mixed-precision compute dtype for ``module`` (None without FSDP2 or a policy)."""
+    get_state = getattr(module, "_get_fsdp_state", None)  # fully_shard; torch has no public getter
+    if get_state is None:
+        return None
+    policy = getattr(get_state(), "_mp_policy", None)
+    return getattr(policy, "param_dtype", None)
+
+
+def _declared_dtype(config: Any) -> str | None:
+    """The dtype named by the config.json the model was loaded from (its local folder or the
+    hub cache, never the network); else the in-memory config's."""
+    source = getattr(config, "_name_or_path", "") or ""
+    path = os.path.join(source, "config.json")
+    if source and not os.path.isfile(path):
+        try:
+            from transformers.utils import cached_file
+
+            path = cached_file(source, "config.json", local_files_only=True,
+                               _raise_exceptions_for_missing_entries=False) or ""
+        except (OSError, ValueError):
+            path = ""
+    if source and path and os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        declared = saved.get("dtype") or saved.get("torch_dtype")
+    else:
+        declared = getattr(config, "dtype", None)
+    return str(declared).removeprefix("torch.") if declared is not None else None
+
+
+def export_dtype(module: nn.Module, dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype `export_hf_model` writes floating tensors in (module docstring); None keeps each
+    parameter's own dtype."""
+    if dtype is not None:
+        return dtype
+    trained = _training_param_dtype(module)
+    if trained is not None:
+        return trained
+    if _declared_dtype(module.config) == "bfloat16":
+        return torch.bfloat16
+    return None
 
 
 class _ShardWriter:
@@ -67,8 +124,10 @@ class _ShardWriter:
 
 def export_hf_model(module: nn.Module, tokenizer: Any, out_dir: str, dtype: torch.dtype | None = None,
                     max_shard_mb: float = 1024) -> None:
-    """Write `module` (FSDP2 or plain) to `out_dir` in HF format. Every rank must call this."""
+    """Write `module` (FSDP2 or plain) to `out_dir` in HF format, floating tensors in
+    `export_dtype(module, dtype)`. Every rank must call this."""
     rank = _rank()
+    dtype = export_dtype(module, dtype)
     writer = _ShardWriter(out_dir, int(max_shard_mb * 1024**2)) if rank == 0 else None
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -87,6 +146,9 @@ def export_hf_model(module: nn.Module, tokenizer: Any, out_dir: str, dtype: torc
     if writer is not None:
         writer.flush()
         writer.write_index()
+        if dtype is not None:
+            config = copy.deepcopy(config)  # the live model's config stays as it is
+            config.dtype = dtype
         config.save_pretrained(out_dir)
         generation_config = getattr(module, "generation_config", None)
         if generation_config is not None:
