@@ -61,7 +61,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """log softmax(logits)[label] for every position; logits (..., V), labels (...).
 
     Computed as gather minus logsumexp, chunked over rows, so the full (N, V)
-    log-softmax tensor is never materialised.
+    log-softmax tensor is never materialised. With grad enabled, autograd still keeps each
+    chunk's (rows, V) tensors for backward; the actor's training head uses
+    `verl.utils.logprob_head` instead, which saves O(H) bytes per position.
     """
     batch_shape = labels.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
