@@ -21,6 +21,7 @@ from torch import nn
 from verl.trainer.ppo import core_algos
 from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
+from verl.utils.logprob_head import lm_head_computes_log_probs
 from verl.utils.remove_padding import (
     check_packing_isolates_sequences,
     pack_batch,
@@ -73,45 +74,52 @@ class DataParallelPPOActor(BasePPOActor):
         """-> (entropy (B, R) or None, log_probs (B, R)) of the response tokens.
 
         Vocabulary-wide work (lm_head, temperature, log-softmax, entropy) runs on the positions
-        that predict a response token only, never on prompt or retrieved-passage positions."""
+        that predict a response token only, never on prompt or retrieved-passage positions, and
+        through the fused head (`verl.utils.logprob_head`): autograd keeps the hidden states of
+        those positions, not their (positions, V) logits."""
         responses = micro[K.RESPONSES]
         input_ids, attention_mask, position_ids = micro[K.INPUT_IDS], micro[K.ATTENTION_MASK], micro[K.POSITION_IDS]
         batch_size, seqlen = input_ids.shape
         response_length = responses.shape[-1]
+        device = input_ids.device
+        # Position t predicts token t+1: response token j is predicted at position S-R-1+j.
+        predicting_R = torch.arange(seqlen - response_length - 1, seqlen - 1, device=device)
         if self.use_remove_padding:
             if not self._packing_checked:
                 check_packing_isolates_sequences(self.actor_module, self.actor_module.config.vocab_size)
                 self._packing_checked = True
             packed = pack_batch(input_ids, attention_mask, position_ids)
-            # Position t predicts token t+1: response token j is predicted at padded position
-            # P-1+j. Where that position is a real (packed) token, keep its logits only.
-            slot_of = torch.full((batch_size * seqlen,), -1, dtype=torch.long, device=input_ids.device)
-            slot_of[packed.indices] = torch.arange(packed.indices.numel(), device=input_ids.device)
-            predicting = (torch.arange(batch_size, device=input_ids.device)[:, None] * seqlen
-                          + torch.arange(seqlen - response_length - 1, seqlen - 1, device=input_ids.device)[None, :])
-            slots_BR = slot_of[predicting]
+            # Where a predicting position is a real (packed) token, keep that slot only.
+            slot_of = torch.full((batch_size * seqlen,), -1, dtype=torch.long, device=device)
+            slot_of[packed.indices] = torch.arange(packed.indices.numel(), device=device)
+            slots_BR = slot_of[torch.arange(batch_size, device=device)[:, None] * seqlen + predicting_R[None, :]]
             kept = slots_BR >= 0
-            logits_MV = self._logits(packed.input_ids, packed.position_ids, None, slots_BR[kept]) / temperature
-            log_probs = torch.zeros(batch_size, response_length, dtype=torch.float32, device=input_ids.device)
-            log_probs[kept] = tf.logprobs_from_logits(logits_MV, responses[kept])
+            log_probs_M, entropy_M = self._head(packed.input_ids, packed.position_ids, None, slots_BR[kept],
+                                                responses[kept][None], temperature, calculate_entropy)
+            log_probs = torch.zeros(batch_size, response_length, dtype=torch.float32, device=device)
+            log_probs[kept] = log_probs_M[0]
             entropy = None
             if calculate_entropy:
                 entropy = torch.zeros_like(log_probs)
-                entropy[kept] = tf.entropy_from_logits(logits_MV)
+                entropy[kept] = entropy_M[0]
             return entropy, log_probs
-        logits_BRV = self._logits(input_ids, position_ids, attention_mask, response_length + 1)[:, :-1] / temperature
-        log_probs = tf.logprobs_from_logits(logits_BRV, responses)
-        entropy = tf.entropy_from_logits(logits_BRV) if calculate_entropy else None
+        log_probs, entropy = self._head(input_ids, position_ids, attention_mask, predicting_R, responses,
+                                        temperature, calculate_entropy)
         return entropy, log_probs
 
-    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                keep: int | torch.Tensor) -> torch.Tensor:
-        """The model's logits at the kept positions only: the last `keep` (int) of each row, or the
-        packed positions `keep` (1-D index tensor), via transformers' `logits_to_keep` (the lm_head
-        then runs on those positions alone). Packed: (M, V); padded: (B, keep, V)."""
-        out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False, logits_to_keep=keep).logits
-        return out.squeeze(0) if isinstance(keep, torch.Tensor) else out
+    def _head(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+              keep: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs, entropy or None) of `labels` at the kept positions `keep` (1-D index into
+        the sequence axis, passed as transformers' `logits_to_keep`, so the head runs on those
+        positions alone); both shaped like `labels`. The model's own lm_head call computes them
+        (`lm_head_computes_log_probs`), inside the model's forward where FSDP2 has unsharded
+        the head's weight."""
+        head = self.actor_module.get_output_embeddings()
+        with lm_head_computes_log_probs(head, labels, temperature, calculate_entropy) as fused:
+            out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False, logits_to_keep=keep)
+        return fused.read(out.logits)
 
     def compute_log_prob(self, data: Any, calculate_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
