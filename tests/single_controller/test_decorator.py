@@ -10,6 +10,8 @@ from verl.single_controller.base import Dispatch, Execute, Worker, WorkerGroup, 
 from verl.single_controller.base.decorator import (
     DISPATCH_TABLE,
     MAGIC_ATTR,
+    MeshRank,
+    check_mesh,
     dispatch_dp_compute_proto,
     get_method_spec,
 )
@@ -112,3 +114,43 @@ def test_worker_reads_its_rank_from_the_environment(monkeypatch):
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x'"):
         read_dist_env()
+
+
+class TensorParallelEcho(Worker):
+    """Rank r of a world of 4 in tensor-parallel groups of 2: {0,1} and {2,3} (vLLM's layout)."""
+
+    TP = 2
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.my_rank = rank
+        self.seen: list[int] = []
+        self.set_mesh_rank("rollout", MeshRank(rank // self.TP, 4 // self.TP, rank % self.TP == 0))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh="rollout")
+    def echo(self, data: DataProto) -> DataProto:
+        self.seen = data.batch["x"].tolist()
+        return DataProto.from_dict({"y": data.batch["x"] * 10 + self.my_rank})
+
+
+def test_a_tensor_parallel_group_gets_the_same_rows_and_answers_once():
+    workers = [TensorParallelEcho(rank) for rank in range(4)]
+    group = InProcessGroup(workers)
+    out = group.echo(DataProto.from_dict({"x": torch.arange(5)}))
+    # Two dp ranks: rows 0-2 to workers 0 and 1, rows 3-4 (+1 padding row) to workers 2 and 3.
+    assert [w.seen for w in workers] == [[0, 1, 2], [0, 1, 2], [3, 4, 0], [3, 4, 0]]
+    # Results from each group's collecting worker (0 and 2) only, padding removed.
+    assert out.batch["y"].tolist() == [0, 10, 20, 32, 42]
+    assert group.mesh_ranks("rollout") == [MeshRank(0, 2, True), MeshRank(0, 2, False),
+                                          MeshRank(1, 2, True), MeshRank(1, 2, False)]
+    # A mesh a worker never declared is every worker on its own.
+    assert workers[1].get_mesh_rank("other") == MeshRank(0, 1, True)
+
+
+def test_a_mesh_with_a_missing_collector_is_refused():
+    with pytest.raises(ValueError, match="exactly one collecting worker"):
+        check_mesh("rollout", [MeshRank(0, 2, True), MeshRank(0, 2, True), MeshRank(1, 2, False), MeshRank(1, 2, False)])
+    with pytest.raises(ValueError, match="disagree"):
+        check_mesh("rollout", [MeshRank(0, 2, True), MeshRank(0, 1, True)])
+    with pytest.raises(ValueError, match="mesh="):
+        register(dispatch_mode=Dispatch.ONE_TO_ALL, mesh="rollout")

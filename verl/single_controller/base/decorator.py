@@ -5,6 +5,12 @@ WorkerGroup then exposes a method of the same name that splits the call over its
 runs it, and collects the results. The split/collect functions sit in DISPATCH_TABLE, fixed
 at import time. Calling the decorated method directly on an instance behaves as undecorated
 (apart from resolving DataProtoFuture arguments).
+
+A method may name a *mesh* (`@register(Dispatch.DP_COMPUTE_PROTO, mesh="rollout")`): then the
+data is split over that mesh's data-parallel ranks rather than over every worker. Each worker
+says where it sits in the mesh (`Worker.set_mesh_rank`): workers with the same `dp_rank` (the
+ranks of one tensor-parallel group) receive the same chunk, and only the one marked `collect`
+returns its result to the driver.
 """
 
 from __future__ import annotations
@@ -46,6 +52,33 @@ class MethodSpec:
     execute_mode: Execute
     blocking: bool
     materialize_futures: bool
+    mesh: str | None = None
+
+
+@dataclass(frozen=True)
+class MeshRank:
+    """Where one worker sits in a named mesh: its data-parallel rank among `dp_size`, and whether
+    its result is the one collected for that rank (one worker per tensor-parallel group)."""
+
+    dp_rank: int
+    dp_size: int
+    collect: bool = True
+
+    @staticmethod
+    def identity(rank: int, world_size: int) -> MeshRank:
+        return MeshRank(rank, world_size, True)
+
+
+def check_mesh(name: str, ranks: list[MeshRank]) -> None:
+    """Every worker agrees on dp_size, and each dp rank has exactly one collecting worker."""
+    sizes = {r.dp_size for r in ranks}
+    if len(sizes) != 1:
+        raise ValueError(f"mesh {name!r}: workers disagree on the data-parallel size: {sorted(sizes)}")
+    (dp_size,) = sizes
+    collectors = sorted(r.dp_rank for r in ranks if r.collect)
+    if collectors != list(range(dp_size)) or any(not 0 <= r.dp_rank < dp_size for r in ranks):
+        raise ValueError(f"mesh {name!r}: each of the {dp_size} data-parallel ranks needs exactly one collecting "
+                         f"worker; got dp ranks {[r.dp_rank for r in ranks]}, collecting {collectors}")
 
 
 @dataclass
@@ -209,6 +242,9 @@ DISPATCH_TABLE: MappingProxyType[Dispatch, DispatchSpec] = MappingProxyType({
     Dispatch.DP_COMPUTE_METRIC: DispatchSpec(dispatch_dp_compute_proto, collect_list),
 })
 assert set(DISPATCH_TABLE) == set(Dispatch), "every Dispatch mode needs a row in DISPATCH_TABLE"
+# Modes whose data is split by rows, so a mesh can say over which ranks.
+MESH_DISPATCH_MODES = frozenset({Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_PROTO_WITH_FUNC,
+                                 Dispatch.DP_COMPUTE_METRIC})
 
 
 def get_method_spec(method: Any) -> MethodSpec | None:
@@ -227,13 +263,20 @@ def register(
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     materialize_futures: bool = True,
+    mesh: str | None = None,
 ) -> Callable[[Callable], Callable]:
-    """Mark a worker method so WorkerGroups expose it with this dispatch/execute behaviour."""
+    """Mark a worker method so WorkerGroups expose it with this dispatch/execute behaviour.
+
+    `mesh` (DP_COMPUTE_PROTO modes only) splits the data over the named mesh's data-parallel
+    ranks instead of over every worker (see the module docstring)."""
     if not isinstance(dispatch_mode, Dispatch):
         raise TypeError(f"dispatch_mode must be a Dispatch, got {dispatch_mode!r}")
     if not isinstance(execute_mode, Execute):
         raise TypeError(f"execute_mode must be an Execute, got {execute_mode!r}")
-    spec = MethodSpec(dispatch_mode, execute_mode, bool(blocking), bool(materialize_futures))
+    if mesh is not None and dispatch_mode not in MESH_DISPATCH_MODES:
+        raise ValueError(f"mesh={mesh!r} needs one of {sorted(m.name for m in MESH_DISPATCH_MODES)}, "
+                         f"got {dispatch_mode.name}")
+    spec = MethodSpec(dispatch_mode, execute_mode, bool(blocking), bool(materialize_futures), mesh)
 
     def decorator(func: Callable) -> Callable:
         @functools.wraps(func)

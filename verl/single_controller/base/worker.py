@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl.single_controller.base.decorator import Dispatch, Execute, register
+from verl.single_controller.base.decorator import Dispatch, Execute, MeshRank, register
 from verl.utils.device import is_cuda_available
 
 
@@ -128,6 +128,15 @@ class Worker:
 
     def get_availale_master_addr_port(self) -> tuple[str, str]:
         return get_availale_master_addr_port()
+
+    def set_mesh_rank(self, mesh: str, where: MeshRank) -> None:
+        """Say where this worker sits in `mesh` (methods registered with `mesh=` dispatch by it)."""
+        self.__dict__.setdefault("_mesh_ranks", {})[mesh] = where
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_mesh_rank(self, mesh: str) -> MeshRank:
+        """This worker's place in `mesh`; a mesh it never set is all workers, each its own dp rank."""
+        return self.__dict__.get("_mesh_ranks", {}).get(mesh) or MeshRank.identity(self.rank, self.world_size)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_dist_info(self) -> DistInfo:

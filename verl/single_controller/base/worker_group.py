@@ -10,7 +10,9 @@ from verl.single_controller.base.decorator import (
     DISPATCH_TABLE,
     Dispatch,
     Execute,
+    MeshRank,
     MethodSpec,
+    check_mesh,
     get_method_spec,
 )
 
@@ -91,6 +93,7 @@ class WorkerGroup:
         self._workers: list[Any] = []
         self._worker_names: list[str] = []
         self.bound_methods: dict[str, MethodSpec] = {}
+        self._mesh_ranks: dict[str, list[MeshRank]] = {}
 
     @property
     def world_size(self) -> int:
@@ -118,6 +121,8 @@ class WorkerGroup:
         table_row = DISPATCH_TABLE[spec.dispatch_mode]
 
         def group_method(*args: Any, **kwargs: Any) -> Any:
+            if spec.mesh is not None:
+                return self._call_on_mesh(method_name, spec, args, kwargs)
             call = table_row.dispatch_fn(self.world_size, *args, **kwargs)
             only_rank_zero = spec.execute_mode is Execute.RANK_ZERO or spec.dispatch_mode is Dispatch.RANK_ZERO
             ranks = [0] if only_rank_zero else list(range(self.world_size))
@@ -130,6 +135,37 @@ class WorkerGroup:
         group_method.__name__ = method_name
         group_method.__qualname__ = f"{type(self).__name__}.{method_name}"
         return group_method
+
+    def mesh_ranks(self, mesh: str) -> list[MeshRank]:
+        """Each worker's place in `mesh`, asked of the workers once and kept."""
+        if mesh not in self._mesh_ranks:
+            ask = getattr(self, "get_mesh_rank", None)
+            if ask is None:
+                raise TypeError(f"a method dispatched over mesh {mesh!r} needs workers derived from Worker "
+                                "(they answer get_mesh_rank)")
+            ranks = list(ask(mesh))
+            check_mesh(mesh, ranks)
+            self._mesh_ranks[mesh] = ranks
+        return self._mesh_ranks[mesh]
+
+    def _call_on_mesh(self, method_name: str, spec: MethodSpec, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Split over the mesh's dp ranks; every worker runs (a tensor-parallel group's ranks on the same
+        chunk), and the collecting worker of each dp rank gives the result."""
+        table_row = DISPATCH_TABLE[spec.dispatch_mode]
+        ranks = self.mesh_ranks(spec.mesh)
+        dp_size = ranks[0].dp_size
+        call = table_row.dispatch_fn(dp_size, *args, **kwargs)
+        handles = self._execute_ranks(method_name, list(range(self.world_size)),
+                                      [call.rank_args[r.dp_rank] for r in ranks],
+                                      [call.rank_kwargs[r.dp_rank] for r in ranks])
+        collector = {r.dp_rank: worker for worker, r in enumerate(ranks) if r.collect}
+        if spec.blocking:
+            # Wait for every worker, so a failure on a non-collecting rank is not lost.
+            resolved = self._resolve(handles)
+            outputs = [resolved[collector[dp]] for dp in range(dp_size)]
+        else:
+            outputs = [handles[collector[dp]] for dp in range(dp_size)]
+        return table_row.collect_fn(outputs, call)
 
     def _bind_worker_method(self, user_defined_cls: type, only: set[str] | None = None) -> list[str]:
         """Expose each @register method of user_defined_cls on self (only the names in `only`, if given)."""
