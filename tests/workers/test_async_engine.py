@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.workers.test_hf_rollout import ROLLOUT_CFG, make_prompts, manual_greedy
 from verl.utils import batch_keys as K
-from verl.workers.rollout.async_engine import AsyncEngine, HFStepEngine
+from verl.workers.rollout.async_engine import AsyncEngine
 from verl.workers.rollout.hf_rollout import HFRollout
+from verl.workers.rollout.hf_step_engine import HFStepEngine
 
 torch.set_num_threads(1)
 
@@ -139,3 +140,77 @@ def test_an_engine_error_reaches_every_waiting_request(model_and_tokenizer):
 
     results = asyncio.run(two())
     assert all(isinstance(r, RuntimeError) and "engine died" in str(r) for r in results)
+
+
+def test_per_request_generators_live_on_the_engines_device(model_and_tokenizer, monkeypatch):
+    """On CUDA, multinomial over CUDA probabilities needs a CUDA generator: each request's generator
+    is made on the device the module computes on (here: cpu; recorded, so a missing device fails)."""
+    from verl.workers.rollout import hf_step_engine
+
+    model, tok = model_and_tokenizer
+    made_on: list[object] = []
+    real_generator = torch.Generator
+
+    def recording_generator(*args, **kwargs):
+        made_on.append(kwargs.get("device", args[0] if args else None))
+        return real_generator(*args, **kwargs)
+
+    monkeypatch.setattr(hf_step_engine.torch, "Generator", recording_generator)
+    engine = _rollout(model, tok, response_length=3).step_engine(_meta(tok, **{K.META_DO_SAMPLE: True}))
+    engine.add("a", tok("Paris")["input_ids"], seed=1)
+    engine.add("b", tok("a b c")["input_ids"], seed=2)
+    engine.step()
+    assert made_on == [engine.device, engine.device]
+
+
+class _FailingStepEngine:
+    """A step engine whose second step raises; records what it was asked to abort."""
+
+    def __init__(self) -> None:
+        self.live: list[str] = []
+        self.aborted: list[str] = []
+        self.steps = 0
+
+    def add(self, request_id, prompt_ids, seed):
+        self.live.append(request_id)
+
+    def has_unfinished(self):
+        return bool(self.live)
+
+    def abort(self, request_ids):
+        self.aborted.extend(request_ids)
+        self.live = [r for r in self.live if r not in request_ids]
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 2:
+            raise RuntimeError("engine broke")
+        return []
+
+
+def test_a_failing_engine_step_aborts_every_request_in_flight():
+    step_engine = _FailingStepEngine()
+    engine = AsyncEngine(step_engine)
+
+    async def main():
+        return await asyncio.gather(*(engine.generate([1, 2], seed=i) for i in range(3)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "engine broke" in str(r) for r in results)
+    assert sorted(step_engine.aborted) == ["0", "1", "2"] and not step_engine.live
+
+
+def test_hf_step_engine_abort_drops_waiting_and_decoding_requests(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    engine = _rollout(model, tok, response_length=8, micro_batch_size=8).step_engine(
+        _meta(tok, **{K.META_EOS_TOKEN_ID: -1}))
+    for name, text in (("a", "Paris"), ("b", "a b c"), ("c", "The quick brown fox jumps over")):
+        engine.add(name, tok(text)["input_ids"], seed=0)
+    engine.step()                              # a, b, c decoding
+    engine.add("d", tok("Paris")["input_ids"], seed=0)
+    engine.abort(["b", "d"])
+    assert [live.request_id for live in engine._live] == ["a", "c"] and not engine._waiting
+    finished = []
+    while engine.has_unfinished():
+        finished += [rid for rid, _ in engine.step()]
+    assert sorted(finished) == ["a", "c"]

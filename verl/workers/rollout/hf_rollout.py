@@ -13,8 +13,6 @@ it emitted included). Owning the loop makes all three explicit.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,101 +20,18 @@ from torch import nn
 
 from verl.utils import batch_keys as K
 from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
+from verl.workers.rollout.hf_step_engine import HFStepEngine
+from verl.workers.rollout.sampling import (
+    SamplingParams,
+    StopStringMatcher,
+    filter_top_k_top_p,
+    sample_next_token,
+    sampled_log_probs,
+    sampling_params_from,
+)
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one generate_sequences call samples (meta_info overrides the rollout config)."""
-
-    do_sample: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    response_length: int
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-    stop: tuple[str, ...]
-    ignore_eos: bool
-
-
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus (top-p) set to -inf; logits (B, V)."""
-    if top_k and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if 0.0 < top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the best one always stays.
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_next_token(logits: torch.Tensor, params: SamplingParams,
-                      generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
-    """(B, V) logits of the last position -> (B,) next token ids. With `generators` (one per row)
-    each row draws from its own generator, so its sample does not depend on the other rows."""
-    if not params.do_sample or params.temperature <= 0:
-        return torch.argmax(logits, dim=-1)
-    probs = torch.softmax(filter_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
-    if generators is None:
-        return torch.multinomial(probs, num_samples=1).squeeze(-1)
-    return torch.cat([torch.multinomial(probs[row], 1, generator=gen) for row, gen in enumerate(generators)])
-
-
-def sampling_params_from(config: Any, meta: dict, tokenizer: Any = None) -> SamplingParams:
-    """The rollout config with one call's meta_info on top (every engine reads them alike)."""
-    eos = meta.get(K.META_EOS_TOKEN_ID, getattr(tokenizer, "eos_token_id", None))
-    pad = meta.get(K.META_PAD_TOKEN_ID, getattr(tokenizer, "pad_token_id", None))
-    if eos is None or pad is None:
-        raise KeyError("meta_info needs eos_token_id and pad_token_id (or give the rollout a tokenizer)")
-    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
-    return SamplingParams(
-        do_sample=bool(meta.get(K.META_DO_SAMPLE, config.get("do_sample", True))),
-        temperature=float(meta.get(K.META_TEMPERATURE, config.get("temperature", 1.0))),
-        top_k=int(meta.get("top_k", config.get("top_k", -1)) or 0),
-        top_p=float(meta.get("top_p", config.get("top_p", 1.0))),
-        response_length=int(meta.get(K.META_RESPONSE_LENGTH, config.get("response_length"))),
-        eos_token_ids=eos_ids,
-        pad_token_id=int(pad),
-        stop=tuple(meta.get(K.META_STOP) or ()),
-        ignore_eos=bool(config.get("ignore_eos", False)),
-    )
-
-
-def sampled_log_probs(logits: torch.Tensor, token: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(B,) log-prob of each sampled token under the temperature-scaled distribution, the
-    quantity the actor recomputes as old_log_prob (greedy: temperature as configured)."""
-    temperature = params.temperature if params.temperature > 0 else 1.0
-    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
-
-
-class StopStringMatcher:
-    """Says whether the token just sampled completes one of the stop strings.
-
-    Only a tail of the row is decoded: a stop string of n UTF-8 bytes is completed
-    within the last n tokens (byte-level BPE tokens are at least one byte long).
-    """
-
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
-        if stops and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass one to HFRollout(module, config, tokenizer)")
-        self.tokenizer = tokenizer
-        self.stops = tuple(s for s in stops if s)
-        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 4
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def completes_stop(self, row_ids: list[int]) -> bool:
-        if not self.stops:
-            return False
-        tail = row_ids[-self.window:]
-        before, now = self._decode(tail[:-1]), self._decode(tail)
-        # The match must end inside the last token's text, else an earlier token completed it.
-        return any(now.find(s, max(0, len(before) - len(s) + 1)) != -1 for s in self.stops)
+__all__ = ["HFRollout", "SamplingParams", "StopStringMatcher", "filter_top_k_top_p", "sample_next_token",
+           "sampled_log_probs", "sampling_params_from"]
 
 
 def _append(row: list[int], token_id: int) -> list[int]:
@@ -142,8 +57,6 @@ class HFRollout(BaseRollout):
     def step_engine(self, meta: dict) -> Any:
         """A continuous-batching engine over this module for the async rollout (`async_engine.py`);
         at most `micro_batch_size` requests decode together. The caller puts the module in eval mode."""
-        from verl.workers.rollout.async_engine import HFStepEngine
-
         return HFStepEngine(self.module, self._sampling_params(meta), self.tokenizer,
                             max_num_seqs=int(self.config.get("micro_batch_size") or 64),
                             accepts_logits_to_keep=self._accepts_logits_to_keep)
