@@ -7,12 +7,16 @@
 The warm start is a means, not what the demo shows: building it costs ~1,060 SFT steps
 (~13 minutes on an idle 2-core CPU), so the repository ships its result
 (`example/demo_warmstart/`: fp32 safetensors, config, the locally trained tokenizer, and
-`manifest.json` with each file's sha256, the settings and the command that made it) and
-the demo spends its minutes on RL. The rebuild runs exactly what the demo's own build does
-(`scripts.demo.build.build_warm_start`: tokenizer, random Qwen2, the project's SFT trainer
-in phases) in a fresh folder. On the machine that made them the files come out
-bit-identical; another CPU's float kernels (AVX2 vs AVX-512) give a slightly different
-model, which is why the demo ships weights rather than a promise.
+`manifest.json` with each file's sha256, the settings and the command that made it, the
+versions of the libraries that shape the files and the sha256 of the text the tokenizer and
+the SFT were trained on) and the demo spends its minutes on RL. The rebuild runs exactly
+what the demo's own build does (`scripts.demo.build.build_warm_start`: tokenizer, random
+Qwen2, the project's SFT trainer in phases) in a fresh folder. On the machine that made them
+the files come out bit-identical. Another CPU gives a different model for two reasons: its
+float kernels (AVX2 vs AVX-512) round differently, and numpy's top-k breaks the BM25 ties of
+the demonstrations' second passage differently, so even the training text differs (the
+manifest's `inputs` says whether it did). That is why the demo ships weights rather than a
+promise.
 """
 
 from __future__ import annotations
@@ -23,12 +27,20 @@ import json
 import platform
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from scripts.demo.build import DemoSettings, build_warm_start, split_args
+from scripts.demo.build import (
+    DemoSettings,
+    build_warm_start,
+    fingerprint,
+    sft_data_fingerprint_path,
+    split_args,
+    tokenizer_texts,
+)
 
 MANIFEST = "manifest.json"
 REBUILD_COMMAND = "python -m scripts.demo.warmstart"
@@ -39,6 +51,10 @@ WARMSTART_FIELDS = (
     "num_layers", "num_heads", "intermediate_size", "topk", "sft_steps", "sft_lr", "sft_batch_size",
     "sft_context_weight",
 )
+# The libraries whose version can change the files: the tokenizer's BPE trainer and its
+# serialisation, the model code and kernels, the weights' format, and the demonstrations'
+# BM25 search (its stemmer, and numpy's top-k, which breaks score ties).
+LIBRARIES = ("tokenizers", "transformers", "torch", "safetensors", "numpy", "bm25s", "PyStemmer")
 
 
 @dataclass
@@ -50,6 +66,19 @@ class WarmStartManifest:
     command: str                    # the command that rebuilds the folder
     sft_phases: list[dict] = field(default_factory=list)   # per phase: steps, final_loss, wall_seconds
     built_with: dict = field(default_factory=dict)         # torch version, CPU, threads
+    libraries: dict = field(default_factory=dict)          # LIBRARIES -> version that built the files
+    inputs: dict = field(default_factory=dict)             # tokenizer_texts, sft_data -> their fingerprint
+
+
+def library_versions() -> dict[str, str | None]:
+    """The installed version of each of LIBRARIES (None when one is not installed)."""
+    versions: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def text_protocol_fingerprint() -> str:
@@ -82,7 +111,12 @@ def file_hashes(folder: Path) -> dict[str, str]:
 def read_manifest(folder: Path) -> WarmStartManifest:
     if not (folder / MANIFEST).exists():
         raise FileNotFoundError(f"no warm start at {folder} ({MANIFEST} missing); build it with `{REBUILD_COMMAND}`")
-    return WarmStartManifest(**json.loads((folder / MANIFEST).read_text()))
+    data = json.loads((folder / MANIFEST).read_text())
+    unknown = sorted(set(data) - {f.name for f in fields(WarmStartManifest)})
+    if unknown:
+        raise ValueError(f"{folder / MANIFEST}: unknown keys {unknown}; known: "
+                         f"{[f.name for f in fields(WarmStartManifest)]}")
+    return WarmStartManifest(**data)
 
 
 def verify(folder: Path) -> WarmStartManifest:
@@ -108,7 +142,10 @@ def export_warmstart(s: DemoSettings, model_dir: Path, out: Path, command: str) 
     manifest = WarmStartManifest(
         settings=warmstart_settings(s), files=file_hashes(tmp), command=command, sft_phases=_sft_phases(s),
         built_with={"torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
-                    "num_threads": s.num_threads, "sft_device": s.sft_device})
+                    "num_threads": s.num_threads, "sft_device": s.sft_device},
+        libraries=library_versions(),
+        inputs={"tokenizer_texts": fingerprint(tokenizer_texts(s)),
+                "sft_data": sft_data_fingerprint_path(s).read_text().strip()})
     (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
