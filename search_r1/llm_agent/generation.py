@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +184,8 @@ class LLMGenerationManager:
         self.config = config
         self.is_validation = is_validation
         self._client = retrieval_client
+        # False once an engine reported log-probs that are not the actor's quantity (vllm_rollout.log_probs_mode).
+        self._log_probs_match_actor = True
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("tokenizer must define both pad_token_id and eos_token_id")
         self._close_ids = self._encode(actions.INFORMATION_CLOSE)
@@ -293,6 +297,7 @@ class LLMGenerationManager:
             meta_info=dict(meta),
         )
         out = self.actor_rollout_wg.generate_sequences(batch)
+        self._log_probs_match_actor &= bool(out.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True))
         responses = out.batch[K.RESPONSES]
         if responses.shape[0] != len(contexts):
             raise ValueError(f"generate_sequences returned {responses.shape[0]} rows of '{K.RESPONSES}' "
@@ -358,8 +363,29 @@ class LLMGenerationManager:
         """
         rows, prompt_mask = self._initial_rows(gen_batch, initial_input_ids)
         meta = self._generation_meta(gen_batch)
-        if self.config.mode == "async":
-            return self._run_async(initial_input_ids.long(), prompt_mask, meta)
+        self._log_probs_match_actor = True
+        with self._engines_awake():
+            if self.config.mode == "async":
+                return self._run_async(initial_input_ids.long(), prompt_mask, meta)
+            return self._run_sync(rows, initial_input_ids.long(), prompt_mask, meta)
+
+    @contextmanager
+    def _engines_awake(self) -> Iterator[None]:
+        """The worker group's engines awake for every turn of this rollout, woken once (a no-op when
+        the caller, e.g. the trainer, has them awake already; skipped for groups without engines)."""
+        wake = getattr(self.actor_rollout_wg, "rollout_wake_up", None)
+        if wake is None:
+            yield
+            return
+        wake()
+        try:
+            yield
+        finally:
+            self.actor_rollout_wg.rollout_sleep()
+
+    def _run_sync(self, rows: list[_Row], prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                  meta: dict[str, Any]) -> Any:
+        """One engine call per turn for every row still active; one retrieval call per turn."""
         eos_ids = eos_token_ids(meta)
         turn_budget = self.config.max_response_length + self.config.max_obs_length
         stats: Counter[str] = Counter()
@@ -400,7 +426,7 @@ class LLMGenerationManager:
                 self._apply_turn(rows[i], res, search_obs.get(k), is_final, stats,
                                  None if sampled_log_probs is None else sampled_log_probs[k])
 
-        return self._compose_final_output(rows, initial_input_ids.long(), prompt_mask, stats, timing)
+        return self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
 
     def _run_async(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, meta: dict[str, Any]) -> Any:
         """Each rollout worker runs its shard's trajectories as coroutines
@@ -412,6 +438,7 @@ class LLMGenerationManager:
             meta_info={**meta, META_AGENT_CONFIG: dataclasses.asdict(self.config)})
         start = time.perf_counter()
         out = self.actor_rollout_wg.generate_trajectories(batch)
+        self._log_probs_match_actor &= bool(out.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True))
         wall = time.perf_counter() - start
         rows = list(out.non_tensor_batch[AGENT_ROWS])
         per_row = list(out.non_tensor_batch[AGENT_STATS])
@@ -488,5 +515,6 @@ class LLMGenerationManager:
             "kept_tokens": int(stats["kept_tokens"]),
             "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},
             "timing_s": dict(timing),
+            K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: self._log_probs_match_actor,
         }
         return DataProto.from_dict(tensors=tensors, meta_info=meta_info)

@@ -75,12 +75,16 @@ def test_smollm2_tokenizer_splits_the_action_tags(smollm2_dir: str) -> None:
     assert tok.chat_template
 
 
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_multiturn_search_on_vllm_keeps_sampled_ids_and_masks_observations(
-        taught_dir: str, retrieval_url: str, ray_cluster) -> None:
+        taught_dir: str, retrieval_url: str, ray_cluster, tensor_parallel_size: int) -> None:
+    """Also on a tensor-parallel engine (two workers, one vLLM engine), with the engine woken once
+    for the whole rollout."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(taught_dir)
     with actor_rollout_workers(taught_dir, **{"actor_rollout_ref.rollout.name": "vllm",
+                                              "actor_rollout_ref.rollout.tensor_model_parallel_size": tensor_parallel_size,
                                               "data.max_prompt_length": 1024, "data.max_response_length": 48}) as wg:
         prompts = [_chat_prompt_ids(tok, QUESTION)] * 2
         ids, mask = left_pad(prompts, tok.pad_token_id)
@@ -89,7 +93,9 @@ def test_multiturn_search_on_vllm_keeps_sampled_ids_and_masks_observations(
                                         meta_info={K.META_DO_SAMPLE: False})
         config = GenerationConfig(max_turns=2, max_start_length=512, max_prompt_length=1024, max_response_length=48,
                                   max_obs_length=400, search_url=retrieval_url, topk=1)
+        wg.rollout_wake_up()     # as the trainer does; the manager's own wake nests inside
         out = LLMGenerationManager(tok, wg, config, is_validation=True).run_llm_loop(gen_batch, ids)
+        assert wg.rollout_sleep() == [1, 1]     # three engine calls, one wake per rank
 
     meta = out.meta_info
     assert meta["valid_search_stats"] == [1, 1] and meta["stop_reasons"]["answered"] == 2

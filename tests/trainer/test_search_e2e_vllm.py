@@ -42,6 +42,8 @@ def test_grpo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWor
     _finite(step, "actor/kl_loss")
     # vLLM's sampling log-probs vs the actor's recomputation over policy tokens (fp32, one CPU).
     assert step["rollout/log_prob_gap_max"] < 1e-3
+    # Several turns, one wake of the engine for the whole rollout.
+    assert step["env/number_of_actions/max"] >= 2 and step["rollout/engine_wake_ups"] == 1
 
 
 def test_ppo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
@@ -74,3 +76,4 @@ def test_grpo_step_with_search_on_vllm_in_async_mode(ray_cluster, vllm_search_wo
                                     extra=[*VLLM, "actor_rollout_ref.rollout.mode=async"])
     _assert_searched_against_the_server(step, served)
     assert step["rollout/log_prob_gap_max"] < 1e-3
+    assert step["rollout/engine_wake_ups"] == 1

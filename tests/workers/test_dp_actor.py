@@ -255,22 +255,22 @@ def test_vocabulary_wide_work_sees_response_positions_only(tiny_model_dir, singl
         assert rows == [(6, 6)]   # the R positions that predict a response token, no more
 
 
-def test_packing_on_cuda_without_flash_attn_is_refused(monkeypatch):
-    """Issue 13 item 12, pinned on CPU: the worker's attention choice for device "cuda"."""
-    import importlib.util
-    from types import SimpleNamespace
+def test_packing_on_cuda_without_a_loadable_flash_attn_is_refused(monkeypatch):
+    """Issue 13 item 12 and issue 21 item 15, pinned on CPU: the attention choice for device "cuda".
+    flash-attn is imported, not only found: a build for another torch fails only when loaded, and
+    packing must then stop the run instead of falling back to sdpa over one dense mask."""
+    import sys
+    from types import ModuleType
 
-    from verl.workers.fsdp_workers import _FSDPWorkerBase
+    from verl.workers.fsdp_workers import attn_implementation
 
-    real_find_spec = importlib.util.find_spec
-    on_gpu = SimpleNamespace(device="cuda")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real_find_spec(n, *a))
-    with pytest.raises(ValueError, match="use_remove_padding=True on CUDA needs flash-attn"):
-        _FSDPWorkerBase._attn_implementation(on_gpu, use_remove_padding=True)
-    assert _FSDPWorkerBase._attn_implementation(on_gpu, use_remove_padding=False) is None
-    assert _FSDPWorkerBase._attn_implementation(SimpleNamespace(device="cpu"), use_remove_padding=True) is None
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real_find_spec(n, *a))
-    assert _FSDPWorkerBase._attn_implementation(on_gpu, use_remove_padding=True) == "flash_attention_2"
+    monkeypatch.setitem(sys.modules, "flash_attn", None)    # installed but not loadable
+    with pytest.raises(ValueError, match="needs a working flash-attn.*--no-build-isolation"):
+        attn_implementation("cuda", use_remove_padding=True)
+    assert attn_implementation("cuda", use_remove_padding=False) is None
+    assert attn_implementation("cpu", use_remove_padding=True) is None
+    monkeypatch.setitem(sys.modules, "flash_attn", ModuleType("flash_attn"))
+    assert attn_implementation("cuda", use_remove_padding=True) == "flash_attention_2"
 
 
 def test_packing_check_holds_in_bf16_and_when_kernels_depend_on_shape(tiny_model_dir):

