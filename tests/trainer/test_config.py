@@ -97,6 +97,27 @@ SMALL = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_
     (["trainer.logger=[console,mlflow]"], "unknown backend 'mlflow'"),
     (["data.max_start_length=5000"], "data.max_start_length=5000 < data.max_prompt_length=4096"),
     (["+trainer.val_only=maybe"], "trainer.val_only='maybe'"),
+    (["+trainer.preflight=soon"], "trainer.preflight='soon' must be a bool"),
+    (["retriever.max_failure_fraction=1.5"], "retriever.max_failure_fraction=1.5 must be a number in [0, 1]"),
+    (["retriever.health_wait_s=-1"], "retriever.health_wait_s=-1 must be a number of seconds >= 0"),
+    # vLLM tensor parallelism (SMALL: 1 node x 2 workers)
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"],
+     "actor_rollout_ref.rollout.tensor_model_parallel_size=0 must be an int >= 1"),
+    (["actor_rollout_ref.rollout.name=vllm", "trainer.nnodes=2", "trainer.n_gpus_per_node=3",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+     "tensor_model_parallel_size=4 must divide the world size trainer.nnodes*trainer.n_gpus_per_node=6"),
+    (["actor_rollout_ref.rollout.name=vllm", "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+     "tensor_model_parallel_size=4 must divide trainer.n_gpus_per_node=2 (a TP group must not span nodes)"),
+    (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     "tensor_model_parallel_size=2 needs the vLLM rollout; actor_rollout_ref.rollout.name=hf"),
+    (["actor_rollout_ref.rollout.name=auto", "trainer.device=cpu", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     "tensor_model_parallel_size=2 needs the vLLM rollout, but actor_rollout_ref.rollout.name=auto is the HF loop"),
+    (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=async",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     "actor_rollout_ref.rollout.mode=async with actor_rollout_ref.rollout.tensor_model_parallel_size=2: the async "
+     "rollout steps each rank's engine on its own; a TP group's ranks would diverge; use mode=sync or "
+     "tensor_model_parallel_size=1"),
 ])
 def test_each_contradiction_fails_with_a_message_naming_its_keys(overrides: list[str], message: str) -> None:
     cfg = compose_config(SMALL + overrides)
@@ -109,6 +130,95 @@ def test_the_small_baseline_is_valid() -> None:
     validate_config(compose_config(SMALL))
     validate_config(compose_config([*SMALL, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n_agent=3",
                                     "actor_rollout_ref.actor.use_kl_loss=true"]))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+    # 2 nodes x 4: TP groups of 4 inside each node
+    ["actor_rollout_ref.rollout.name=vllm", "trainer.nnodes=2", "trainer.n_gpus_per_node=4",
+     "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "data.train_batch_size=16",
+     "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+     "critic.ppo_micro_batch_size=8", "actor_rollout_ref.rollout.log_prob_micro_batch_size=8",
+     "actor_rollout_ref.ref.log_prob_micro_batch_size=8"],
+    # auto on a host of unknown kind (validated on a laptop): the runtime check decides
+    ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+])
+def test_tensor_parallel_settings_that_can_run_are_valid(overrides: list[str]) -> None:
+    validate_config(compose_config(SMALL + overrides))
+
+
+def test_auto_with_tensor_parallel_must_resolve_to_vllm_at_run_time() -> None:
+    cfg = compose_config([*SMALL, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    validate_config(cfg, has_gpu=True)
+    cfg.actor_rollout_ref.rollout.name = "hf"          # what auto resolves to without vllm
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 needs the vLLM rollout.*resolved to 'hf'"):
+        check_runtime(cfg, has_gpu=True)
+    with pytest.raises(ConfigError, match=r"rollout.name=auto is the HF loop on a run without GPUs"):
+        validate_config(compose_config([*SMALL, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
+                        has_gpu=False)
+
+
+# --------------------------------------------------------------------------- optional packages
+def _without(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
+    """Make importlib.util.find_spec report `modules` as not installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
+
+
+@pytest.mark.parametrize(("backend", "message"), [
+    ("wandb", "trainer.logger contains 'wandb' but the wandb package is not installed: `pip install -e .[wandb]`"),
+    ("tensorboard", "trainer.logger contains 'tensorboard' but the tensorboard package is not installed: "
+                    "`pip install tensorboard`"),
+])
+def test_a_logger_backend_without_its_package_fails_at_validation(
+        monkeypatch: pytest.MonkeyPatch, backend: str, message: str) -> None:
+    cfg = compose_config([*SMALL, f"trainer.logger=[console,{backend}]"])
+    validate_config(cfg)                      # installed here (the test extra)
+    _without(monkeypatch, backend)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert message in str(info.value)
+    validate_config(compose_config([*SMALL, "trainer.logger=[console,jsonl]"]))   # nothing to install
+
+
+def test_the_users_wandb_command_line_fails_in_a_second_without_wandb(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without(monkeypatch, "wandb")
+    with pytest.raises(ConfigError, match=r"'wandb' but the wandb package is not installed: `pip install -e \.\[wandb\]`"):
+        validate_config(compose_config(_fixture_overrides("seed_grpo_overrides.txt")))
+
+
+def test_vllm_is_needed_when_the_rollout_resolves_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without(monkeypatch, "vllm")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.name=vllm needs vLLM.*\[gpu\]"):
+        validate_config(compose_config([*SMALL, "actor_rollout_ref.rollout.name=vllm"]))
+    auto = compose_config([*SMALL, "actor_rollout_ref.rollout.name=auto"])
+    with pytest.raises(ConfigError, match=r"rollout.name=auto is the vLLM rollout on a GPU run, but vllm is not "
+                                          r"installed: `pip install -e \.\[gpu\]`, or set actor_rollout_ref.rollout.name=hf"):
+        validate_config(auto, has_gpu=True)
+    validate_config(auto, has_gpu=False)      # auto on CPU is the HF loop
+    validate_config(auto)                     # host unknown: checked again when the run knows it
+    validate_config(compose_config([*SMALL, "actor_rollout_ref.rollout.name=hf"]), has_gpu=True)
+
+
+def test_flash_attn_is_needed_for_remove_padding_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without(monkeypatch, "flash_attn")
+    packed = [*SMALL, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.model.use_remove_padding=true",
+              "critic.model.use_remove_padding=true"]
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_config([*packed, "trainer.device=cuda"]))
+    for key in ("actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding"):
+        assert f"{key}=True on CUDA packs sequences with flash-attn, which is not installed: " \
+               f"`pip install -e .[gpu]` (flash-attn), or set {key}=False" in str(info.value)
+    with pytest.raises(ConfigError, match="flash-attn"):
+        validate_config(compose_config(packed), has_gpu=True)        # device auto on a GPU host
+    validate_config(compose_config(packed), has_gpu=False)           # CPU: packing needs no flash-attn
+    validate_config(compose_config([*packed, "trainer.device=cpu"]))
+    # GRPO builds no critic: only the actor's key is named
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_config([*packed, "trainer.device=cuda", "algorithm.adv_estimator=grpo"]))
+    assert "critic.model.use_remove_padding" not in str(info.value)
 
 
 REPO = Path(__file__).resolve().parents[2]

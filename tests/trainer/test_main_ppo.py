@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -136,20 +138,25 @@ def test_one_grpo_step_uses_kl_loss_and_validates_greedily_per_data_source(
 
 def test_grpo_with_search_masks_observations_and_reports_env_metrics(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
-    # No retrieval server listens on this url: any search the random model makes must be
-    # counted as a failed search, not crash the run.
-    history, _ = _run(tiny_model_dir, tmp_path, "grpo",
-                      ["do_search=true", "max_turns=1", "actor_rollout_ref.actor.state_masking=true",
-                       "data.max_prompt_length=512", "retriever.url=http://127.0.0.1:9/retrieve",
-                       "data.max_obs_length=160"], val_before_train=True)
+    # The server passes the start-up probe but fails every search: any search the random model makes
+    # must be counted as a failed search, and with retriever.max_failure_fraction=1.0 the run goes on.
+    with fake_search_server(retrieve_status=503) as server:
+        history, _ = _run(tiny_model_dir, tmp_path, "grpo",
+                          ["do_search=true", "max_turns=1", "actor_rollout_ref.actor.state_masking=true",
+                           "data.max_prompt_length=512", f"retriever.url={server['url']}/retrieve",
+                           "retriever.max_failure_fraction=1.0", "retriever.max_retries=0",
+                           "data.max_obs_length=160"], val_before_train=True)
     val, step = history
     assert val["step"] == 0 and f"val/test_score/{TOY_DATA_SOURCE}" in val
     assert 1 <= val["val/env/number_of_actions/min"] <= val["val/env/number_of_actions/max"] <= 2
     assert step["step"] == 1
     assert 1 <= step["env/number_of_actions/min"] <= step["env/number_of_actions/max"] <= 2
     for key in ("env/finish_ratio", "env/number_of_valid_action", "env/ratio_of_valid_action",
-                "env/number_of_valid_search", "env/search_failures", "env/obs_truncated"):
+                "env/number_of_valid_search", "env/search_failures", "env/obs_truncated",
+                "env/search_failure_fraction"):
         assert math.isfinite(step[key]), key
+    # every search the policy made failed (and was counted)
+    assert step["env/search_failure_fraction"] == (1.0 if step["env/number_of_valid_search"] > 0 else 0.0)
     # every row that did not answer got an observation (invalid-action / budget notice): masked tokens
     if step["env/finish_ratio"] > 0:
         assert step["state_tokens/total"] > 0
@@ -191,6 +198,12 @@ class ScriptedActorRollout:
             "prompts": prompts.batch["input_ids"], "responses": responses,
             "input_ids": torch.cat([prompts.batch["input_ids"], responses], dim=1), "attention_mask": attn,
             "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)})
+
+    def rollout_wake_up(self) -> None:
+        """No engine to wake (the trainer wakes the workers' engines once per rollout)."""
+
+    def rollout_sleep(self) -> list:
+        return [None]        # one worker, which did not count its wake-ups
 
     def compute_log_prob(self, data):
         import torch
@@ -359,3 +372,162 @@ def test_gpu_or_cpu_is_decided_by_the_ray_cluster_not_the_driver(tmp_path: Path)
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "auto True" in proc.stdout and "cpu False" in proc.stdout
+
+
+# --------------------------------------------------------------------------- the retrieval server: probe and failures
+@contextmanager
+def fake_search_server(health: str = "ok", retrieve_status: int = 200, unhealthy_first: int = 0) -> Iterator[dict]:
+    """A stand-in retrieval server on 127.0.0.1: `health` is "ok" (GET /health answers 200 after
+    `unhealthy_first` 503s, as a server still loading its index) or "none" (no /health route, like
+    the original Search-R1 server); POST /retrieve answers `retrieve_status` (one hit per query when
+    200). Yields {"url": <base url>, "health_calls": n, "retrieve_calls": n}."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from search_r1.search.serving import serve_in_background
+
+    app = FastAPI()
+    state: dict = {"health_calls": 0, "retrieve_calls": 0}
+    if health == "ok":
+        @app.get("/health")
+        def _health():
+            state["health_calls"] += 1
+            if state["health_calls"] <= unhealthy_first:
+                return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse({"status": "ok"})
+
+    @app.post("/retrieve")
+    def _retrieve(body: dict):
+        state["retrieve_calls"] += 1
+        if retrieve_status != 200:
+            return JSONResponse({"detail": "index unavailable"}, status_code=retrieve_status)
+        hit = {"document": {"id": "0", "contents": '"Title"\ntext'}, "score": 1.0}
+        return JSONResponse({"result": [[hit] for _ in body["queries"]]})
+
+    with serve_in_background(app) as url:
+        state["url"] = url
+        yield state
+
+
+def _search_cfg(tiny_model_dir: str, tmp_path: Path, url: str, extra: tuple[str, ...] = ()):
+    paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=2)
+    return compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt")) + [
+        "do_search=true", "max_turns=1", f"retriever.url={url}", "data.max_prompt_length=256",
+        "data.max_obs_length=128", *extra])
+
+
+def test_the_probe_waits_for_a_server_that_is_still_loading(tiny_model_dir: str, tmp_path: Path) -> None:
+    from verl.trainer.main_ppo import wait_for_retriever
+
+    with fake_search_server(unhealthy_first=2) as server:
+        cfg = _search_cfg(tiny_model_dir, tmp_path, f"{server['url']}/retrieve", ("retriever.health_wait_s=60",))
+        assert wait_for_retriever(cfg) == f"{server['url']}/health"
+        assert server["health_calls"] == 3 and server["retrieve_calls"] == 0
+
+
+def test_the_probe_accepts_a_server_without_health_that_answers_retrieve(tiny_model_dir: str, tmp_path: Path) -> None:
+    from verl.trainer.main_ppo import wait_for_retriever
+
+    with fake_search_server(health="none") as server:
+        cfg = _search_cfg(tiny_model_dir, tmp_path, f"{server['url']}/retrieve", ("retriever.health_wait_s=10",))
+        assert wait_for_retriever(cfg) == f"{server['url']}/retrieve"
+        assert server["retrieve_calls"] == 1
+
+
+@pytest.mark.parametrize("listener", ["nothing", "silent"])
+def test_a_url_that_never_answers_fails_the_probe_before_any_worker_starts(
+        tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listener: str) -> None:
+    import socket
+    import time
+
+    from verl.trainer import main_ppo
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the run went on past a retrieval server that never answered")
+
+    monkeypatch.setattr(main_ppo, "build_trainer", must_not_run)
+    monkeypatch.setattr(main_ppo, "_init_ray", must_not_run)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        if listener == "silent":
+            sock.listen(8)          # connections are queued, never accepted: a request waits for an answer
+        port = sock.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/retrieve"
+        cfg = _search_cfg(tiny_model_dir, tmp_path, url, ("retriever.health_wait_s=3",))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            run_ppo(cfg)
+        elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert f"retriever.url={url}" in message and f"GET http://127.0.0.1:{port}/health" in message
+    assert "retriever.health_wait_s=3" in message and "No worker was started" in message
+    assert elapsed < 60, elapsed    # a bounded wait (3 s + one request timeout), not the 600 s default
+
+
+def test_search_failure_fraction_counts_failed_searches_over_all_searches() -> None:
+    from verl.trainer.ppo.metric_utils import compute_env_metrics
+
+    metrics = compute_env_metrics({"search_failures": 3, "valid_search_stats": [2, 1, 1, 0]})
+    assert (metrics["env/search_failures"], metrics["env/search_failure_fraction"]) == (3.0, 0.75)
+    assert compute_env_metrics({"search_failures": 0, "valid_search_stats": [0, 0]})["env/search_failure_fraction"] == 0.0
+    assert "env/search_failure_fraction" not in compute_env_metrics({})
+
+
+def test_check_search_failures_stops_above_the_limit_only() -> None:
+    from verl.trainer.ppo.ray_trainer import SearchFailureError, check_search_failures
+
+    cfg = compose_config(["retriever.url=http://10.0.0.9:8000/retrieve"])
+    check_search_failures({"env/search_failure_fraction": 0.5}, cfg, "x")          # at the limit: goes on
+    check_search_failures({}, cfg, "x")                                            # no search, nothing to check
+    with pytest.raises(SearchFailureError) as info:
+        check_search_failures({"val/env/search_failure_fraction": 0.75, "val/env/search_failures": 3.0}, cfg,
+                              "validation at step 4", "val/env/")
+    assert isinstance(info.value, RuntimeError)
+    assert str(info.value).startswith("val/env/search_failure_fraction=0.750 (val/env/search_failures=3) in the "
+                                      "validation at step 4 exceeds retriever.max_failure_fraction=0.5")
+    assert "GET http://10.0.0.9:8000/health" in str(info.value)
+    off = compose_config(["retriever.max_failure_fraction=1.0"])
+    check_search_failures({"env/search_failure_fraction": 1.0}, off, "x")
+
+
+def _searching_trainer(tiny_model_dir: str, tmp_path: Path, url: str, extra: tuple[str, ...] = ()):
+    """A scripted trainer whose every row searches once, then answers (no Ray, no model)."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    search = tok.encode("<think> hm </think><search> lighthouse </search>", add_special_tokens=False)
+    answer = tok.encode("<answer> x </answer>", add_special_tokens=False) + [tok.eos_token_id]
+    paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=2)
+    overrides = toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="grpo", n_agent=2,
+                              batch_size=4, response_length=max(len(search), len(answer)) + 2) + [
+        "do_search=true", "max_turns=1", "actor_rollout_ref.actor.state_masking=true", f"retriever.url={url}",
+        "retriever.max_retries=0", "data.max_obs_length=128", "data.max_prompt_length=256", *extra]
+    trainer = RayPPOTrainer(compose_config(overrides), tok, {}, ResourcePoolManager({}, {}),
+                            reward_fn=ContainsTokenReward(tok))
+    trainer.actor_rollout_wg = ScriptedSearchActorRollout(tok, {str(i): [search, answer] for i in range(8)})
+    return trainer
+
+
+def test_a_rollout_whose_searches_fail_stops_the_run_before_the_update(tiny_model_dir: str, tmp_path: Path) -> None:
+    from tests.conftest import free_port
+    from verl.trainer.ppo.ray_trainer import SearchFailureError
+
+    port = free_port()         # nothing listens there: every search fails
+    trainer = _searching_trainer(tiny_model_dir, tmp_path, f"http://127.0.0.1:{port}/retrieve")
+    with pytest.raises(SearchFailureError) as info:
+        trainer.train_step(next(iter(trainer.train_dataloader)))
+    message = str(info.value)
+    assert message.startswith("env/search_failure_fraction=1.000 (env/search_failures=8) in the rollout of "
+                              "training step 1 exceeds retriever.max_failure_fraction=0.5")
+    assert f"GET http://127.0.0.1:{port}/health" in message
+    assert trainer.actor_rollout_wg.updates == []        # nothing was trained on the failure notices
+
+
+def test_max_failure_fraction_1_trains_on_and_counts_the_failures(tiny_model_dir: str, tmp_path: Path) -> None:
+    with fake_search_server(retrieve_status=503) as server:
+        trainer = _searching_trainer(tiny_model_dir, tmp_path, f"{server['url']}/retrieve",
+                                     ("retriever.max_failure_fraction=1.0",))
+        metrics = trainer.train_step(next(iter(trainer.train_dataloader)))
+    assert (metrics["env/search_failures"], metrics["env/search_failure_fraction"]) == (8.0, 1.0)
+    assert metrics["env/number_of_valid_search"] == 1.0
+    assert len(trainer.actor_rollout_wg.updates) == 1

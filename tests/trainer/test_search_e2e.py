@@ -68,11 +68,10 @@ def _queries_answered(url: str) -> int:
     return int(counters["cache_hits"] + counters["cache_misses"])
 
 
-def _run_with_search(world: SearchWorld, tmp_path: Path, adv: str, extra: list[str] | None = None,
-                     expect_steps: list[int] | None = None) -> tuple[dict, int]:
-    """One training step with search against the world's server; returns (step metrics, queries served)."""
-    overrides = toy_overrides(world.model_dir, world.data, str(tmp_path / "ckpt"), adv_estimator=adv,
-                              batch_size=BATCH_SIZE, n_agent=N_AGENT, response_length=40) + [
+def _search_overrides(world: SearchWorld, tmp_path: Path, adv: str, extra: list[str] | None = None) -> list[str]:
+    """A one-step run with search against the world's server (later `extra` overrides win)."""
+    return toy_overrides(world.model_dir, world.data, str(tmp_path / "ckpt"), adv_estimator=adv,
+                         batch_size=BATCH_SIZE, n_agent=N_AGENT, response_length=40) + [
         "do_search=true", "max_turns=2", "actor_rollout_ref.actor.state_masking=true",
         "data.max_start_length=160", "data.max_prompt_length=512", "data.max_obs_length=160",
         f"retriever.url={world.server_url}/retrieve", f"retriever.topk={TOPK}",
@@ -80,6 +79,12 @@ def _run_with_search(world: SearchWorld, tmp_path: Path, adv: str, extra: list[s
         "actor_rollout_ref.rollout.temperature=0.7",
         *(extra or []),
     ]
+
+
+def _run_with_search(world: SearchWorld, tmp_path: Path, adv: str, extra: list[str] | None = None,
+                     expect_steps: list[int] | None = None) -> tuple[dict, int]:
+    """One training step with search against the world's server; returns (step metrics, queries served)."""
+    overrides = _search_overrides(world, tmp_path, adv, extra)
     before = _queries_answered(world.server_url)
     history = run_ppo(compose_config(overrides))   # the default rule reward scores `nq` rows
     served = _queries_answered(world.server_url) - before
@@ -119,3 +124,41 @@ def test_grpo_step_with_search_against_a_real_server_uses_kl_loss_and_no_critic(
     _assert_searched_against_the_server(step, served)
     _finite(step, "actor/kl_loss")
     assert not any(k.startswith(("critic/values", "critic/vf_loss")) for k in step)
+
+
+def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_rollout(
+        ray_cluster, search_world: SearchWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up probe finds a live server, which then goes away: the first rollout's searches
+    all fail, and the run stops there (retriever.max_failure_fraction=0.5) instead of training on
+    failure notices."""
+    from contextlib import ExitStack
+
+    from search_r1.search.retrieval_server import create_app
+    from search_r1.search.serving import serve_in_background
+    from verl.trainer import main_ppo
+    from verl.trainer.ppo.ray_trainer import SearchFailureError
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    server = ExitStack()
+    url = server.enter_context(serve_in_background(create_app(build_bm25_retriever(corpus, tmp_path / "index"))))
+    real_probe, probed = main_ppo.wait_for_retriever, []
+
+    def probe_then_stop_the_server(config):
+        probed.append(real_probe(config))      # the real probe, against the live server
+        server.close()                         # which then stops before the first rollout
+        return probed[-1]
+
+    monkeypatch.setattr(main_ppo, "wait_for_retriever", probe_then_stop_the_server)
+    overrides = _search_overrides(search_world, tmp_path, "grpo",
+                                  [f"retriever.url={url}/retrieve", "retriever.max_retries=0"])
+    with pytest.raises(SearchFailureError) as info:
+        run_ppo(compose_config(overrides))
+    assert probed == [f"{url}/health"]
+    message = str(info.value)
+    assert message.startswith("env/search_failure_fraction=1.000 (env/search_failures=")
+    assert "in the rollout of training step 1 exceeds retriever.max_failure_fraction=0.5" in message
+    assert f"retriever.url={url}/retrieve: GET {url}/health" in message
+    # stopped before the update: no step was logged, no checkpoint written
+    metrics_file = tmp_path / "ckpt" / "logs" / "metrics.jsonl"
+    assert not metrics_file.exists() or metrics_file.read_text().strip() == ""
+    assert not list((tmp_path / "ckpt").glob("global_step_*"))

@@ -2,9 +2,11 @@
 
 `validate_config(cfg)` runs once, before any worker is built, so a contradiction in
 the command line fails in a second with a message naming the keys instead of an
-hour later inside a worker. `check_runtime(cfg)` checks what the machine offers
-(vLLM installed, GPUs present); it is separate so configs written for a GPU cluster
-can still be validated on a laptop.
+hour later inside a worker. It also finds (without importing them) the optional packages
+the run will import: the logger backends, vLLM, flash-attn. Those that depend on the host
+(`rollout.name=auto` is vLLM on a GPU host; flash-attn only packs on CUDA) are checked when
+`has_gpu` is known. `check_runtime(cfg, has_gpu)` checks what the machine offers once the
+rollout engine is resolved (vLLM installed, GPUs present).
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 # Keys users append with `+trainer.<key>=...`; not declared in the YAML, read with these defaults.
-OPTIONAL_TRAINER_KEYS: dict[str, Any] = {"val_only": False, "val_before_train": True}
+# `preflight`: check the composed config and exit, without Ray, workers or weights (preflight.py).
+OPTIONAL_TRAINER_KEYS: dict[str, Any] = {"val_only": False, "val_before_train": True, "preflight": False}
+
+# Logger backends that need a package: backend -> (module to find, how to install it).
+LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
+    "wandb": ("wandb", "pip install -e .[wandb]"),
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+}
+ASYNC_TP_MESSAGE = ("the async rollout steps each rank's engine on its own; a TP group's ranks would diverge; "
+                    "use mode=sync or tensor_model_parallel_size=1")
 
 
 class ConfigError(ValueError):
@@ -227,10 +238,102 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
             )
 
 
+def _check_tensor_parallel(cfg: DictConfig, errors: list[str], has_gpu: bool | None) -> None:
+    """vLLM tensor parallelism: a TP group is TP consecutive workers of one node, inside one engine.
+
+    The rollout then splits rows over world_size / TP data-parallel groups.
+    """
+    rollout = cfg.actor_rollout_ref.rollout
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    tp = rollout.tensor_model_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        errors.append(f"{key}={tp!r} must be an int >= 1")
+        return
+    if tp == 1:
+        return
+    ws, per_node = world_size(cfg), int(cfg.trainer.n_gpus_per_node)
+    if ws % tp != 0:
+        errors.append(f"{key}={tp} must divide the world size trainer.nnodes*trainer.n_gpus_per_node={ws}")
+    if per_node % tp != 0:
+        errors.append(f"{key}={tp} must divide trainer.n_gpus_per_node={per_node} (a TP group must not span nodes)")
+    if rollout.name == "hf":
+        errors.append(f"{key}={tp} needs the vLLM rollout; actor_rollout_ref.rollout.name=hf runs one HF "
+                      "generate loop per worker: set actor_rollout_ref.rollout.name=vllm or "
+                      f"{key}=1")
+    elif rollout.name == "auto" and runs_on_cuda(cfg, has_gpu) is False:
+        errors.append(f"{key}={tp} needs the vLLM rollout, but actor_rollout_ref.rollout.name=auto is the HF "
+                      f"loop on a run without GPUs: set actor_rollout_ref.rollout.name=vllm or {key}=1")
+    if rollout.get("mode", "sync") == "async":
+        errors.append(f"actor_rollout_ref.rollout.mode=async with {key}={tp}: {ASYNC_TP_MESSAGE}")
+
+
+def _check_retriever(cfg: DictConfig, errors: list[str]) -> None:
+    retriever = cfg.retriever
+    fraction = retriever.max_failure_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction <= 1:
+        errors.append(f"retriever.max_failure_fraction={fraction!r} must be a number in [0, 1] "
+                      "(the share of a rollout's searches that may fail; 1.0 never stops the run)")
+    wait = retriever.health_wait_s
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
+        errors.append(f"retriever.health_wait_s={wait!r} must be a number of seconds >= 0")
+
+
+def logger_backends(cfg: DictConfig) -> list[str]:
+    """`trainer.logger` as a list (a single name is accepted too)."""
+    value = cfg.trainer.logger
+    return [value] if isinstance(value, str) else [str(name) for name in value]
+
+
+def runs_on_cuda(cfg: DictConfig, has_gpu: bool | None) -> bool | None:
+    """Whether the workers train on CUDA: `trainer.device` decides, or with `auto` whether the
+    workers' host has GPUs (`has_gpu`; None when not known, e.g. validating on another machine)."""
+    device = cfg.trainer.device
+    if device == "cuda":
+        return True
+    if device == "cpu":
+        return False
+    return has_gpu
+
+
+def is_installed(module: str) -> bool:
+    """Whether `module` can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_imports(cfg: DictConfig, errors: list[str], has_gpu: bool | None) -> None:
+    """Optional packages the run will import, found now instead of after minutes of start-up."""
+    for name in logger_backends(cfg):
+        if name in LOGGER_PACKAGES:
+            module, install = LOGGER_PACKAGES[name]
+            if not is_installed(module):
+                errors.append(f"trainer.logger contains {name!r} but the {module} package is not installed: "
+                              f"`{install}`, or drop {name!r} from trainer.logger")
+    name = cfg.actor_rollout_ref.rollout.name
+    on_cuda = runs_on_cuda(cfg, has_gpu)
+    if not is_installed("vllm"):
+        if name == "vllm":
+            from verl.workers.rollout.vllm_rollout import MISSING_VLLM
+
+            errors.append(MISSING_VLLM)
+        elif name == "auto" and on_cuda:
+            errors.append("actor_rollout_ref.rollout.name=auto is the vLLM rollout on a GPU run, but vllm is not "
+                          "installed: `pip install -e .[gpu]`, or set actor_rollout_ref.rollout.name=hf to roll "
+                          "out with the (much slower) HF generate loop")
+    if on_cuda and not is_installed("flash_attn"):
+        keys = ["actor_rollout_ref.model.use_remove_padding"] + (["critic.model.use_remove_padding"]
+                                                                 if need_critic(cfg) else [])
+        for key in keys:
+            if OmegaConf.select(cfg, key):
+                errors.append(f"{key}=True on CUDA packs sequences with flash-attn, which is not installed: "
+                              f"`pip install -e .[gpu]` (flash-attn), or set {key}=False")
+
+
 def _check_trainer(cfg: DictConfig, errors: list[str]) -> None:
     trainer = cfg.trainer
-    loggers = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
-    for name in loggers:
+    for name in logger_backends(cfg):
         if name not in LOGGERS:
             errors.append(f"trainer.logger contains unknown backend {name!r}; choose from {list(LOGGERS)}")
     if trainer.device not in ("auto", "cuda", "cpu"):
@@ -247,26 +350,43 @@ def _check_trainer(cfg: DictConfig, errors: list[str]) -> None:
             errors.append(f"trainer.{key}={value!r} must be a {type(default).__name__}")
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise ConfigError listing every contradiction found, each naming its keys.
+def validate_config(cfg: DictConfig, has_gpu: bool | None = None) -> None:
+    """Raise ConfigError listing every contradiction found, each naming its keys, and every
+    optional package the run needs that is not installed, with its pip command.
 
-    Also switches struct mode on, so reading or setting an undeclared key fails.
+    `has_gpu`: whether the workers' host has GPUs (with `trainer.device=auto`); None when not
+    known, which skips the checks that depend on it. Also switches struct mode on, so reading
+    or setting an undeclared key fails.
     """
-    OmegaConf.set_struct(cfg, True)
-    errors: list[str] = []
-    _check_algorithm(cfg, errors)
-    _check_rollout(cfg, errors)
-    _check_trainer(cfg, errors)
-    _check_batch_sizes(cfg, errors)
+    errors = config_errors(cfg, has_gpu)
     if errors:
         raise ConfigError("invalid trainer config:\n  - " + "\n  - ".join(errors))
 
 
+def config_errors(cfg: DictConfig, has_gpu: bool | None = None) -> list[str]:
+    """What `validate_config` finds wrong, one message per problem (empty when the config is valid)."""
+    OmegaConf.set_struct(cfg, True)
+    errors: list[str] = []
+    _check_algorithm(cfg, errors)
+    _check_rollout(cfg, errors)
+    _check_tensor_parallel(cfg, errors, has_gpu)
+    _check_retriever(cfg, errors)
+    _check_trainer(cfg, errors)
+    _check_batch_sizes(cfg, errors)
+    _check_imports(cfg, errors, has_gpu)
+    return errors
+
+
 def check_runtime(cfg: DictConfig, has_gpu: bool) -> None:
-    """What this machine must offer for `cfg`; raises ConfigError naming the key."""
-    if cfg.actor_rollout_ref.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+    """What this machine must offer for `cfg` once `rollout.name` is resolved; raises ConfigError
+    naming the key."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         from verl.workers.rollout.vllm_rollout import MISSING_VLLM
 
         raise ConfigError(MISSING_VLLM)
+    if int(rollout.tensor_model_parallel_size) > 1 and rollout.name != "vllm":
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} "
+                          f"needs the vLLM rollout, but actor_rollout_ref.rollout.name resolved to {rollout.name!r}")
     if cfg.trainer.device == "cuda" and not has_gpu:
         raise ConfigError("trainer.device=cuda but no CUDA GPU is visible")

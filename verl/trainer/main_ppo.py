@@ -11,19 +11,25 @@ runs in this process; workers are Ray actors. Joining a cluster (or `RAY_ADDRESS
 `trainer.ray_wait_s` for `trainer.nnodes` nodes of `trainer.n_gpus_per_node` workers each
 (docs/multinode.md). Unlike the original, the driver is not a Ray task, which keeps it
 importable and testable: `run_ppo(config)`.
+
+Before Ray starts: the config is validated (keys, batch sizes, the optional packages the run
+imports), and with `do_search=true` the retrieval server's /health must answer within
+`retriever.health_wait_s`. `+trainer.preflight=true` stops after the checks (verl/trainer/preflight.py):
+exit status 0/1 in seconds, with no Ray, worker or weights.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from verl.trainer.config_check import check_runtime, need_critic, validate_config, world_size
+from verl.trainer.config_check import check_runtime, need_critic, trainer_flag, validate_config, world_size
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role
 
 logger = logging.getLogger(__name__)
@@ -77,6 +83,58 @@ def check_cluster_settings(config: DictConfig) -> None:
             f"trainer.nnodes={nnodes} needs a Ray cluster of {nnodes} nodes, but trainer.ray_address is null "
             "and RAY_ADDRESS is unset (a local Ray is one node): start the cluster (docs/multinode.md) and "
             "pass trainer.ray_address=auto or host:port")
+
+
+def wait_for_retriever(config: DictConfig) -> str:
+    """Block until the retrieval server at `retriever.url` answers, for at most `retriever.health_wait_s`
+    (under Slurm the server may still be loading its index); returns the url that answered.
+
+    GET <url base>/health, every 2 s; a server without /health (404/405, e.g. the original Search-R1
+    server) passes when one POST /retrieve answers. A RuntimeError names retriever.url and what was tried.
+    """
+    import requests
+
+    from search_r1.search.client import RetrievalClient, RetrievalError
+
+    url = str(config.retriever.url)
+    wait_s = float(config.retriever.health_wait_s)
+    client = RetrievalClient(url, topk=1, timeout=float(config.retriever.timeout), max_retries=0)
+    health = client.health_url
+    start = time.monotonic()
+    deadline, next_log = start + wait_s, start + 30.0
+    tries, last = 0, ""
+    try:
+        while True:
+            tries += 1
+            try:
+                response = requests.get(health, timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+            except requests.RequestException as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 200:
+                    logger.info("retrieval server at %s answered /health after %.1f s", url, time.monotonic() - start)
+                    return health
+                last = f"HTTP {response.status_code}: {response.text[:200]}"
+                if response.status_code in (404, 405):
+                    try:
+                        client.retrieve(["health check"], topk=1)
+                        logger.info("retrieval server at %s has no /health; POST /retrieve answered", url)
+                        return url
+                    except RetrievalError as exc:
+                        last += f"; POST {url}: {exc}"
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= next_log:
+                logger.info("waiting for the retrieval server at %s (%.0f s left): %s", url, deadline - now, last)
+                next_log = now + 30.0
+            time.sleep(min(2.0, deadline - now))
+    finally:
+        client.close()
+    raise RuntimeError(
+        f"do_search=true but the retrieval server at retriever.url={url} did not answer: GET {health} tried "
+        f"{tries} time(s) over {time.monotonic() - start:.0f} s (retriever.health_wait_s={wait_s:g}); last: {last}. "
+        "Start it (bash retrieval_launch.sh, docs/retriever.md) or fix retriever.url. No worker was started.")
 
 
 def per_node_need(config: DictConfig, nodes: list[dict[str, Any]]) -> dict[str, float]:
@@ -139,8 +197,8 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     # their batch sizes in place, and an interpolation (critic.ppo_mini_batch_size ->
     # actor.ppo_mini_batch_size) would otherwise read the actor's already divided value.
     OmegaConf.resolve(config)
-    validate_config(config)
     use_gpu = _has_gpu(config)
+    validate_config(config, has_gpu=use_gpu)
     # rollout.name=auto: vLLM where there is a GPU and vllm, the HF loop otherwise (the CPU default).
     config.actor_rollout_ref.rollout.name = resolve_rollout_name(config.actor_rollout_ref.rollout.name, use_gpu)
     check_runtime(config, has_gpu=use_gpu)
@@ -175,7 +233,18 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
     """Train per `config`; returns the per-step metrics. `reward_fn` replaces the rule reward (tests)."""
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
+    if trainer_flag(config, "preflight") is True:
+        from verl.trainer.preflight import run_preflight
+
+        run_preflight(config).raise_if_failed()
+        return []
     check_cluster_settings(config)
+    # Seconds of checks before anything is waited for or started (the GPU-dependent ones again
+    # in build_trainer, once the workers' host is known).
+    OmegaConf.resolve(config)
+    validate_config(config)
+    if config.do_search:
+        wait_for_retriever(config)
     trainer, started_ray = None, False
     try:
         if cluster_address(config):
@@ -200,6 +269,10 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
 @hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO)
+    if trainer_flag(config, "preflight") is True:
+        from verl.trainer.preflight import preflight_main
+
+        raise SystemExit(preflight_main(config))
     logger.info("config:\n%s", OmegaConf.to_yaml(config))
     run_ppo(config)
 

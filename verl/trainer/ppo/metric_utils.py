@@ -131,6 +131,10 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
     for key in ("search_failures", "obs_truncated", "context_cuts"):
         if key in meta_info:
             metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
+    if "search_failures" in meta_info and "valid_search_stats" in meta_info:
+        # valid_search_stats counts every search a row made, failed ones included
+        searches = float(np.asarray(meta_info["valid_search_stats"], dtype=np.float64).sum())
+        metrics["env/search_failure_fraction"] = metrics["env/search_failures"] / searches if searches else 0.0
     reasons = meta_info.get("stop_reasons") or {}
     n_rows = sum(reasons.values())
     for reason, count in reasons.items():

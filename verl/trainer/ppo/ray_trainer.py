@@ -61,6 +61,32 @@ def trim_shared_left_padding(batch: DataProto) -> DataProto:
     return batch
 
 
+class SearchFailureError(RuntimeError):
+    """Too many of a rollout's searches failed (`retriever.max_failure_fraction`)."""
+
+
+def check_search_failures(metrics: dict[str, float], config: DictConfig, where: str, prefix: str = "env/") -> None:
+    """Stop the run when more than `retriever.max_failure_fraction` of a rollout's searches failed.
+
+    A failed search is an observation the policy would be trained on (a failure notice instead of
+    passages); a few are noise, most of a batch means the retrieval server is down or overloaded.
+    `metrics` holds `<prefix>search_failure_fraction` (compute_env_metrics; absent without search).
+    """
+    fraction = metrics.get(f"{prefix}search_failure_fraction")
+    limit = float(config.retriever.max_failure_fraction)
+    if fraction is None or fraction <= limit:
+        return
+    from search_r1.search.client import RetrievalClient
+
+    url = str(config.retriever.url)
+    raise SearchFailureError(
+        f"{prefix}search_failure_fraction={fraction:.3f} ({prefix}search_failures="
+        f"{metrics.get(f'{prefix}search_failures', 0.0):g}) in the {where} exceeds "
+        f"retriever.max_failure_fraction={limit:g}: the run stops instead of training on failed searches. "
+        f"Check the retrieval server at retriever.url={url}: GET {RetrievalClient(url).health_url} and the "
+        "server's log (retriever.max_failure_fraction=1.0 never stops)")
+
+
 class Role(Enum):
     ActorRollout = "actor_rollout"        # actor + rollout (+ ref) fused in one worker
     Critic = "critic"
@@ -358,6 +384,7 @@ class RayPPOTrainer:
             with mu.timer("gen", timing):
                 batch, gen_meta = self._generate(batch, validation=False)
             metrics.update(mu.compute_env_metrics(gen_meta))
+            check_search_failures(metrics, self.config, f"rollout of training step {self.global_step + 1}")
             if self.config.trainer.balance_batch:
                 self._balance_batch(batch, metrics)
             batch.meta_info[K.META_GLOBAL_TOKEN_NUM] = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
@@ -388,13 +415,17 @@ class RayPPOTrainer:
             self.global_step += 1
             is_last = self.global_step >= self.total_training_steps
             test_freq = int(self.config.trainer.test_freq)
+            val_metrics: dict[str, float] = {}
             if self.val_reward_fn is not None and test_freq > 0 and (is_last or self.global_step % test_freq == 0):
                 with mu.timer("testing", timing):
-                    metrics.update(self._validate())
+                    val_metrics = self._validate()
+                metrics.update(val_metrics)
             save_freq = int(self.config.trainer.save_freq)
             if save_freq > 0 and (is_last or self.global_step % save_freq == 0):
                 with mu.timer("save_checkpoint", timing):
                     self.save_checkpoint()
+            # After the checkpoint: this step trained on good searches; the failing server stops what follows.
+            check_search_failures(val_metrics, self.config, f"validation at step {self.global_step}", "val/env/")
         metrics.update(mu.compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(mu.compute_timing_metrics(batch, timing))
         metrics.update(mu.compute_throughput_metrics(batch, timing, self.world_size))
@@ -471,6 +502,7 @@ class RayPPOTrainer:
             val_only = config_check.trainer_flag(self.config, "val_only")
             if self.val_reward_fn is not None and (val_only or config_check.trainer_flag(self.config, "val_before_train")):
                 val_metrics = self._validate()
+                check_search_failures(val_metrics, self.config, f"validation at step {self.global_step}", "val/env/")
                 tracker.log(val_metrics, step=self.global_step)
                 self.history.append({"step": self.global_step, **val_metrics})
             if val_only:
