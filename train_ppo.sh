@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# PPO (GAE + critic) training of a search agent, as in the original Search-R1 train_ppo.sh.
+# PPO (GAE + critic) training of a search agent with the paper's recipe, as in the original
+# Search-R1 train_ppo.sh: 512 prompts, mini-batches of 256 (2 optimizer steps a training step),
+# actor micro-batch 64, FSDP offload of actor, ref and critic, vLLM at gpu_memory_utilization 0.6,
+# sampling at temperature 1 with top_p 0.95 (the original's rollout defaults), every validation
+# row, validated before training and every 50 steps. Sized for one node of 8 GPUs (80 GB).
+# The critic's micro-batch is one row per worker (CRITIC_MICRO_BATCH_SIZE, default the worker
+# count N_GPUS x NNODES, or trainer.n_gpus_per_node x trainer.nnodes when passed as overrides: the
+# original's 8 on 8 GPUs), so the recipe also divides over 2 x 8 and 4 x 8 (sbatch).
 #
 #   BASE_MODEL=Qwen/Qwen2.5-3B bash train_ppo.sh [extra hydra overrides...]
+#   bash train_ppo.sh ... +trainer.preflight=true   # check the config only (seconds, no GPU time)
 #
 # Environment: BASE_MODEL, DATA_DIR (default data/nq_search), EXPERIMENT_NAME, N_GPUS (default 8),
-# WAND_PROJECT, RETRIEVER_URL, ROLLOUT_NAME (auto: vllm with a GPU and vllm installed, else hf; or hf / vllm). Extra arguments are Hydra overrides and win over the defaults here.
+# NNODES (default 1), CRITIC_MICRO_BATCH_SIZE, WAND_PROJECT, RETRIEVER_URL, ROLLOUT_NAME (auto: vllm
+# with a GPU and vllm installed, else hf; or hf / vllm). Extra arguments are Hydra overrides and win
+# over the defaults here.
 # With no BASE_MODEL on a machine with no GPU, this runs the small offline CPU demo instead.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -21,10 +31,18 @@ export DATA_DIR=${DATA_DIR:-data/nq_search}
 export BASE_MODEL=${BASE_MODEL:-Qwen/Qwen2.5-3B}
 export EXPERIMENT_NAME=${EXPERIMENT_NAME:-nq-search-r1-ppo-$(basename "$BASE_MODEL" | tr '[:upper:]' '[:lower:]')-em}
 N_GPUS=${N_GPUS:-8}
+NNODES=${NNODES:-1}
 WAND_PROJECT=${WAND_PROJECT:-Search-R1}
 RETRIEVER_URL=${RETRIEVER_URL:-http://127.0.0.1:8000/retrieve}
 ROLLOUT_NAME=${ROLLOUT_NAME:-auto}  # auto = vllm on a GPU with vllm installed, hf otherwise
-export VLLM_ATTENTION_BACKEND=${VLLM_ATTENTION_BACKEND:-XFORMERS}
+# The worker count as the trainer will see it: overrides (e.g. from the sbatch files) win.
+for arg in "$@"; do
+    case "$arg" in
+        trainer.nnodes=*) NNODES=${arg#*=} ;;
+        trainer.n_gpus_per_node=*) N_GPUS=${arg#*=} ;;
+    esac
+done
+critic_micro=${CRITIC_MICRO_BATCH_SIZE:-$((N_GPUS * NNODES))}   # one row per worker
 
 # `+trainer.val_*` may be appended only once: leave ours out when the caller passes them.
 VAL_FLAGS=()
@@ -63,13 +81,15 @@ PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.ref.fsdp_config.param_offload=True \
     actor_rollout_ref.rollout.n_agent=1 \
     actor_rollout_ref.rollout.temperature=1 \
+    actor_rollout_ref.rollout.top_p=0.95 \
+    actor_rollout_ref.rollout.top_k=-1 \
     actor_rollout_ref.actor.state_masking=true \
     critic.optim.lr=1e-5 \
     critic.model.use_remove_padding=True \
     critic.optim.lr_warmup_steps_ratio=0.015 \
     critic.model.path="$BASE_MODEL" \
     critic.model.enable_gradient_checkpointing=true \
-    critic.ppo_micro_batch_size=8 \
+    critic.ppo_micro_batch_size="$critic_micro" \
     critic.model.fsdp_config.param_offload=true \
     critic.model.fsdp_config.grad_offload=true \
     critic.model.fsdp_config.optimizer_offload=true \
@@ -80,7 +100,7 @@ PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \
     "${VAL_FLAGS[@]}" \
     trainer.default_hdfs_dir=null \
     trainer.n_gpus_per_node="$N_GPUS" \
-    trainer.nnodes=1 \
+    trainer.nnodes="$NNODES" \
     trainer.save_freq=100 \
     trainer.test_freq=50 \
     trainer.project_name="$WAND_PROJECT" \

@@ -6,6 +6,10 @@
 #
 #   bash scripts/slurm/ray_on_slurm.sh bash train_grpo.sh trainer.ray_address=auto trainer.nnodes=$SLURM_NNODES ...
 #
+# 0. preflight: runs the command once with `+trainer.preflight=true` appended (same launcher, same
+#    overrides: the trainer composes and checks the config, imports included, and exits in
+#    seconds with no Ray, worker or weights); a config that would not start fails the job here,
+#    before any Ray node or retrieval server is started;
 # 1. the Ray head on the first node (`srun -w <head> ray start --head --block`), then `ray start
 #    --address=<head>:<port> --block` on every other node (srun, one task per node);
 # 2. waits until all $SLURM_NNODES nodes have joined (at most RAY_JOIN_TIMEOUT_S), else fails
@@ -17,6 +21,7 @@
 # 4. runs the command; its exit status is the job's.
 #
 # Environment (all optional):
+#   PREFLIGHT          1 (default): step 0; 0 skips it (for a COMMAND that is not a main_ppo launcher)
 #   SEARCH_R1_VENV     virtualenv whose bin/ goes first on PATH (default: ./.venv when present)
 #   RAY_PORT           GCS port (default 6379 + SLURM_JOB_ID % 1000, so jobs sharing a node differ);
 #                      the Ray client server takes RAY_PORT+1
@@ -119,6 +124,13 @@ EOF
 }
 
 node_ip() { on_node "$1" hostname --ip-address | awk '{print $1}'; }
+
+# --- 0. preflight: the command's own config check, before any node or server starts ----------
+if [ "${PREFLIGHT:-1}" != 0 ]; then
+    log "preflight: $* +trainer.preflight=true"
+    "$@" +trainer.preflight=true || die "preflight failed (exit status $?): the config above would not start; no Ray node or retrieval server was started"
+    log "preflight passed"
+fi
 
 # --- 1. the Ray cluster ---------------------------------------------------------------------
 head_ip=$(node_ip "$head")

@@ -1,23 +1,30 @@
-"""Fast checks (no Ray, no Slurm) of the multi-node launchers and of the driver's cluster settings.
+"""Fast checks (no Ray, no Slurm) of the launchers and of the driver's cluster settings.
 
-The example/multinode scripts run with a stand-in `python3` on PATH that records its arguments,
-so the exact Hydra overrides they would pass (through train_grpo.sh / train_ppo.sh) are composed
-and validated like a real run's: an unknown key or a batch size that does not divide over
-nnodes x n_gpus_per_node fails here, not on a 32-GPU cluster.
+The launchers run with a stand-in `python3` on PATH that records its arguments
+(tests/multinode/_launch_record.py), so the exact Hydra overrides they would pass (through
+train_grpo.sh / train_ppo.sh) are composed and validated like a real run's: an unknown key or a
+batch size that does not divide over nnodes x n_gpus_per_node fails here, not on a 32-GPU
+cluster. The sbatch files run the same way with stand-ins for `srun` and `scontrol`: their
+preflight (`+trainer.preflight=true`, the real one or recorded) runs before the first srun.
 """
 
 from __future__ import annotations
 
-import os
-import stat
-import subprocess
+import copy
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.multinode._local_ray import REPO
-from verl.trainer.config_check import validate_config, world_size
+from tests.multinode._launch_record import run_recorded, slurm_env
+from verl.trainer.config_check import (
+    need_critic,
+    need_reference_policy,
+    optimizer_steps_per_training_step,
+    trainer_flag,
+    validate_config,
+    world_size,
+)
 from verl.trainer.main_ppo import check_cluster_settings, cluster_address, compose_config, per_node_need
 
 LAUNCHERS = {
@@ -28,21 +35,19 @@ LAUNCHERS = {
 
 
 def _recorded_overrides(script: str, tmp_path: Path, env: dict[str, str]) -> list[str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"
-    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    argv_out = tmp_path / "argv.txt"
-    run_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SLURM_NNODES", "BASE_MODEL")}
-    run_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", ARGV_OUT=str(argv_out),
-                   EXPERIMENT_NAME=str(tmp_path / "exp"), **env)   # train_*.sh tees to $EXPERIMENT_NAME.log
-    proc = subprocess.run(["bash", str(REPO / "example" / "multinode" / script), "trainer.total_training_steps=3"],
-                          env=run_env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    args = argv_out.read_text().splitlines()
-    assert args[:2] == ["-m", "verl.trainer.main_ppo"]
-    return args[2:]
+    run = run_recorded(f"example/multinode/{script}", tmp_path, env, ("trainer.total_training_steps=3",))
+    assert run.returncode == 0, run.output
+    return run.overrides
+
+
+def _divide_like_the_workers(cfg) -> None:
+    """The workers' own division of the global batch sizes (raises ValueError naming the key)."""
+    from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+
+    role = "actor_rollout_ref" if need_reference_policy(cfg) else "actor_rollout"
+    normalize_actor_batch_sizes(copy.deepcopy(cfg.actor_rollout_ref), role, world_size(cfg))
+    if need_critic(cfg):
+        normalize_critic_batch_sizes(copy.deepcopy(cfg.critic), world_size(cfg))
 
 
 @pytest.mark.parametrize("script", sorted(LAUNCHERS))
@@ -103,3 +108,113 @@ def test_per_node_need_asks_for_gpus_only_on_a_gpu_cluster_or_with_device_cuda()
         == {"CPU": 8.0, "GPU": 8.0}
     assert per_node_need(compose_config(["trainer.n_gpus_per_node=2", "trainer.device=cpu"]), [gpu_node]) \
         == {"CPU": 2.0}
+
+
+# --------------------------------------------------------------------------- the shipped recipes
+def _composed(overrides: list[str]):
+    """The config a launcher's overrides compose to, validated and divided as the run would."""
+    cfg = compose_config(overrides)
+    OmegaConf.resolve(cfg)
+    validate_config(cfg)
+    _divide_like_the_workers(cfg)
+    return cfg
+
+
+def _assert_papers_sampling_and_data(cfg) -> None:
+    rollout = cfg.actor_rollout_ref.rollout
+    assert (rollout.temperature, rollout.top_p, rollout.top_k, rollout.do_sample) == (1, 0.95, -1, True)
+    assert (cfg.data.train_batch_size, cfg.data.val_batch_size, cfg.data.val_data_num) == (512, 256, None)
+    assert (cfg.data.max_prompt_length, cfg.data.max_start_length, cfg.data.max_response_length,
+            cfg.data.max_obs_length) == (4096, 2048, 500, 500)
+    assert (cfg.max_turns, cfg.retriever.topk) == (2, 3)
+    assert trainer_flag(cfg, "val_before_train") is True
+    assert (cfg.trainer.test_freq, cfg.trainer.save_freq, cfg.trainer.total_training_steps) == (50, 100, 1005)
+    assert rollout.gpu_memory_utilization == 0.6
+    assert rollout.log_prob_micro_batch_size == cfg.actor_rollout_ref.ref.log_prob_micro_batch_size == 128
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.ppo_mini_batch_size, actor.ppo_micro_batch_size) == (256, 64)
+    assert all(actor.fsdp_config[k] is True for k in ("param_offload", "grad_offload", "optimizer_offload"))
+    assert cfg.actor_rollout_ref.ref.fsdp_config.param_offload is True
+
+
+def test_train_grpo_sh_ships_the_papers_grpo_recipe_on_8_gpus(tmp_path: Path) -> None:
+    run = run_recorded("train_grpo.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-3B"})
+    assert run.returncode == 0, run.output
+    cfg = _composed(run.overrides)
+    assert (world_size(cfg), cfg.algorithm.adv_estimator) == (8, "grpo")
+    _assert_papers_sampling_and_data(cfg)
+    assert cfg.actor_rollout_ref.rollout.n_agent == 5
+    assert optimizer_steps_per_training_step(cfg) == 10          # 2560 rollouts / 256
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is True
+    assert "VLLM_ATTENTION_BACKEND" not in run.env                # a vLLM 0.6 workaround, not set any more
+
+
+def test_train_ppo_sh_ships_the_papers_ppo_recipe_on_8_gpus(tmp_path: Path) -> None:
+    run = run_recorded("train_ppo.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-3B"})
+    assert run.returncode == 0, run.output
+    cfg = _composed(run.overrides)
+    assert (world_size(cfg), cfg.algorithm.adv_estimator) == (8, "gae")
+    _assert_papers_sampling_and_data(cfg)
+    assert cfg.actor_rollout_ref.rollout.n_agent == 1
+    assert cfg.critic.ppo_micro_batch_size == 8                  # the original's value on 8 GPUs
+    assert all(cfg.critic.model.fsdp_config[k] is True for k in ("param_offload", "grad_offload", "optimizer_offload"))
+    assert optimizer_steps_per_training_step(cfg) == optimizer_steps_per_training_step(cfg, "critic") == 2
+    assert "VLLM_ATTENTION_BACKEND" not in run.env
+
+
+def test_the_2_gpu_example_keeps_the_small_setting(tmp_path: Path) -> None:
+    run = run_recorded("example/train_grpo_2gpu.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-3B-Instruct"})
+    assert run.returncode == 0, run.output
+    cfg = _composed(run.overrides)
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert world_size(cfg) == 2
+    assert (cfg.data.train_batch_size, rollout.n_agent, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size) \
+        == (64, 4, 128, 8)
+    assert (cfg.data.val_data_num, cfg.data.val_batch_size, cfg.data.max_obs_length) == (256, 64, 2048)
+    assert not any(actor.fsdp_config[k] for k in ("param_offload", "grad_offload", "optimizer_offload"))
+    assert rollout.gpu_memory_utilization == 0.45
+    assert trainer_flag(cfg, "val_before_train") is False
+    assert (rollout.temperature, rollout.top_p) == (1, 0.95)
+    assert optimizer_steps_per_training_step(cfg) == 2
+    # its extra arguments still win, +trainer.val_before_train included (appended once)
+    again = run_recorded("example/train_grpo_2gpu.sh", tmp_path / "again", {"BASE_MODEL": "m"},
+                         ("+trainer.val_before_train=true", "data.train_batch_size=32"))
+    cfg = compose_config(again.overrides)
+    assert trainer_flag(cfg, "val_before_train") is True and cfg.data.train_batch_size == 32
+
+
+# --------------------------------------------------------------------------- the sbatch path
+# The documented sbatch commands (docs/multinode.md, the sbatch headers): (file, nodes, environment, args)
+SBATCH_COMMANDS = [
+    ("train_grpo.sbatch", 2, {}, ()),
+    ("train_ppo.sbatch", 2, {}, ()),
+    ("train_grpo.sbatch", 4, {"BASE_MODEL": "Qwen/Qwen2.5-7B"}, ("data.train_batch_size=512",)),
+    ("train_ppo.sbatch", 4, {"BASE_MODEL": "Qwen/Qwen2.5-7B"}, ()),
+    ("train_grpo.sbatch", 8, {"TRAIN_SCRIPT": "example/multinode/train_grpo_multinode_72b.sh"}, ()),
+    ("train_ppo.sbatch", 4, {"TRAIN_SCRIPT": "example/multinode/train_ppo_multinode_32b.sh"}, ()),
+]
+
+
+@pytest.mark.parametrize(("sbatch", "nnodes", "env", "args"), SBATCH_COMMANDS)
+def test_documented_sbatch_commands_compose_a_config_that_holds_on_their_nodes(
+        sbatch: str, nnodes: int, env: dict[str, str], args: tuple[str, ...], tmp_path: Path) -> None:
+    run = run_recorded(f"scripts/slurm/{sbatch}", tmp_path, {**slurm_env(nnodes, 8), **env}, args)
+    # ray_on_slurm.sh ran the launcher's preflight (recorded here), then stopped at its first srun
+    assert run.overrides and run.overrides[-1] == "+trainer.preflight=true", run.output[-3000:]
+    assert run.returncode != 0 and run.srun_calls, run.output[-3000:]
+    cfg = _composed(run.overrides)
+    assert (cfg.trainer.ray_address, cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == ("auto", nnodes, 8)
+    assert cfg.algorithm.adv_estimator == ("gae" if "ppo" in sbatch else "grpo")
+
+
+def test_the_sbatch_path_runs_the_real_preflight_before_any_ray_node_or_server(tmp_path: Path) -> None:
+    # critic.ppo_micro_batch_size=8 over 2 x 8 workers: the sbatch default before this check existed
+    bad = run_recorded("scripts/slurm/train_ppo.sbatch", tmp_path / "bad", slurm_env(2, 8),
+                       ("critic.ppo_micro_batch_size=8",), real_python=True)
+    assert bad.returncode != 0
+    assert "preflight FAILED" in bad.output and "critic.ppo_micro_batch_size=8" in bad.output, bad.output[-3000:]
+    assert "no Ray node or retrieval server was started" in bad.output
+    assert bad.srun_calls == []                 # no srun: no Ray head, no node, no retrieval server
+    good = run_recorded("scripts/slurm/train_ppo.sbatch", tmp_path / "good", slurm_env(2, 8), real_python=True)
+    assert "preflight OK" in good.output and "preflight passed" in good.output, good.output[-3000:]
+    assert good.srun_calls                      # then on to the Ray head (where the stand-in srun stops it)

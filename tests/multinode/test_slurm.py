@@ -3,7 +3,8 @@ slurmctld and slurmd (installing Debian's slurm-wlm if missing), then `sbatch
 scripts/slurm/train_grpo.sbatch` runs one GRPO step with search to completion: the job starts
 the Ray head with srun, the retrieval server (retrieval_launch.sh over a BM25 index of the tiny
 corpus), trains through train_grpo.sh, and stops everything. A second job that fails midway
-(after Ray and the server are up) must leave no Ray or server process behind.
+(after Ray and the server are up) must leave no Ray or server process behind; a job with a bad
+override fails in its preflight, before any Ray node or the server starts.
 
 If the Slurm daemons cannot start, the tests fail with local_cluster.sh's reason.
 """
@@ -165,3 +166,21 @@ def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
     assert "command exited with status 0" not in log
     assert "shutting down (exit status 143)" in log
     assert _leftovers(job_id, _port_in_log(log)) == []
+
+
+def test_a_bad_override_fails_the_job_in_preflight_before_ray_or_the_server_start(
+        slurm_env: dict[str, str], tmp_path: Path) -> None:
+    # Preflight reads only the config: no model, data or index has to exist for it.
+    from scripts.bench.toy_task import ToyPaths
+
+    world = SearchWorld(server_url="", model_dir=str(tmp_path / "no-model"),
+                        data=ToyPaths(str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet")))
+    rc, job_id, log = _sbatch(slurm_env, world, (tmp_path / "corpus.jsonl", tmp_path / "index"), tmp_path,
+                              ["actor_rollout_ref.actor.ppo_micro_batch_size=3"])
+    assert rc != 0, log[-4000:]
+    assert "preflight FAILED" in log and "actor_rollout_ref.actor.ppo_micro_batch_size" in log, log[-4000:]
+    assert "no Ray node or retrieval server was started" in log
+    for started in ("Ray head on", "Ray cluster up", "retrieval server up", "running: "):
+        assert started not in log, started
+    assert _final_state(slurm_env, job_id) == "FAILED"
+    assert _leftovers(job_id) == []

@@ -224,25 +224,14 @@ def test_flash_attn_is_needed_for_remove_padding_on_cuda_only(monkeypatch: pytes
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _script_overrides(script: str) -> list[str]:
-    """The Hydra overrides a train_*.sh passes, with its shell defaults substituted."""
-    import re
-    import shlex
+@pytest.mark.parametrize("script", ["train_ppo.sh", "train_grpo.sh", "example/train_grpo_2gpu.sh"])
+def test_training_scripts_pass_a_valid_config(script: str, tmp_path: Path) -> None:
+    from tests.multinode._launch_record import run_recorded
 
-    text = (REPO / script).read_text()
-    block = text.split("python3 -m verl.trainer.main_ppo", 1)[1].split('"$@"', 1)[0]
-    env = {"DATA_DIR": "data/nq_search", "BASE_MODEL": "Qwen/Qwen2.5-3B", "N_GPUS": "8",
-           "WAND_PROJECT": "Search-R1", "EXPERIMENT_NAME": "exp", "RETRIEVER_URL": "http://127.0.0.1:8000/retrieve",
-           "ROLLOUT_NAME": "hf"}
-    block = re.sub(r"\$(\w+)", lambda m: env[m.group(1)], block.replace('"${VAL_FLAGS[@]}"', "+trainer.val_only=false"))
-    return shlex.split(block.replace("\\\n", " "))
-
-
-@pytest.mark.parametrize("script", ["train_ppo.sh", "train_grpo.sh"])
-def test_training_scripts_pass_a_valid_config(script: str) -> None:
-    overrides = _script_overrides(script)
-    assert len(overrides) > 40
-    cfg = compose_config(overrides)
+    run = run_recorded(script, tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-3B", "ROLLOUT_NAME": "hf"})
+    assert run.returncode == 0, run.output
+    assert len(run.overrides) > 40
+    cfg = compose_config(run.overrides)
     validate_config(cfg)
     assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-3B"
 
