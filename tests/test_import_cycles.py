@@ -117,6 +117,19 @@ def test_demo_scripts_have_no_import_cycle() -> None:
     assert cycle is None, f"import cycle among scripts/demo modules: {' -> '.join(cycle)}"
 
 
+@pytest.mark.parametrize("package", ["verl", "search_r1", "scripts"])
+def test_no_package_has_an_import_cycle(package: str) -> None:
+    """The whole tree, not only the circles found before (scripts/demo, and the rollout engines:
+    verl.workers.rollout.async_engine <-> hf_rollout, main_ppo <-> preflight)."""
+    graph = import_graph(REPO_ROOT / package)
+    if package == "verl":
+        # The graph sees the rollout engines' real edges.
+        assert "verl.workers.rollout.async_engine" in graph["verl.workers.rollout.hf_step_engine"]
+        assert "verl.workers.rollout.hf_step_engine" in graph["verl.workers.rollout.hf_rollout"]
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
+
+
 def _write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -390,3 +391,25 @@ def check_runtime(cfg: DictConfig, has_gpu: bool) -> None:
                           f"needs the vLLM rollout, but actor_rollout_ref.rollout.name resolved to {rollout.name!r}")
     if cfg.trainer.device == "cuda" and not has_gpu:
         raise ConfigError("trainer.device=cuda but no CUDA GPU is visible")
+
+
+def cluster_address(config: DictConfig) -> str | None:
+    """The Ray cluster to join: `trainer.ray_address` ("auto" or host:port), else `RAY_ADDRESS`,
+    else None (start a local Ray)."""
+    address = config.trainer.ray_address or os.environ.get("RAY_ADDRESS") or None
+    return str(address) if address is not None else None
+
+
+def check_cluster_settings(config: DictConfig) -> None:
+    """Reject cluster settings that cannot work, naming the key, before anything starts."""
+    wait = config.trainer.get("ray_wait_s")
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        raise ValueError(f"trainer.ray_wait_s must be a number of seconds >= 0, got {wait!r}")
+    nnodes = config.trainer.nnodes
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"trainer.nnodes must be an int >= 1, got {nnodes!r}")
+    if nnodes > 1 and cluster_address(config) is None:
+        raise ValueError(
+            f"trainer.nnodes={nnodes} needs a Ray cluster of {nnodes} nodes, but trainer.ray_address is null "
+            "and RAY_ADDRESS is unset (a local Ray is one node): start the cluster (docs/multinode.md) and "
+            "pass trainer.ray_address=auto or host:port")

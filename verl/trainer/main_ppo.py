@@ -29,7 +29,15 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from verl.trainer.config_check import check_runtime, need_critic, trainer_flag, validate_config, world_size
+from verl.trainer.config_check import (
+    check_cluster_settings,
+    check_runtime,
+    cluster_address,
+    need_critic,
+    trainer_flag,
+    validate_config,
+    world_size,
+)
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role
 
 logger = logging.getLogger(__name__)
@@ -61,28 +69,6 @@ def _has_gpu(config: DictConfig) -> bool:
     from verl.utils.device import is_cuda_available
 
     return bool(is_cuda_available())
-
-
-def cluster_address(config: DictConfig) -> str | None:
-    """The Ray cluster to join: `trainer.ray_address` ("auto" or host:port), else `RAY_ADDRESS`,
-    else None (start a local Ray)."""
-    address = config.trainer.ray_address or os.environ.get("RAY_ADDRESS") or None
-    return str(address) if address is not None else None
-
-
-def check_cluster_settings(config: DictConfig) -> None:
-    """Reject cluster settings that cannot work, naming the key, before anything starts."""
-    wait = config.trainer.get("ray_wait_s")
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
-        raise ValueError(f"trainer.ray_wait_s must be a number of seconds >= 0, got {wait!r}")
-    nnodes = config.trainer.nnodes
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        raise ValueError(f"trainer.nnodes must be an int >= 1, got {nnodes!r}")
-    if nnodes > 1 and cluster_address(config) is None:
-        raise ValueError(
-            f"trainer.nnodes={nnodes} needs a Ray cluster of {nnodes} nodes, but trainer.ray_address is null "
-            "and RAY_ADDRESS is unset (a local Ray is one node): start the cluster (docs/multinode.md) and "
-            "pass trainer.ray_address=auto or host:port")
 
 
 def wait_for_retriever(config: DictConfig) -> str:

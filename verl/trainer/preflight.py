@@ -52,12 +52,11 @@ def host_has_gpu(config: DictConfig) -> bool | None:
     device = config.trainer.device
     if device in ("cuda", "cpu"):
         return device == "cuda"
-    from verl.trainer.main_ppo import cluster_address
     from verl.utils.device import is_cuda_available
 
     if is_cuda_available():
         return True
-    return None if cluster_address(config) else False
+    return None if cc.cluster_address(config) else False
 
 
 def _per_worker_sizes(cfg: DictConfig, world: int, report: PreflightReport) -> None:
@@ -91,11 +90,9 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
 
     `has_gpu`: whether the workers have GPUs; by default `host_has_gpu(config)`.
     """
-    from verl.trainer.main_ppo import check_cluster_settings
-
     report = PreflightReport()
     try:
-        check_cluster_settings(config)
+        cc.check_cluster_settings(config)
     except ValueError as exc:
         report.errors.append(str(exc))
     cfg = copy.deepcopy(config)
