@@ -95,9 +95,11 @@ class ScriptedRollout:
         if turn >= len(turns):
             raise IndexError(f"script {key!r} has {len(turns)} turns; the manager asked for turn {turn}")
         stream = turns[turn][: int(meta[K.META_RESPONSE_LENGTH])]
-        eos = int(meta[K.META_EOS_TOKEN_ID])
-        if eos in stream:
-            stream = stream[: stream.index(eos) + 1]
+        eos = meta[K.META_EOS_TOKEN_ID]
+        eos_ids = {int(e) for e in eos} if isinstance(eos, list | tuple) else {int(eos)}
+        first_eos = next((i for i, tok in enumerate(stream) if tok in eos_ids), None)
+        if first_eos is not None:
+            stream = stream[: first_eos + 1]
         return stream[: self._stop_at(stream, list(meta.get(K.META_STOP) or []))]
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:

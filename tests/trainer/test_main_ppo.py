@@ -199,7 +199,7 @@ class ScriptedActorRollout:
             "input_ids": torch.cat([prompts.batch["input_ids"], responses], dim=1), "attention_mask": attn,
             "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)})
 
-    def rollout_wake_up(self) -> None:
+    def rollout_wake_up(self, seed: int | None = None) -> None:
         """No engine to wake (the trainer wakes the workers' engines once per rollout)."""
 
     def rollout_sleep(self) -> list:

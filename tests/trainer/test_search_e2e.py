@@ -98,6 +98,8 @@ def _assert_searched_against_the_server(step: dict, served: int) -> None:
     assert step["env/search_failures"] == 0
     # every search the rollout counted was one query the server answered, and nothing else was sent
     assert served == round(searches) > 0
+    # a search means at least two turns: the engines stayed awake across them (woke once)
+    assert step["rollout/engine_wake_ups"] == 1
     # retrieved passages are in the response but masked out of the policy's tokens
     assert step["state_tokens/total"] > 0
     assert 0.0 < step["state_tokens/coverage"] < 1.0

@@ -78,6 +78,10 @@ def compute_rollout_log_prob_gap(batch: Any) -> dict[str, float]:
     cut rolling context are excluded (their context differed from the one the actor sees)."""
     if K.ROLLOUT_LOG_PROBS not in batch.batch.keys() or K.OLD_LOG_PROBS not in batch.batch.keys():
         return {}
+    if not batch.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True):
+        # vLLM renormalised its log-probs over the top-k / top-p set at a temperature other than 1:
+        # not the actor's full-softmax quantity, so a gap would measure the truncation, not drift.
+        return {"rollout/log_prob_gap_comparable": 0.0}
     mask = batch.batch[K.RESPONSE_MASK].bool()
     if K.CONTEXT_CUT_MASK in batch.batch.keys():
         mask = mask & ~batch.batch[K.CONTEXT_CUT_MASK].bool()
@@ -85,6 +89,14 @@ def compute_rollout_log_prob_gap(batch: Any) -> dict[str, float]:
         return {}
     gap = (batch.batch[K.ROLLOUT_LOG_PROBS].float() - batch.batch[K.OLD_LOG_PROBS].float()).abs()[mask]
     return {"rollout/log_prob_gap_mean": float(gap.mean()), "rollout/log_prob_gap_max": float(gap.max())}
+
+
+def compute_rollout_metrics(gen_meta: dict[str, Any]) -> dict[str, float]:
+    """rollout/engine_wake_ups: how often the rollout engines woke during the step's rollout (1 when
+    a multi-turn rollout keeps them awake across its turns, as it should)."""
+    if "engine_wake_ups" not in gen_meta:
+        return {}
+    return {"rollout/engine_wake_ups": float(gen_meta["engine_wake_ups"])}
 
 
 def compute_timing_metrics(batch: Any, timing_s: dict[str, float]) -> dict[str, float]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -34,6 +36,7 @@ from verl.trainer.ppo import checkpointing, core_algos
 from verl.trainer.ppo import metric_utils as mu
 from verl.utils import batch_keys as K
 from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
+from verl.utils.tokenizer import eos_token_ids
 from verl.utils.tracking import Tracking
 
 logger = logging.getLogger(__name__)
@@ -130,6 +133,8 @@ class RayPPOTrainer:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # One EOS set for the engine's stop ids and the manager's turn cut (verl/utils/tokenizer.py).
+        self._eos_token_ids = eos_token_ids(tokenizer, config.actor_rollout_ref.model.path)
         self.role_worker_mapping = role_worker_mapping
         self.resource_pool_manager = resource_pool_manager
         self.reward_fn = reward_fn
@@ -249,7 +254,7 @@ class RayPPOTrainer:
     def _gen_meta(self, validation: bool) -> dict[str, Any]:
         rollout = self.config.actor_rollout_ref.rollout
         meta = {
-            K.META_EOS_TOKEN_ID: self.tokenizer.eos_token_id,
+            K.META_EOS_TOKEN_ID: list(self._eos_token_ids),
             K.META_PAD_TOKEN_ID: self.tokenizer.pad_token_id,
             K.META_DO_SAMPLE: bool(rollout.do_sample) and not validation,
             K.META_TEMPERATURE: float(rollout.temperature),
@@ -280,19 +285,39 @@ class RayPPOTrainer:
         self._gen_managers[validation] = manager
         return manager
 
+    @contextmanager
+    def _engines_awake(self, gen_meta: dict[str, Any], validation: bool) -> Iterator[None]:
+        """The rollout engines awake for a whole rollout (every turn; every validation batch), asleep
+        after it; the outermost phase records how often they woke in gen_meta['engine_wake_ups'].
+
+        The rollout's seed follows the run seed and the step (a tensor-parallel engine's ranks reseed
+        from it). On an error the engines are not put to sleep: a rank may be stuck in a collective
+        with the one that failed, and a sleep call would queue behind it; the run is ending."""
+        seed = (int(self.config.actor_rollout_ref.rollout.seed) * 1_000_003 + 2 * self.global_step
+                + int(validation)) % (2**31 - 1)
+        self.actor_rollout_wg.rollout_wake_up(seed)
+        yield
+        woke = [w for w in self.actor_rollout_wg.rollout_sleep() if w is not None]
+        if woke:
+            gen_meta["engine_wake_ups"] = max(woke)
+
     def _generate(self, batch: DataProto, validation: bool) -> tuple[DataProto, dict[str, Any]]:
         """Generate for every row of `batch`; returns (batch with the rollout keys, generation meta_info)."""
         gen_batch = batch.pop(batch_keys=list(GEN_INPUT_KEYS))
         gen_batch.meta_info = self._gen_meta(validation)
-        if self.config.do_search:
-            initial_input_ids = gen_batch.batch[K.INPUT_IDS][:, -int(self.config.data.max_start_length):].clone()
-            output = self._generation_manager(validation).run_llm_loop(gen_batch, initial_input_ids)
-        else:
-            # The worker group pads a batch that does not divide by its size (validation) and unpads.
-            output = self.actor_rollout_wg.generate_sequences(gen_batch)
-        gen_meta = dict(output.meta_info)
+        phase_meta: dict[str, Any] = {}
+        with self._engines_awake(phase_meta, validation):
+            if self.config.do_search:
+                initial_input_ids = gen_batch.batch[K.INPUT_IDS][:, -int(self.config.data.max_start_length):].clone()
+                output = self._generation_manager(validation).run_llm_loop(gen_batch, initial_input_ids)
+            else:
+                # The worker group pads a batch that does not divide by its size (validation) and unpads.
+                output = self.actor_rollout_wg.generate_sequences(gen_batch)
+        gen_meta = {**output.meta_info, **phase_meta}
         output.meta_info = {}
         batch = batch.union(output)
+        batch.meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] = bool(
+            gen_meta.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True))
         batch = trim_shared_left_padding(batch)
         responses = batch.batch[K.RESPONSES]
         use_loss_mask = self.config.actor_rollout_ref.actor.state_masking and K.LOSS_MASK in batch.batch.keys()
@@ -384,6 +409,7 @@ class RayPPOTrainer:
             with mu.timer("gen", timing):
                 batch, gen_meta = self._generate(batch, validation=False)
             metrics.update(mu.compute_env_metrics(gen_meta))
+            metrics.update(mu.compute_rollout_metrics(gen_meta))
             check_search_failures(metrics, self.config, f"rollout of training step {self.global_step + 1}")
             if self.config.trainer.balance_batch:
                 self._balance_batch(batch, metrics)
@@ -437,16 +463,19 @@ class RayPPOTrainer:
         scores: list[torch.Tensor] = []
         sources: list[str] = []
         gen_metrics: list[dict[str, float]] = []
-        for batch in tqdm(self.val_dataloader, desc="validation", unit="batch", leave=False,
-                          disable=not self.config.trainer.progress_bar):
-            batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-            batch, gen_meta = self._generate(batch, validation=True)
-            gen_metrics.append(mu.compute_env_metrics(gen_meta))
-            scores_BR = self.val_reward_fn(batch)
-            if isinstance(scores_BR, DataProto):
-                scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
-            scores.append(scores_BR.sum(-1).float().cpu())
-            sources.extend(batch.non_tensor_batch[K.DATA_SOURCE].tolist())
+        phase_meta: dict[str, Any] = {}
+        # One wake for the whole validation pass, not one per batch (or per turn).
+        with self._engines_awake(phase_meta, validation=True):
+            for batch in tqdm(self.val_dataloader, desc="validation", unit="batch", leave=False,
+                              disable=not self.config.trainer.progress_bar):
+                batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+                batch, gen_meta = self._generate(batch, validation=True)
+                gen_metrics.append(mu.compute_env_metrics(gen_meta))
+                scores_BR = self.val_reward_fn(batch)
+                if isinstance(scores_BR, DataProto):
+                    scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
+                scores.append(scores_BR.sum(-1).float().cpu())
+                sources.extend(batch.non_tensor_batch[K.DATA_SOURCE].tolist())
         if not scores:
             return {}
         metrics = mu.score_by_data_source(torch.cat(scores), sources)
