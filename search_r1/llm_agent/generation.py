@@ -372,16 +372,15 @@ class LLMGenerationManager:
     @contextmanager
     def _engines_awake(self) -> Iterator[None]:
         """The worker group's engines awake for every turn of this rollout, woken once (a no-op when
-        the caller, e.g. the trainer, has them awake already; skipped for groups without engines)."""
+        the caller, e.g. the trainer, has them awake already; skipped for groups without engines).
+        Not put back to sleep after an error: a rank may be stuck in a collective with the failed one."""
         wake = getattr(self.actor_rollout_wg, "rollout_wake_up", None)
         if wake is None:
             yield
             return
         wake()
-        try:
-            yield
-        finally:
-            self.actor_rollout_wg.rollout_sleep()
+        yield
+        self.actor_rollout_wg.rollout_sleep()
 
     def _run_sync(self, rows: list[_Row], prompts: torch.Tensor, prompt_mask: torch.Tensor,
                   meta: dict[str, Any]) -> Any:

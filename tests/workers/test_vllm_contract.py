@@ -86,8 +86,14 @@ class FakeLLM:
         list(kwargs["weights_iterator"])   # consumes the stream, as vLLM's loader does
         self.log.append(method)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
         self.log.append("reset_prefix_cache")
+        return self.prefix_cache_resets
+
+    prefix_cache_resets = True
+
+
+REAL_IMPORT_VLLM = vllm_rollout.import_vllm
 
 
 @pytest.fixture
@@ -124,7 +130,7 @@ def test_waking_frees_memory_before_each_allocation_and_loads_weights_before_the
         fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     rollout = vLLMRollout(None, _rollout_config(), _Tok(), "/m", device="cuda", device_index=0)
     llm = FakeLLM.instances[0]
-    assert llm.log == ["sleep:1"]     # asleep from the start: training needs the memory first
+    assert llm.log == ["sleep:2"]     # asleep from the start: training needs the memory first
     # One list in call order: the engine's calls and the allocator's, interleaved.
     calls: list[str] = []
     llm.log = calls
@@ -135,7 +141,8 @@ def test_waking_frees_memory_before_each_allocation_and_loads_weights_before_the
                      "empty_cache", "wake_up:kv_cache"]
     calls.clear()
     rollout.sleep()
-    assert calls == ["sleep:1", "empty_cache"]
+    # Level 2: no pinned host copy of the weights; the next wake streams the actor's weights in.
+    assert calls == ["sleep:2", "empty_cache"] and rollout.synced_version is None
     assert rollout.wake_ups == 1
 
 
@@ -146,6 +153,25 @@ def test_weights_already_loaded_are_not_streamed_again(fake_vllm: Any) -> None:
     assert FakeLLM.instances[0].log.count("reload_weights") == 1
     # The prefix cache held KV of the old weights: reset with every load.
     assert FakeLLM.instances[0].log.count("reset_prefix_cache") == 1
+
+
+def test_a_prefix_cache_that_could_not_be_reset_stops_the_weight_load(fake_vllm: Any) -> None:
+    rollout = vLLMRollout(None, _rollout_config(), _Tok(), "/m")
+    FakeLLM.instances[0].prefix_cache_resets = False
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        rollout.sync_weights([("w", torch.zeros(1))], version=1)
+    assert rollout.synced_version is None
+
+
+def test_the_engine_process_settings_are_forced(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", raising=False)
+    monkeypatch.setattr(vllm_rollout, "import_vllm", REAL_IMPORT_VLLM)
+    monkeypatch.setitem(__import__("sys").modules, "vllm", SimpleNamespace())
+    vllm_rollout.import_vllm()
+    # In-process engine (weights reloaded in place); request ids as we gave them (equal on TP ranks).
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] == "1"
 
 
 def test_the_engine_starts_on_the_device_the_actor_sees(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,3 +326,58 @@ def test_async_rollout_refuses_tensor_parallel_engines(monkeypatch: pytest.Monke
     worker = _worker(monkeypatch, 0, 2, 2)
     with pytest.raises(NotImplementedError, match="mode=async with tensor_model_parallel_size>1"):
         worker.generate_trajectories(_prompts())
+
+
+def test_tensor_parallel_ranks_reseed_from_the_drivers_seed_and_check_they_agree(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.workers import fsdp_workers
+
+    ranks = [_worker(monkeypatch, rank, 4, 2) for rank in range(4)]
+    draws = []
+    for worker in ranks:
+        worker.device, worker.tokenizer, worker.eos_token_ids = "cpu", _Tok(), (1,)
+        worker._weights_version = 0
+        worker.rollout = RecordingRollout()
+        torch.manual_seed(100 + worker.rank)        # each rank restored its own RNG state
+        worker.rollout_wake_up(seed=42)
+        draws.append(torch.rand(1).item())
+        worker.rollout_sleep()
+    assert draws[0] == draws[1] != draws[2] == draws[3]
+
+    # A rank of the engine compares its sampled ids with its peers'; a mismatch stops the call.
+    peer_ids = torch.tensor([[5, 6, 7]])
+    worker = ranks[1]
+    worker._rollout_tp_group = object()
+
+    def all_gather(out, mine, group):
+        out[0].copy_(mine)
+        weights = torch.arange(1, peer_ids.numel() + 1).reshape(peer_ids.shape)
+        out[1].copy_(torch.tensor([int((peer_ids * weights).sum()), peer_ids.numel()]))
+
+    monkeypatch.setattr(fsdp_workers.dist, "all_gather", all_gather)
+    agreeing = DataProto.from_dict(tensors={K.RESPONSES: peer_ids.clone()})
+    worker._check_tensor_parallel_agreement(agreeing)
+    with pytest.raises(RuntimeError, match="sampled different ids"):
+        worker._check_tensor_parallel_agreement(DataProto.from_dict(tensors={K.RESPONSES: torch.tensor([[5, 6, 8]])}))
+
+
+def test_only_the_collecting_rank_of_an_engine_returns_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.workers import fsdp_workers
+
+    monkeypatch.setattr(fsdp_workers.dist, "all_gather", lambda out, mine, group: [o.copy_(mine) for o in out])
+    outs = []
+    for rank in (0, 1):
+        worker = _worker(monkeypatch, rank, 2, 2)
+        worker.device, worker.tokenizer, worker.eos_token_ids = "cpu", _Tok(), (1,)
+        worker._weights_version, worker._rollout_tp_group = 0, object()
+
+        class Echo(RecordingRollout):
+            def generate_sequences(self, prompts: DataProto) -> DataProto:
+                out = DataProto.from_dict(tensors={K.RESPONSES: prompts.batch[K.INPUT_IDS]})
+                out.meta_info["x"] = 1
+                return out
+
+        worker.rollout = Echo()
+        outs.append(worker.generate_sequences(_prompts()))
+    assert len(outs[0]) == 2 and K.RESPONSES in outs[0].batch.keys()
+    assert outs[1].batch is None and outs[1].meta_info == {"x": 1}

@@ -209,8 +209,12 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         normalize_actor_batch_sizes(self.config, role, self.world_size)
         tp = int(config.rollout.get("tensor_model_parallel_size", 1)) if self._is_rollout else 1
         self._rollout_tp = tp
+        self._rollout_collects = True
+        self._rollout_tp_group: Any = None   # gloo group of this rank's TP engine (TP > 1), set in init_model
         if self._is_rollout:
-            self.set_mesh_rank(ROLLOUT_MESH, rollout_mesh_rank(self.rank, self.world_size, tp))
+            mesh_rank = rollout_mesh_rank(self.rank, self.world_size, tp)
+            self._rollout_collects = mesh_rank.collect
+            self.set_mesh_rank(ROLLOUT_MESH, mesh_rank)
         # Generation phases (engine awake with current weights): nested opens, counted wakes.
         self._phase_depth = 0
         self._phase_stack: ExitStack | None = None
@@ -239,6 +243,12 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
                                               use_remove_padding=use_rmpad)
         self.eos_token_ids = eos_token_ids(self.tokenizer, model_cfg.path)
+        if self._is_rollout and self._rollout_tp > 1:
+            # Every rank creates every group, in the same order (new_group is collective).
+            for first in range(0, self.world_size, self._rollout_tp):
+                group = dist.new_group(list(range(first, first + self._rollout_tp)), backend="gloo")
+                if first <= self.rank < first + self._rollout_tp:
+                    self._rollout_tp_group = group
         if self._is_rollout:
             device_index = self.local_device_index() if self.device == "cuda" else None
             self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer,
@@ -285,15 +295,41 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         prompts.meta_info.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
         with self._in_generation_phase():
             output = self.rollout.generate_sequences(prompts)
+        self._check_tensor_parallel_agreement(output)
+        if not self._rollout_collects:
+            # The group's collecting rank returns the rows; the others' copies would only travel.
+            return DataProto(meta_info=dict(output.meta_info))
         return output.to("cpu")
 
+    def _check_tensor_parallel_agreement(self, output: DataProto) -> None:
+        """The ranks of one tensor-parallel engine must have sampled the same ids: compare a checksum
+        over the group (CPU, gloo) and stop at once on a mismatch instead of training on one rank's
+        rows while the others diverge."""
+        if self._rollout_tp_group is None:
+            return
+        ids = output.batch[K.RESPONSES].detach().to("cpu", torch.int64)
+        weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64).reshape(ids.shape)
+        mine = torch.tensor([int((ids * weights).sum()), ids.numel()], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(self._rollout_tp)]
+        dist.all_gather(every, mine, group=self._rollout_tp_group)
+        if any(not torch.equal(other, mine) for other in every):
+            raise RuntimeError(f"rank {self.rank}: the {self._rollout_tp} ranks of one vLLM tensor-parallel engine "
+                               f"sampled different ids (checksums {[o.tolist() for o in every]}); their random "
+                               "states or schedules diverged")
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def rollout_wake_up(self) -> None:
+    def rollout_wake_up(self, seed: int | None = None) -> None:
         """Begin a rollout: the engine wakes with the actor's current weights and stays awake for
         every generate call until `rollout_sleep` (a multi-turn rollout wakes it once, not per turn).
-        Calls nest: only the outermost pair wakes and sleeps."""
+        Calls nest: only the outermost pair wakes and sleeps.
+
+        `seed` (the driver's, from the run seed and step): a tensor-parallel engine's ranks reseed
+        their sampling RNG from it and their data-parallel rank, so they draw the same tokens
+        whatever random state each restored from a checkpoint (even one saved with another TP)."""
         self._require(self._is_rollout, "rollout_wake_up")
         if self._phase_depth == 0:
+            if seed is not None and self._rollout_tp > 1:
+                torch.manual_seed(int(seed) * _SAMPLING_SEED_STRIDE + self.rank // self._rollout_tp)
             self._phases_begun = 0
             stack = ExitStack()
             stack.enter_context(self._generation_phase())

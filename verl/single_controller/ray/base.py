@@ -8,6 +8,7 @@ bundles are CPU-only and everything (gloo process groups included) runs the same
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -252,6 +253,10 @@ class RayWorkerGroup(WorkerGroup):
                     "MASTER_PORT": self.master_port,
                     "WG_PREFIX": self.name_prefix,
                     "WG_BACKEND": "ray",
+                    # One string hash order on every worker: code that iterates a set of strings
+                    # (vLLM frees finished requests' KV blocks that way) runs alike on the ranks of
+                    # a tensor-parallel engine, which must schedule identically.
+                    "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0"),
                 }
                 name = f"{self.name_prefix}{cia.user_cls.__name__}_{node}:{local_rank}"
                 # Ray sets CUDA_VISIBLE_DEVICES for actors that hold a GPU share; CPU actors hold none.
@@ -307,6 +312,12 @@ class RayWorkerGroup(WorkerGroup):
         ]
 
     def _resolve(self, handles: list[ray.ObjectRef]) -> list[Any]:
+        """Every result, raising the first failure as soon as it happens: a worker that failed while
+        its peers wait in a collective for it must not leave the driver waiting on those peers."""
+        pending = list(handles)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)   # raises the worker's error now
         return ray.get(handles)
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:

@@ -11,9 +11,10 @@ sampled come back exactly, with the log-probability of each sampled token.
     out = rollout.generate_sequences(prompts)   # as often as the rollout has turns
     rollout.sleep()
 
-Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`: weights to pinned host
-memory, KV cache freed) and wakes once per rollout, not once per turn, in the order that keeps the
-peak low: free cached blocks, weights back, new weights in, free again, then the KV cache.
+Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`: weights and KV cache
+discarded, vLLM's level 2) and wakes once per rollout, not once per turn, in the order that keeps
+the peak low: free cached blocks, weight memory back, the actor's weights in, free again, then the
+KV cache.
 
 Tensor parallelism: with `tensor_model_parallel_size` t > 1 the engine runs under vLLM's
 `external_launcher`: t consecutive workers of the group form one engine (vLLM builds its groups
@@ -65,7 +66,11 @@ _LOAD_FORMAT_ALIASES = {"dummy_dtensor": "dummy", "dummy_hf": "dummy"}
 def import_vllm() -> Any:
     """The vllm module, with the settings a colocated in-process engine needs, or a clear error."""
     # The engine must live in this (the worker's) process: its weights are reloaded in place.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Our request ids are unique per call and equal on a tensor-parallel engine's ranks; vLLM's random
+    # suffix would make the ranks free finished requests' KV blocks in different orders, so with
+    # prefix caching they would schedule differently and their all-reduces would no longer match.
+    os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
     # vLLM-CPU: a small KV cache (GiB) and no OpenMP core pinning, since training threads share the cores.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -202,7 +207,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             self.llm = vllm.LLM(**engine_args_from(config, model_path, seed, device))
         self._vllm = vllm
         if self.sleep_between_phases:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
 
     # --- weights and memory -------------------------------------------------------------
 
@@ -215,7 +220,9 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             return False
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": hf_checkpoint_names(named_tensors), "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM kept its prefix cache after a weight load (requests still running?): "
+                               "cached KV of the old weights would be reused")
         self.synced_version = version
         return True
 
@@ -237,9 +244,15 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.wake_ups += 1
 
     def sleep(self) -> None:
-        """Give the engine's memory back to training (weights to host, KV cache freed)."""
+        """Give the engine's memory back to training: weights and KV cache discarded (level 2).
+
+        Level 1 would keep a pinned host copy of the weights on every rank (15 GB for a 7B model,
+        120 GB per 8-GPU node) only to copy it back at the next wake, where the actor's newer
+        weights overwrite it anyway; level 2 frees it and the next wake streams the actor's weights
+        in (vLLM keeps the model's buffers, e.g. the rotary tables, across it)."""
         if self.sleep_between_phases:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
+            self.synced_version = None
         device_utils.empty_cache()
 
     # --- generation ---------------------------------------------------------------
