@@ -9,6 +9,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from verl.trainer.config_check import ConfigError, check_runtime, trainer_flag, validate_config
 from verl.trainer.main_ppo import compose_config
+from verl.utils.attention import FLASH_ATTN_INSTALL
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 if not FIXTURES.is_dir():
@@ -210,7 +211,7 @@ def test_flash_attn_is_needed_for_remove_padding_on_cuda_only(monkeypatch: pytes
         validate_config(compose_config([*packed, "trainer.device=cuda"]))
     for key in ("actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding"):
         assert f"{key}=True on CUDA packs sequences with flash-attn, which is not installed: " \
-               f"`pip install -e .[gpu]` (flash-attn), or set {key}=False" in str(info.value)
+               f"`{FLASH_ATTN_INSTALL}` (docs/training.md), or set {key}=False" in str(info.value)
     with pytest.raises(ConfigError, match="flash-attn"):
         validate_config(compose_config(packed), has_gpu=True)        # device auto on a GPU host
     validate_config(compose_config(packed), has_gpu=False)           # CPU: packing needs no flash-attn

@@ -262,7 +262,7 @@ def test_packing_on_cuda_without_a_loadable_flash_attn_is_refused(monkeypatch):
     import sys
     from types import ModuleType
 
-    from verl.workers.fsdp_workers import attn_implementation
+    from verl.utils.attention import attn_implementation
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)    # installed but not loadable
     with pytest.raises(ValueError, match="needs a working flash-attn.*--no-build-isolation"):

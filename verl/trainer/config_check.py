@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from verl.utils.attention import FLASH_ATTN_INSTALL
+
 logger = logging.getLogger(__name__)
 
 ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "rloo")
@@ -329,7 +331,7 @@ def _check_imports(cfg: DictConfig, errors: list[str], has_gpu: bool | None) -> 
         for key in keys:
             if OmegaConf.select(cfg, key):
                 errors.append(f"{key}=True on CUDA packs sequences with flash-attn, which is not installed: "
-                              f"`pip install -e .[gpu]` (flash-attn), or set {key}=False")
+                              f"`{FLASH_ATTN_INSTALL}` (docs/training.md), or set {key}=False")
 
 
 def _check_trainer(cfg: DictConfig, errors: list[str]) -> None:

@@ -30,6 +30,7 @@ from verl.single_controller.base.decorator import Dispatch, MeshRank, register
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
 from verl.utils import fsdp_utils
+from verl.utils.attention import attn_implementation
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.model import get_model_flops_info, load_causal_lm, load_value_model
@@ -44,10 +45,6 @@ ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 # one tensor-parallel engine share r, so they sample alike).
 _SAMPLING_SEED_STRIDE = 1000
 ROLLOUT_MESH = "rollout"
-FLASH_ATTN_INSTALL = ("pip install flash-attn==2.8.3.post2 --no-build-isolation (after a CUDA torch; docs/training.md, "
-                      "'Installing on GPUs')")
-
-
 def rollout_mesh_rank(rank: int, world_size: int, tensor_parallel_size: int) -> MeshRank:
     """Where worker `rank` sits among the rollout engines: vLLM's tensor-parallel groups are runs of
     `tensor_parallel_size` consecutive ranks (external launcher); the first of each collects."""
@@ -56,24 +53,6 @@ def rollout_mesh_rank(rank: int, world_size: int, tensor_parallel_size: int) -> 
         raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must be >= 1 and divide the "
                          f"{world_size} workers (trainer.nnodes x trainer.n_gpus_per_node)")
     return MeshRank(rank // tp, world_size // tp, rank % tp == 0)
-
-
-def attn_implementation(device: str, use_remove_padding: bool) -> str | None:
-    """flash-attn's varlen kernel for packed batches on CUDA; the model's default otherwise.
-
-    Packing on CUDA without a working flash-attn would fall back to sdpa with one dense (N x N)
-    mask over the whole packed micro-batch: slow and memory-hungry, so it is refused. The package
-    is imported, not only found: a build for another torch or CUDA fails only when loaded."""
-    if device != "cuda" or not use_remove_padding:
-        return None
-    try:
-        import flash_attn  # noqa: F401
-    except Exception as err:  # ImportError, or OSError/RuntimeError from a mismatched binary
-        raise ValueError(f"model.use_remove_padding=True on CUDA needs a working flash-attn ({type(err).__name__}: "
-                         f"{err}); install it with `{FLASH_ATTN_INSTALL}`, or set "
-                         "actor_rollout_ref.model.use_remove_padding=False (and critic.model.use_remove_padding=False)"
-                         ) from err
-    return "flash_attention_2"
 
 
 def _per_rank(node: Any, key: str, world_size: int, where: str, multiplier: int = 1) -> None:
