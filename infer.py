@@ -69,14 +69,25 @@ class VLLMTurns:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
         self.llm = vllm.LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                             enable_prefix_caching=False, seed=0)
+        self.model_path = model_path
 
     def generate_turn(self, tokenizer, ids: list[int], max_new_tokens: int, temperature: float) -> list[int]:
         params = self._vllm.SamplingParams(
             temperature=max(temperature, 0.0), max_tokens=max_new_tokens, stop=list(STOP_STRINGS),
             include_stop_str_in_output=True, skip_special_tokens=False,
-            stop_token_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None)
+            stop_token_ids=list(eos_ids(self, tokenizer)))
         out = self.llm.generate([{"prompt_token_ids": ids}], sampling_params=params, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """The run's one EOS set: the tokenizer's EOS and the model's generation-config EOS ids
+    (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>), as training uses (verl/utils/tokenizer.py)."""
+    from verl.utils.tokenizer import eos_token_ids
+
+    if isinstance(model, VLLMTurns):
+        return eos_token_ids(tokenizer, model.model_path)
+    return eos_token_ids(tokenizer, generation_config=model.generation_config)
 
 
 def load_model(model_path: str, device: str = "cpu", engine: str = "hf"):
@@ -119,7 +130,7 @@ def generate_turn(model, tokenizer, ids: list[int], max_new_tokens: int, tempera
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
         do_sample=sample, temperature=temperature if sample else None, top_p=None, top_k=None,
         stop_strings=list(STOP_STRINGS), tokenizer=tokenizer,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=list(eos_ids(model, tokenizer)),
     )
     return out[0, len(ids):].tolist()
 
@@ -160,7 +171,7 @@ def answer_question(model, tokenizer, question: str, search: SearchFn, max_turns
             episode.n_searches += 1
         elif action.kind == "search":
             episode.stop_reason = "max_turns"
-        elif new_ids and new_ids[-1] == tokenizer.eos_token_id:
+        elif new_ids and new_ids[-1] in eos_ids(model, tokenizer):
             episode.stop_reason = "eos"
         elif not final:
             observation = INVALID_ACTION_NOTICE

@@ -136,3 +136,24 @@ def test_cli_prints_each_turn_and_the_answer(taught_model: str, server_url: str)
     assert "<search> Kalo Miven </search>" in proc.stdout
     assert "Doc 1(Title: \"Kalo Miven\")" in proc.stdout
     assert "# Answer: Dorsil" in proc.stdout
+
+
+def test_a_turn_stops_at_any_eos_of_the_generation_config(tiny_model_dir: str) -> None:
+    """Qwen2.5-Instruct ends a turn with <|im_end|> (its tokenizer's EOS) or <|endoftext|> (only in
+    its generation config): infer.py stops at either, as training does."""
+    import torch
+
+    from infer import answer_question, eos_ids, load_model
+
+    model, tok = load_model(tiny_model_dir)
+    other = tok.pad_token_id
+    model.generation_config.eos_token_id = [tok.eos_token_id, other]
+    assert eos_ids(model, tok) == (tok.eos_token_id, other)
+    # A model that always writes `other`: the episode ends at once with reason eos, not invalid_action.
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[other] = 1.0
+        if model.lm_head.bias is not None:
+            model.lm_head.bias.zero_()
+    episode = answer_question(model, tok, "who?", search=lambda q: "", max_turns=2, max_new_tokens=4)
+    assert episode.stop_reason == "eos" and len(episode.turns) == 1

@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 
-def eos_token_ids(tokenizer: Any, model_path: str | None = None) -> tuple[int, ...]:
-    """The tokenizer's EOS id first, then the generation config's others, without repeats."""
+def eos_token_ids(tokenizer: Any, model_path: str | None = None, generation_config: Any = None) -> tuple[int, ...]:
+    """The tokenizer's EOS id first, then the generation config's others, without repeats. The
+    generation config is `generation_config` when given (a loaded model's), else read from `model_path`."""
     ids: list[int] = []
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
-    for extra in _generation_config_eos(model_path):
+    extras = _eos_list(generation_config.eos_token_id) if generation_config is not None else _generation_config_eos(model_path)
+    for extra in extras:
         if extra not in ids:
             ids.append(extra)
     if not ids:
@@ -37,7 +39,10 @@ def _generation_config_eos(model_path: str | None) -> list[int]:
         config = GenerationConfig.from_pretrained(model_path)
     except OSError:   # no generation_config.json: the tokenizer's EOS alone
         return []
-    eos = config.eos_token_id
+    return _eos_list(config.eos_token_id)
+
+
+def _eos_list(eos: Any) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
