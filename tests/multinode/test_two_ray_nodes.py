@@ -45,10 +45,11 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayClus
     assert cluster.leftover_pids() == [], "a Ray process of the test cluster outlived its node"
 
 
-def _overrides(world: SearchWorld, out: Path, nnodes: int, workers_per_node: int) -> list[str]:
+def _overrides(world: SearchWorld, out: Path, nnodes: int, workers_per_node: int, n_agent: int = N_AGENT
+               ) -> list[str]:
     """One GRPO step with search (the settings of tests/trainer/test_search_e2e.py) on nnodes x workers."""
     base = toy_overrides(world.model_dir, world.data, str(out / "ckpt"), adv_estimator="grpo",
-                         n_workers=workers_per_node, batch_size=BATCH_SIZE, n_agent=N_AGENT, response_length=40)
+                         n_workers=workers_per_node, batch_size=BATCH_SIZE, n_agent=n_agent, response_length=40)
     return [o for o in base if not o.startswith("trainer.nnodes=")] + [
         f"trainer.nnodes={nnodes}",
         "do_search=true", "max_turns=2", "actor_rollout_ref.actor.state_masking=true",
@@ -126,7 +127,9 @@ def test_driver_waits_a_bounded_time_then_names_what_the_cluster_lacks(
         two_nodes: LocalRayCluster, search_world: SearchWorld, tmp_path: Path,
         nnodes: int, workers: int, expected: list[str]) -> None:
     start = time.monotonic()
-    proc = _driver(_overrides(search_world, tmp_path, nnodes=nnodes, workers_per_node=workers)
+    # 2 prompts x 6 samples: batch sizes that divide over 3 and 6 workers, so the config check passes
+    # and the run reaches the cluster wait.
+    proc = _driver(_overrides(search_world, tmp_path, nnodes=nnodes, workers_per_node=workers, n_agent=6)
                    + [f"trainer.ray_address={two_nodes.address}", "trainer.ray_wait_s=3"], timeout_s=300)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0

@@ -165,12 +165,19 @@ def test_a_prefix_cache_that_could_not_be_reset_stops_the_weight_load(fake_vllm:
 
 def test_the_engine_process_settings_are_forced(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", raising=False)
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0")   # recorded, so the test leaves it as found
+    monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION")
+    module = vllm_rollout.import_vllm()
     monkeypatch.setattr(vllm_rollout, "import_vllm", REAL_IMPORT_VLLM)
-    monkeypatch.setitem(__import__("sys").modules, "vllm", SimpleNamespace())
+    monkeypatch.setitem(__import__("sys").modules, "vllm", module)
     vllm_rollout.import_vllm()
-    # In-process engine (weights reloaded in place); request ids as we gave them (equal on TP ranks).
+    # In-process engine (weights reloaded in place).
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    vLLMRollout(None, _rollout_config(), _Tok(), "/m")
+    assert "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION" not in os.environ      # TP=1: vLLM's own ids are fine
+    # A tensor-parallel engine: request ids as we gave them (equal on the ranks).
+    monkeypatch.setattr(vllm_rollout, "remove_stale_cpu_shm", lambda rank, tp: [])
+    vLLMRollout(None, _rollout_config(**{"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}), _Tok(), "/m")
     assert os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] == "1"
 
 

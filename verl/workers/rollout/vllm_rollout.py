@@ -67,10 +67,6 @@ def import_vllm() -> Any:
     """The vllm module, with the settings a colocated in-process engine needs, or a clear error."""
     # The engine must live in this (the worker's) process: its weights are reloaded in place.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # Our request ids are unique per call and equal on a tensor-parallel engine's ranks; vLLM's random
-    # suffix would make the ranks free finished requests' KV blocks in different orders, so with
-    # prefix caching they would schedule differently and their all-reduces would no longer match.
-    os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
     # vLLM-CPU: a small KV cache (GiB) and no OpenMP core pinning, since training threads share the cores.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -201,6 +197,12 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.wake_ups = 0          # generation phases begun (engine wakes, where it sleeps)
         self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
         tp = int(config.get("tensor_model_parallel_size", 1))
+        if tp > 1:
+            # Our request ids are unique per call and equal on the engine's ranks; vLLM's random suffix
+            # would make the ranks free finished requests' KV blocks in different orders, so with prefix
+            # caching they would schedule differently and their all-reduces would no longer match.
+            # (vLLM reads it per request; with TP=1 the suffix is harmless and vLLM warns when it is off.)
+            os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
         if device != "cuda" and tp > 1:
             remove_stale_cpu_shm(int(os.environ.get("RANK", "0")), tp)
         with _local_rank(device_index):
