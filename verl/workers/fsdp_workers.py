@@ -45,6 +45,8 @@ ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 # one tensor-parallel engine share r, so they sample alike).
 _SAMPLING_SEED_STRIDE = 1000
 ROLLOUT_MESH = "rollout"
+
+
 def rollout_mesh_rank(rank: int, world_size: int, tensor_parallel_size: int) -> MeshRank:
     """Where worker `rank` sits among the rollout engines: vLLM's tensor-parallel groups are runs of
     `tensor_parallel_size` consecutive ranks (external launcher); the first of each collects."""
@@ -188,12 +190,10 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         normalize_actor_batch_sizes(self.config, role, self.world_size)
         tp = int(config.rollout.get("tensor_model_parallel_size", 1)) if self._is_rollout else 1
         self._rollout_tp = tp
-        self._rollout_collects = True
         self._rollout_tp_group: Any = None   # gloo group of this rank's TP engine (TP > 1), set in init_model
+        self._rollout_rank = rollout_mesh_rank(self.rank, self.world_size, tp)
         if self._is_rollout:
-            mesh_rank = rollout_mesh_rank(self.rank, self.world_size, tp)
-            self._rollout_collects = mesh_rank.collect
-            self.set_mesh_rank(ROLLOUT_MESH, mesh_rank)
+            self.set_mesh_rank(ROLLOUT_MESH, self._rollout_rank)
         # Generation phases (engine awake with current weights): nested opens, counted wakes.
         self._phase_depth = 0
         self._phase_stack: ExitStack | None = None
@@ -251,9 +251,10 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         # tokens) and follow the run's seed (rollout.seed defaults to trainer.seed).
         torch.manual_seed(self._sampling_seed())
 
-    def _sampling_seed(self) -> int:
-        dp_rank = self.rank // self._rollout_tp
-        return int(self.config.rollout.get("seed", 1)) * _SAMPLING_SEED_STRIDE + dp_rank
+    def _sampling_seed(self, seed: int | None = None) -> int:
+        """`seed` (default: rollout.seed) spread over the rollout's data-parallel ranks."""
+        base = int(self.config.rollout.get("seed", 1)) if seed is None else int(seed)
+        return base * _SAMPLING_SEED_STRIDE + self._rollout_rank.dp_rank
 
     def _require(self, flag: bool, method: str) -> None:
         if not flag:
@@ -275,7 +276,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         with self._in_generation_phase():
             output = self.rollout.generate_sequences(prompts)
         self._check_tensor_parallel_agreement(output)
-        if not self._rollout_collects:
+        if not self._rollout_rank.collect:
             # The group's collecting rank returns the rows; the others' copies would only travel.
             return DataProto(meta_info=dict(output.meta_info))
         return output.to("cpu")
@@ -308,7 +309,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._require(self._is_rollout, "rollout_wake_up")
         if self._phase_depth == 0:
             if seed is not None and self._rollout_tp > 1:
-                torch.manual_seed(int(seed) * _SAMPLING_SEED_STRIDE + self.rank // self._rollout_tp)
+                torch.manual_seed(self._sampling_seed(seed))
             self._phases_begun = 0
             stack = ExitStack()
             stack.enter_context(self._generation_phase())

@@ -286,9 +286,10 @@ class RayPPOTrainer:
         return manager
 
     @contextmanager
-    def _engines_awake(self, gen_meta: dict[str, Any], validation: bool) -> Iterator[None]:
+    def _engines_awake(self, gen_meta: dict[str, Any] | None, validation: bool) -> Iterator[None]:
         """The rollout engines awake for a whole rollout (every turn; every validation batch), asleep
-        after it; the outermost phase records how often they woke in gen_meta['engine_wake_ups'].
+        after it; the outermost phase records how often they woke in gen_meta['engine_wake_ups']
+        (when a gen_meta is given).
 
         The rollout's seed follows the run seed and the step (a tensor-parallel engine's ranks reseed
         from it). On an error the engines are not put to sleep: a rank may be stuck in a collective
@@ -298,7 +299,7 @@ class RayPPOTrainer:
         self.actor_rollout_wg.rollout_wake_up(seed)
         yield
         woke = [w for w in self.actor_rollout_wg.rollout_sleep() if w is not None]
-        if woke:
+        if woke and gen_meta is not None:
             gen_meta["engine_wake_ups"] = max(woke)
 
     def _generate(self, batch: DataProto, validation: bool) -> tuple[DataProto, dict[str, Any]]:
@@ -463,9 +464,8 @@ class RayPPOTrainer:
         scores: list[torch.Tensor] = []
         sources: list[str] = []
         gen_metrics: list[dict[str, float]] = []
-        phase_meta: dict[str, Any] = {}
         # One wake for the whole validation pass, not one per batch (or per turn).
-        with self._engines_awake(phase_meta, validation=True):
+        with self._engines_awake(None, validation=True):
             for batch in tqdm(self.val_dataloader, desc="validation", unit="batch", leave=False,
                               disable=not self.config.trainer.progress_bar):
                 batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
