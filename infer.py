@@ -1,7 +1,7 @@
 """Ask a trained search agent a question: it reasons, searches, and answers.
 
     python infer.py --question "Where was Tupemi Wenvios born?" \
-        --model_path outputs/demo/hf_model --retriever_url http://127.0.0.1:8000/retrieve
+        --model_path outputs/demo/checkpoints/global_step_12/hf --retriever_url http://127.0.0.1:8000/retrieve
     python infer.py --model_path PeterJinGo/SearchR1-nq_hotpotqa_train-qwen2.5-7b-em-ppo   # interactive
 
 The model sees exactly what it saw in training: the Search-R1 prompt template through
