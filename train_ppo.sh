@@ -15,7 +15,8 @@
 # NNODES (default 1), CRITIC_MICRO_BATCH_SIZE, WAND_PROJECT, RETRIEVER_URL, ROLLOUT_NAME (auto: vllm
 # with a GPU and vllm installed, else hf; or hf / vllm). Extra arguments are Hydra overrides and win
 # over the defaults here.
-# With no BASE_MODEL on a machine with no GPU, this runs the small offline CPU demo instead.
+# With no BASE_MODEL on a machine with no GPU, this runs the small offline CPU demo instead, with PPO
+# (GAE + critic; demo.algorithm=ppo, docs/demo.md).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,7 +24,7 @@ has_gpu() { python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available
 
 # --- DEMO HOOK (owned by scripts/demo/): no model given and no GPU -> offline CPU demo -------------
 if [ -z "${BASE_MODEL:-}" ] && ! has_gpu; then
-    exec python3 -m scripts.demo.run_demo "$@"
+    exec python3 -m scripts.demo.run_demo demo.algorithm=ppo "$@"
 fi
 # ----------------------------------------------------------------------------------------------------
 

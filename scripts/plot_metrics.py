@@ -60,23 +60,28 @@ def matching_keys(records: list[dict], prefixes: tuple[str, ...]) -> list[str]:
     return [k for k in keys for p in prefixes if k == p or (p.endswith("/") and k.startswith(p))]
 
 
-def plot_metrics(metrics_path: str | Path, out_path: str | Path, title: str = "Search-R1 training") -> Path:
+def plot_metrics(metrics_path: str | Path, out_path: str | Path, title: str = "Search-R1 training",
+                 panels: tuple[tuple[str, tuple[str, ...]], ...] = PANELS) -> Path:
+    """One panel per (name, metric keys or "prefix/"), two a row; PANELS by default."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (name, prefixes) in zip(axes.flat, PANELS, strict=True):
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (name, prefixes) in zip(axes.flat, panels, strict=False):
         keys = matching_keys(records, prefixes)
         for key in keys:
             steps, values = series(records, key)
-            label = key.rsplit("/", 1)[-1] if key.startswith("val/") else None
+            label = key.rsplit("/", 1)[-1] if key.startswith("val/") else key if len(keys) > 1 else None
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=label)
         if not keys:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-        if any(k.startswith("val/") for k in keys):
+        if any(k.startswith("val/") for k in keys) or len(keys) > 1:
             ax.legend(fontsize=8)
         ax.set_title(name)
         ax.set_xlabel("step")

@@ -3,6 +3,8 @@
     python -m scripts.demo.run_demo                                  # everything, defaults
     python -m scripts.demo.run_demo trainer.total_training_steps=20 demo.data_dir=/tmp/demo
     bash train_grpo.sh                                               # same, on a machine with no GPU
+    python -m scripts.demo.run_demo demo.algorithm=ppo               # PPO (GAE + critic) instead of GRPO
+    bash train_ppo.sh                                                # same, on a machine with no GPU
 
 Steps (each cached under demo.data_dir, so a second run goes straight to RL). It prints
 one line saying what it will do and about how long, then progress bars with an ETA.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,7 +42,13 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from scripts.demo.build import DemoSettings, build_corpus_and_index, build_questions, split_args
+from scripts.demo.build import (
+    TWOHOP_SOURCE,
+    DemoSettings,
+    build_corpus_and_index,
+    build_questions,
+    split_args,
+)
 from scripts.demo.warmstart import MANIFEST, read_manifest, resolve_warmstart, warmstart_settings
 from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS
 
@@ -81,6 +90,25 @@ DEFAULT_RL_OVERRIDES = (
     "+trainer.val_before_train=true",
 )
 
+# `demo.algorithm=ppo` (what `bash train_ppo.sh` passes): PPO with GAE and a critic (the warm
+# start plus a value head) on the same demo; these replace the GRPO keys above. One rollout a
+# prompt, so 160 prompts a step give GRPO's 160 rollouts (32 x 5) and about its step time.
+# Measured: docs/demo.md "GRPO and PPO".
+PPO_RL_OVERRIDES = (
+    "algorithm.adv_estimator=gae",
+    "algorithm.gamma=1.0",
+    "algorithm.lam=1.0",
+    "algorithm.kl_ctrl.kl_coef=0.01",                 # KL to the reference in the reward, as PPO does
+    "data.train_batch_size=160",
+    "actor_rollout_ref.rollout.n_agent=1",
+    "actor_rollout_ref.actor.use_kl_loss=false",
+    "critic.optim.lr=1e-3",
+    "critic.ppo_micro_batch_size=40",
+    "trainer.critic_warmup=0",
+    "trainer.experiment_name=demo-ppo",
+)
+ALGORITHMS = ("grpo", "ppo")
+
 
 # Measured on an idle 2-core CPU (docs/demo.md), for the start line's estimate only.
 SECONDS_PER_RL_STEP = 30.0
@@ -91,6 +119,7 @@ SECONDS_PER_SFT_STEP = 1.0    # only when the warm start is (re)built here
 
 @dataclass
 class DemoSummary:
+    algorithm: str
     val_em_before: float
     val_em_after: float
     val_em_before_by_source: dict
@@ -102,6 +131,8 @@ class DemoSummary:
     hf_model_dir: str
     metrics_path: str
     plot_path: str
+    data_dir: str = "data/demo"
+    try_command: str = ""
 
 
 def build_all(s: DemoSettings) -> dict[str, Path]:
@@ -187,14 +218,38 @@ def overall_em(metrics: dict, source_counts: dict[str, int]) -> tuple[float, dic
     return sum(by_source[s] * n for s, n in source_counts.items()) / total, by_source
 
 
-def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: str) -> list[str]:
+def split_algorithm(argv: list[str]) -> tuple[str, list[str]]:
+    """(`demo.algorithm`, the other arguments): grpo unless `demo.algorithm=ppo` is given."""
+    algorithm, rest = "grpo", []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "demo.algorithm":
+            if value not in ALGORITHMS:
+                raise SystemExit(f"demo.algorithm takes {' or '.join(ALGORITHMS)}, got {value!r}")
+            algorithm = value
+        else:
+            rest.append(arg)
+    return algorithm, rest
+
+
+def algorithm_overrides(algorithm: str) -> list[str]:
+    """DEFAULT_RL_OVERRIDES, with PPO_RL_OVERRIDES in place of the keys they set for ppo."""
+    if algorithm == "grpo":
+        return list(DEFAULT_RL_OVERRIDES)
+    ppo_keys = {o.lstrip("+").partition("=")[0] for o in PPO_RL_OVERRIDES}
+    return [o for o in DEFAULT_RL_OVERRIDES if o.lstrip("+").partition("=")[0] not in ppo_keys] + \
+        list(PPO_RL_OVERRIDES)
+
+
+def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: str,
+                 algorithm: str = "grpo") -> list[str]:
     out_dir = Path(s.output_dir)
     base = [
         f"data.train_files={paths['train']}", f"data.val_files={paths['test']}",
         f"actor_rollout_ref.model.path={paths['model']}", f"critic.model.path={paths['model']}",
         f"trainer.default_local_dir={out_dir / 'checkpoints'}", f"retriever.url={url}",
     ]
-    overrides = [*DEFAULT_RL_OVERRIDES, *base]
+    overrides = [*algorithm_overrides(algorithm), *base]
     # Later overrides win in Hydra, but a "+key" given twice is an error: drop ours.
     user_keys = {a.lstrip("+").partition("=")[0] for a in user}
     overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in user_keys]
@@ -213,7 +268,7 @@ def validations(steps: int, test_freq: int) -> int:
     return 1 + len({*range(test_freq, steps + 1, test_freq), steps}) if test_freq > 0 else 1
 
 
-def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int) -> str:
+def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int, algorithm: str = "grpo") -> str:
     """One line saying what the demo will do and about how long it takes."""
     shipped = (s.warmstart_path / MANIFEST).exists() and not s.rebuild_warmstart and \
         read_manifest(s.warmstart_path).settings == warmstart_settings(s)
@@ -229,7 +284,7 @@ def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int) -> str:
         seconds += sum(s.sft_steps) * SECONDS_PER_SFT_STEP
     minutes = max(1, round(seconds / 60))
     return (f"[demo] This will build a small fictional world and its BM25 search server, {warm}, then run "
-            f"{steps} GRPO steps with search on CPU, validating on {n_val} held-out questions {n_checks} times: "
+            f"{steps} {algorithm.upper()} steps with search on CPU, validating on {n_val} held-out questions {n_checks} times: "
             f"about {minutes} min on an idle 2-core machine (up to {2 * minutes} on a slower or busy one).")
 
 
@@ -237,18 +292,18 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
     from verl.trainer.main_ppo import compose_config, run_ppo
 
     start = time.time()
-    settings, user_overrides = split_args(list(sys.argv[1:] if argv is None else argv))
-    planned = compose_config(rl_overrides(settings, {k: Path(k) for k in ("train", "test", "model")},
-                                          user_overrides, "http://placeholder/retrieve"))
+    algorithm, rest = split_algorithm(list(sys.argv[1:] if argv is None else argv))
+    settings, user_overrides = split_args(rest)
+    planned = planned_config(algorithm, settings, user_overrides)
     n_val = settings.n_val_per_kind * len(ONE_HOP_KINDS + TWO_HOP_KINDS)
-    print(start_line(settings, int(planned.trainer.total_training_steps), int(planned.trainer.test_freq), n_val),
-          flush=True)
+    print(start_line(settings, int(planned.trainer.total_training_steps), int(planned.trainer.test_freq), n_val,
+                     algorithm), flush=True)
     paths = build_all(settings)
     out_dir = Path(settings.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     source_counts = pd.read_parquet(paths["test"])["data_source"].value_counts().to_dict()
 
-    overrides = rl_overrides(settings, paths, user_overrides, "http://placeholder/retrieve")
+    overrides = rl_overrides(settings, paths, user_overrides, "http://placeholder/retrieve", algorithm)
     ckpt_root = Path(compose_config(overrides).trainer.default_local_dir)
     if _given(user_overrides, "trainer.resume_mode") in (None, "disable") and ckpt_root.exists():
         # A fresh run: old checkpoints and an appended-to metrics log would mix two runs.
@@ -256,7 +311,7 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
 
     with retrieval_server(_given(user_overrides, "retriever.url"), paths["index"], paths["corpus"],
                           settings.topk, out_dir / "retrieval_server.log") as url:
-        config = compose_config(rl_overrides(settings, paths, user_overrides, url))
+        config = compose_config(rl_overrides(settings, paths, user_overrides, url, algorithm))
         rl_start = time.time()
         history = run_ppo(config)
         rl_seconds = time.time() - rl_start
@@ -268,29 +323,80 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
     em_after, by_after = overall_em(val_records[-1], source_counts)
     step = int(val_records[-1]["step"])
     metrics_path = Path(config.trainer.log_dir or ckpt_root / "logs") / "metrics.jsonl"
-    from scripts.plot_metrics import plot_metrics
+    from scripts.plot_metrics import PANELS, plot_metrics
 
-    plot_path = plot_metrics(metrics_path, out_dir / "training_curves.png", title="Search-R1 offline demo (GRPO)")
+    panels = PANELS + CRITIC_PANELS if algorithm == "ppo" else PANELS
+    plot_path = plot_metrics(metrics_path, out_dir / "training_curves.png",
+                             title=f"Search-R1 offline demo ({algorithm.upper()})", panels=panels)
+    hf_model_dir = str(ckpt_root / f"global_step_{step}" / "hf")
     summary = DemoSummary(
-        val_em_before=em_before, val_em_after=em_after, val_em_before_by_source=by_before,
+        algorithm=algorithm, val_em_before=em_before, val_em_after=em_after, val_em_before_by_source=by_before,
         val_em_after_by_source=by_after, rl_steps=step, wall_seconds=time.time() - start, rl_seconds=rl_seconds,
         checkpoint_dir=str(ckpt_root / f"global_step_{step}"),
-        hf_model_dir=str(ckpt_root / f"global_step_{step}" / "hf"),
-        metrics_path=str(metrics_path), plot_path=str(plot_path))
+        hf_model_dir=hf_model_dir, metrics_path=str(metrics_path), plot_path=str(plot_path),
+        data_dir=str(settings.root), try_command=try_command(paths["test"], out_dir))
     (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     print_summary(summary, out_dir / "summary.json")
     return summary
 
 
+def planned_config(algorithm: str, settings: DemoSettings, user_overrides: list[str]):
+    """The trainer config the demo will run (placeholder paths and retriever URL)."""
+    from verl.trainer.main_ppo import compose_config
+
+    return compose_config(rl_overrides(settings, {k: Path(k) for k in ("train", "test", "model")},
+                                       user_overrides, "http://placeholder/retrieve", algorithm))
+
+
+def held_out_questions(test_parquet: str | Path, source: str = TWOHOP_SOURCE) -> list[tuple[str, list[str]]]:
+    """(question, golden answers) of one source's rows in the demo's validation parquet, in file order."""
+    from search_r1.prompt import PROMPT_TEMPLATE
+
+    frame = pd.read_parquet(test_parquet)
+    head = PROMPT_TEMPLATE.split("{question}")[0]
+    out = []
+    for i, row in frame[frame["data_source"] == source].iterrows():
+        content = row["prompt"][0]["content"]
+        if not content.startswith(head):
+            raise ValueError(f"{test_parquet}: row {i} ({source}) does not use the Search-R1 prompt template")
+        out.append((content[len(head):].strip(), [str(a) for a in row["reward_model"]["ground_truth"]["target"]]))
+    return out
+
+
+def demo_question(test_parquet: str | Path) -> str:
+    """The first held-out two-hop question of the demo's validation parquet (what `infer.py --demo` asks)."""
+    questions = held_out_questions(test_parquet)
+    if not questions:
+        raise ValueError(f"{test_parquet}: no {TWOHOP_SOURCE} rows; delete the demo's data folder to rebuild it")
+    return questions[0][0]
+
+
+def try_command(test_parquet: str | Path, output_dir: Path) -> str:
+    """`python infer.py --demo --question "..."`: the trained model on a held-out two-hop question."""
+    question = demo_question(test_parquet)
+    # Double quotes as a user would type them, unless the shell would read something inside.
+    quoted = f'"{question}"' if not any(c in question for c in '"$`\\!') else shlex.quote(question)
+    cmd = f"python infer.py --demo --question {quoted}"
+    if Path(output_dir) != Path(DemoSettings.output_dir):
+        cmd += f" --demo_output_dir {shlex.quote(str(output_dir))}"
+    return cmd
+
+
+# The critic's curves, beside the four of scripts/plot_metrics.py, for demo.algorithm=ppo.
+CRITIC_PANELS = (
+    ("Critic value loss", ("critic/vf_loss",)),
+    ("Critic values and explained variance", ("critic/values/mean", "critic/vf_explained_var")),
+)
+
+
 def print_summary(s: DemoSummary, path: Path) -> None:
-    print("\n========== Search-R1 offline demo ==========")
+    print(f"\n========== Search-R1 offline demo ({s.algorithm.upper()}) ==========")
     print(f"validation EM before RL: {s.val_em_before:.3f}  {s.val_em_before_by_source}")
     print(f"validation EM after RL:  {s.val_em_after:.3f}  {s.val_em_after_by_source}")
     print(f"RL steps: {s.rl_steps}   RL time: {s.rl_seconds:.0f}s   total: {s.wall_seconds:.0f}s")
     print(f"checkpoint: {s.checkpoint_dir}\nHF model:   {s.hf_model_dir}")
     print(f"metrics:    {s.metrics_path}\nplot:       {s.plot_path}\nsummary:    {path}")
-    print(f"try it:     python infer.py --model_path {s.hf_model_dir} --retriever_url <url> --topk 2 "
-          "--question \"<a question from data/demo/test.parquet>\"", flush=True)
+    print(f"try it:     {s.try_command}", flush=True)
 
 
 def main() -> None:
