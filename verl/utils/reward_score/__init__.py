@@ -4,6 +4,11 @@ Every supported source is an open-domain QA set scored by exact match; the
 format-aware variant (Search-R1 v0.3) is chosen by the reward manager's config,
 not by the source. Validation EM and the training reward go through the same
 `get_scorer`, so there is one definition of "correct".
+
+Rows in veRL upstream's tool format name their source `searchR1_<source>`
+(what its preprocess_search_r1_dataset.py and our `--format tool` write); they
+are scored with that recipe's own rule, `search_r1_like_qa_em.compute_score`
+(EM, a correct answer quartered past 10 `<answer>` tags).
 """
 
 from __future__ import annotations
@@ -12,12 +17,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from verl.utils.reward_score import qa_em, qa_em_format
+from verl.utils.reward_score import qa_em, qa_em_format, search_r1_like_qa_em
 
-SUPPORTED_DATA_SOURCES = frozenset({
+# The sources of the tag protocol's rows (and of FlashRAG, which both data formats read).
+TAG_DATA_SOURCES = frozenset({
     "nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle",
     "demo_onehop", "demo_twohop", "demo",
 })
+# veRL's preprocess_search_r1_dataset.py names a row's source "searchR1_" + its FlashRAG source.
+SEARCH_R1_LIKE_PREFIX = "searchR1_"
+SEARCH_R1_LIKE_DATA_SOURCES = frozenset(SEARCH_R1_LIKE_PREFIX + source for source in TAG_DATA_SOURCES)
+SUPPORTED_DATA_SOURCES = TAG_DATA_SOURCES | SEARCH_R1_LIKE_DATA_SOURCES
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,23 @@ def validate_data_sources(sources: Iterable[str]) -> None:
 
 
 def get_scorer(data_source: str, format_aware: bool = False) -> Scorer:
-    """The scoring function for `data_source` (plain EM, or the v0.3 format-aware EM)."""
+    """The scoring function for `data_source`.
+
+    Tag-protocol sources: plain EM, or the v0.3 format-aware EM. `searchR1_*` sources: the
+    reproduction's `search_r1_like_qa_em.compute_score`, which has no format-aware variant.
+    """
     validate_data_sources([data_source])
+    if data_source in SEARCH_R1_LIKE_DATA_SOURCES:
+        if format_aware:
+            # The v0.3 structure check is about <search>/<information> tags; tool-format rows
+            # have none, so every response would be judged malformed.
+            raise ValueError(
+                f"data_source {data_source!r} is scored by the search_r1_like reward, which has no "
+                "format-aware variant; set reward_model.structure_format_score, final_format_score and "
+                "retrieval_score to 0 for tool-format data (the v0.3 format reward checks <search> tags)")
+        return search_r1_like_qa_em.compute_score
     return qa_em_format.compute_score_em if format_aware else qa_em.compute_score_em
 
 
-__all__ = ["SUPPORTED_DATA_SOURCES", "FormatScoreConfig", "RewardBreakdown", "get_scorer", "validate_data_sources"]
+__all__ = ["SEARCH_R1_LIKE_DATA_SOURCES", "SEARCH_R1_LIKE_PREFIX", "SUPPORTED_DATA_SOURCES", "TAG_DATA_SOURCES",
+           "FormatScoreConfig", "RewardBreakdown", "get_scorer", "validate_data_sources"]
