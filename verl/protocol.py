@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,11 @@ __all__ = [
     "pad_dataproto_to_divisor",
     "unpad_dataproto",
     "collate_fn",
+    "union_tensor_dict",
+    "union_numpy_dict",
+    "fold_batch_dim",
+    "unfold_batch_dim",
+    "list_of_dict_to_dict_of_list",
 ]
 
 
@@ -87,6 +93,44 @@ def _as_index(idxs: Any, length: int) -> torch.Tensor:
     if index.dtype.is_floating_point or index.dtype.is_complex:
         raise IndexError(f"row indices must be integers or booleans, got dtype {index.dtype}")
     return index.long().reshape(-1)
+
+
+def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
+    """Add tensor_dict2's keys to tensor_dict1 (in place, returned); a key in both must hold equal tensors."""
+    if tensor_dict1.batch_size != tensor_dict2.batch_size:
+        raise BatchSizeMismatchError(
+            f"union of TensorDicts with batch sizes {list(tensor_dict1.batch_size)} and "
+            f"{list(tensor_dict2.batch_size)}"
+        )
+    for key in tensor_dict2.keys():
+        if key not in tensor_dict1.keys():
+            tensor_dict1[key] = tensor_dict2[key]
+        elif not _same_value(tensor_dict1[key], tensor_dict2[key]):
+            raise KeyConflictError(f"union: batch[{key!r}] differs between the two batches")
+    return tensor_dict1
+
+
+def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Add dict2's arrays to dict1 (in place, returned); a key in both must hold equal arrays."""
+    for key, value in dict2.items():
+        if key in dict1 and not _same_value(dict1[key], value):
+            raise KeyConflictError(f"union: non_tensor_batch[{key!r}] differs between the two batches")
+        dict1[key] = value
+    return dict1
+
+
+def list_of_dict_to_dict_of_list(list_of_dict: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """[{a: 1, b: 2}, {a: 3, b: 4}] -> {a: [1, 3], b: [2, 4]}; every dict must have the first one's keys."""
+    if not list_of_dict:
+        return {}
+    keys = list(list_of_dict[0])
+    output: dict[str, list[Any]] = {key: [] for key in keys}
+    for i, row in enumerate(list_of_dict):
+        if sorted(row) != sorted(keys):
+            raise KeyError(f"list_of_dict_to_dict_of_list: dict {i} has keys {sorted(row)} but dict 0 has {sorted(keys)}")
+        for key, value in row.items():
+            output[key].append(value)
+    return output
 
 
 @dataclass
@@ -299,16 +343,8 @@ class DataProto:
             if self.batch is None:
                 self.batch = other.batch.select(*other.batch.keys())
             else:
-                for key in other.batch.keys():
-                    if key in self.batch.keys():
-                        if not _same_value(self.batch[key], other.batch[key]):
-                            raise KeyConflictError(f"union: batch[{key!r}] differs between the two batches")
-                    else:
-                        self.batch[key] = other.batch[key]
-        for key, value in other.non_tensor_batch.items():
-            if key in self.non_tensor_batch and not _same_value(self.non_tensor_batch[key], value):
-                raise KeyConflictError(f"union: non_tensor_batch[{key!r}] differs between the two batches")
-            self.non_tensor_batch[key] = value
+                union_tensor_dict(self.batch, other.batch)
+        union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
         for key, value in other.meta_info.items():
             if key in self.meta_info and not _same_value(self.meta_info[key], value):
                 raise KeyConflictError(
@@ -405,6 +441,14 @@ class DataProto:
             self.batch = self.batch.to(device)
         return self
 
+    def print_size(self, prefix: str = "") -> None:
+        """Print the bytes the tensors and the numpy arrays hold, in GB (veRL's memory probe)."""
+        tensor_bytes = sum(t.element_size() * t.numel() for t in self.batch.values()) if self.batch is not None else 0
+        numpy_bytes = sum(array.nbytes for array in self.non_tensor_batch.values())
+        message = (f"Size of tensordict: {tensor_bytes / 1024**3} GB, "
+                   f"size of non_tensor_batch: {numpy_bytes / 1024**3} GB")
+        print(f"{prefix}, {message}" if prefix else message)
+
     # ----------------------------------------------------------------- serialization
     def __getstate__(self) -> dict[str, Any]:
         # One torch.save blob for all tensors: Ray ships it as a single buffer instead of
@@ -458,6 +502,41 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     if pad_size < 0 or pad_size > len(data):
         raise ValueError(f"pad_size {pad_size} is outside [0, {len(data)}]")
     return data.slice(0, len(data) - pad_size) if pad_size else data
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """Rows [B, ...] regrouped as [new_batch_size, B // new_batch_size, ...]: a batch of new_batch_size
+    rows, each holding B // new_batch_size consecutive old rows. `unfold_batch_dim` undoes it."""
+    if new_batch_size < 1 or len(data) % new_batch_size != 0:
+        raise DataProtoError(f"fold_batch_dim: new_batch_size {new_batch_size} must divide the batch size {len(data)}")
+    batch = None
+    if data.batch is not None:
+        tensors = {key: t.reshape(new_batch_size, -1, *t.shape[1:]) for key, t in data.batch.items()}
+        batch = TensorDict(tensors, batch_size=[new_batch_size])
+    non_tensors = {key: value.reshape(new_batch_size, -1, *value.shape[1:])
+                   for key, value in data.non_tensor_batch.items()}
+    return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(data.meta_info))
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """Flatten the first `batch_dims` dimensions of every tensor and array into one batch dimension."""
+    if batch_dims < 1:
+        raise ValueError(f"batch_dims must be >= 1, got {batch_dims}")
+    values: dict[str, Any] = {**(dict(data.batch.items()) if data.batch is not None else {}), **data.non_tensor_batch}
+    leading = {key: tuple(value.shape[:batch_dims]) for key, value in values.items()}
+    for key, value in values.items():
+        if value.ndim < batch_dims or leading[key] != next(iter(leading.values())):
+            raise BatchSizeMismatchError(
+                f"unfold_batch_dim: {key!r} has shape {tuple(value.shape)}; every key needs the same first "
+                f"{batch_dims} dimensions ({next(iter(leading.values()))})"
+            )
+    batch = None
+    if data.batch is not None:
+        tensors = {key: t.reshape(-1, *t.shape[batch_dims:]) for key, t in data.batch.items()}
+        rows = math.prod(next(iter(leading.values()))) if leading else 0
+        batch = TensorDict(tensors, batch_size=[rows])
+    non_tensors = {key: value.reshape(-1, *value.shape[batch_dims:]) for key, value in data.non_tensor_batch.items()}
+    return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(data.meta_info))
 
 
 def collate_fn(data_list: list[dict[str, Any]]) -> DataProto:

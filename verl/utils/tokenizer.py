@@ -7,6 +7,9 @@ The end-of-sequence set is the tokenizer's EOS plus the model's `generation_conf
 config adds `<|endoftext|>`, and a model that emits either must stop. The engine's stop ids, the
 HF sampling loop and the generation manager's turn cut all take this one set (meta_info
 `eos_token_id`).
+
+`hf_tokenizer(path)` loads a tokenizer the way veRL does (a missing pad token becomes EOS), for
+code written against veRL or the original Search-R1.
 """
 
 from __future__ import annotations
@@ -46,3 +49,26 @@ def _eos_list(eos: Any) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def hf_tokenizer(name_or_path: Any, correct_pad_token: bool = True, correct_gemma2: bool = True, **kwargs: Any) -> Any:
+    """`AutoTokenizer.from_pretrained(name_or_path, **kwargs)` as veRL loads it: a tokenizer without a
+    pad token pads with its EOS (with a warning), and gemma-2-2b-it ends turns at `<end_of_turn>`
+    (id 107), which its tokenizer does not name as EOS."""
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    if correct_gemma2 and isinstance(name_or_path, str) and "gemma-2-2b-it" in name_or_path:
+        warnings.warn("gemma-2-2b-it tokenizer: eos_token set to <end_of_turn> (id 107)", stacklevel=2)
+        kwargs["eos_token"] = "<end_of_turn>"
+        kwargs["eos_token_id"] = 107
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    if correct_pad_token:
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token_id = tokenizer.eos_token_id
+            warnings.warn(f"tokenizer.pad_token_id is None; set to the EOS id {tokenizer.eos_token_id}", stacklevel=2)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+            warnings.warn(f"tokenizer.pad_token is None; set to the EOS token {tokenizer.eos_token!r}", stacklevel=2)
+    return tokenizer
