@@ -21,8 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from search_r1.llm_agent import actions
-from search_r1.llm_agent.generation import LLMGenerationManager, _Row
+from search_r1.llm_agent.generation import LLMGenerationManager, _Row, _TurnResult
 
 # Request seed = f(call seed, row, turn): what a row samples does not depend on timing.
 _ROW_STRIDE = 1_000_003
@@ -43,29 +42,33 @@ class AsyncAgentLoop:
         self.client = client
         self.eos_token_ids = eos_token_ids
 
-    async def _search(self, query: str) -> tuple[str, bool]:
-        """(observation, failed): one query per request; a failure becomes an observation."""
+    async def _act(self, res: _TurnResult, stats: Counter[str]) -> str | list[str]:
+        """The observation answering the turn's action; its queries go in one request of this
+        trajectory's own, and a failed request becomes an observation (counted)."""
         from search_r1.search.client import RetrievalError
 
-        if self.client is None:
-            raise ValueError("GenerationConfig.search_url (retriever.url) is required when the policy searches")
-        try:
-            results = await self.client.retrieve([query], topk=self.manager.config.topk, return_scores=True)
-        except RetrievalError:
-            return actions.render_search_failure(), True
-        if len(results) != 1:
-            raise ValueError(f"retrieval returned {len(results)} result lists for 1 query")
-        return actions.render_observation(results[0]), False
+        queries = list(res.queries)
+        hits, error = [], None
+        if queries:
+            if self.client is None:
+                raise ValueError("GenerationConfig.search_url (retriever.url) is required when the policy searches")
+            try:
+                hits = await self.client.retrieve(queries, topk=self.manager.config.topk, return_scores=True)
+            except RetrievalError as err:
+                hits, error = None, str(err)
+                stats["search_failures"] += len(queries)
+            if hits is not None and len(hits) != len(queries):
+                raise ValueError(f"retrieval returned {len(hits)} result lists for {len(queries)} queries")
+        return self.manager._observation_for(res, hits, error, stats)
 
     async def trajectory(self, row: _Row, index: int, call_seed: int) -> Counter[str]:
-        config = self.manager.config
-        turn_budget = config.max_response_length + config.max_obs_length
+        manager = self.manager
+        config = manager.config
         stats: Counter[str] = Counter()
         retrieval_s = 0.0
-        for turn in range(config.max_turns + 1):
+        for turn in range(manager._turn_limit()):
             is_final = turn == config.max_turns
-            row.stop_reason = actions.stop_if_context_full(row.response_len, turn_budget,
-                                                           config.max_total_response_length)
+            row.stop_reason = manager._stop_before_turn(row)
             if not row.active:
                 break
             context, cut = self.manager._context(row)
@@ -73,16 +76,16 @@ class AsyncAgentLoop:
             if cut and row.cut_from < 0:
                 row.cut_from = row.response_len
             completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn))
-            res = self.manager._cut_turn(completion.token_ids, self.eos_token_ids)
+            sampled, log_probs = manager._clip_to_budget(row, list(completion.token_ids), completion.log_probs)
+            res = manager._cut_turn(sampled, self.eos_token_ids)
             observation = None
-            if res.action.kind == "search" and not is_final:
+            if manager._runs_action(row, res, is_final):
                 start = time.perf_counter()
-                observation, failed = await self._search(res.action.content)
+                observation = await self._act(res, stats)
                 retrieval_s += time.perf_counter() - start
-                stats["search_failures"] += int(failed)
             stats["generated_tokens"] += res.generated
             stats["kept_tokens"] += len(res.kept_ids)
-            self.manager._apply_turn(row, res, observation, is_final, stats, completion.log_probs)
+            manager._apply_turn(row, res, observation, is_final, stats, log_probs)
             if not row.active:
                 break
         stats["retrieval_ms"] += round(retrieval_s * 1000)
@@ -109,7 +112,8 @@ def run_shard(tokenizer: Any, config: Any, step_engine: Any, prompts: Sequence[l
             from search_r1.search.async_client import AsyncRetrievalClient
 
             client = AsyncRetrievalClient(config.search_url, topk=config.topk, timeout=config.retrieval_timeout,
-                                          max_retries=config.retrieval_max_retries)
+                                          max_retries=config.retrieval_max_retries,
+                                          pool_size=config.retrieval_concurrency)
         try:
             rows, stats = await AsyncAgentLoop(manager, engine, client, eos_token_ids).run(prompts, call_seed)
         finally:

@@ -45,6 +45,7 @@ from search_r1.llm_agent.tensor_helper import (
     real_tokens,
     right_pad,
 )
+from search_r1.search.schema import Hit
 from verl.utils import batch_keys as K
 
 
@@ -75,8 +76,23 @@ class GenerationConfig:
     # sync: one engine call per turn for all rows; async: one coroutine per trajectory in each
     # rollout worker (async_generation.py, docs/agent.md "Sync and async rollout").
     mode: str = "sync"
+    # "tags": the original's <search>/<answer> text protocol (actions.py); "tool": native tool calls
+    # through the chat template, veRL upstream's recipe (tools.py; multi_turn.enable). docs/agent.md.
+    protocol: str = "tags"
+    tool_config: dict | None = None            # tools.ToolConfig.to_dict() (plain types: it travels to workers)
+    max_assistant_turns: int | None = None     # tool protocol: turns of the model (None: bounded by the budget)
+    max_user_turns: int | None = None          # tool protocol: rounds of tool answers
+    max_parallel_calls: int = 1                # tool calls run per turn; 1: the turn stops at </tool_call>
+    max_tool_response_length: int | None = 256  # characters of one tool answer (veRL's default), then cut
+    tool_response_truncate_side: str = "middle"
+    # Requests in flight to the retrieval server per rollout worker in async mode (None: the client's default).
+    retrieval_concurrency: int | None = None
 
     def __post_init__(self) -> None:
+        if self.protocol not in ("tags", "tool"):
+            raise ValueError(f"GenerationConfig.protocol must be 'tags' or 'tool', got {self.protocol!r}")
+        if self.protocol == "tool":
+            self._check_tool_settings()
         if self.mode not in ("sync", "async"):
             raise ValueError(f"GenerationConfig.mode (actor_rollout_ref.rollout.mode) must be 'sync' or 'async', "
                              f"got {self.mode!r}")
@@ -96,12 +112,47 @@ class GenerationConfig:
                 "decoded policy text, which breaks token-exact rollouts"
             )
         turn_budget = self.max_response_length + self.max_obs_length
-        if self.max_total_response_length is not None and self.max_total_response_length < turn_budget:
+        # (The tool protocol's budget is veRL's: all turns together; a turn may use all that is left.)
+        if (self.protocol == "tags" and self.max_total_response_length is not None
+                and self.max_total_response_length < turn_budget):
             raise ValueError(
                 f"GenerationConfig.max_total_response_length ({self.max_total_response_length}) must fit one turn: "
                 f"max_response_length + max_obs_length = {turn_budget}"
             )
         self.stop = tuple(self.stop)
+
+    def _check_tool_settings(self) -> None:
+        from search_r1.llm_agent import tools
+
+        if not self.tool_config:
+            raise ValueError("GenerationConfig.tool_config (multi_turn.tool_config_path) is required with protocol='tool'")
+        if self.max_total_response_length is None:
+            raise ValueError("GenerationConfig.max_total_response_length (data.max_response_length, the budget of all "
+                             "turns) is required with protocol='tool'")
+        for name in ("max_assistant_turns", "max_user_turns"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"GenerationConfig.{name} (multi_turn.{name}) must be >= 1 or null, got {value}")
+        if self.max_parallel_calls < 1:
+            raise ValueError(f"GenerationConfig.max_parallel_calls (multi_turn.max_parallel_calls) must be >= 1, "
+                             f"got {self.max_parallel_calls}")
+        if self.tool_response_truncate_side not in tools.TRUNCATE_SIDES:
+            raise ValueError(f"GenerationConfig.tool_response_truncate_side must be one of {tools.TRUNCATE_SIDES}, "
+                             f"got {self.tool_response_truncate_side!r}")
+        # One call a turn: stop the engine at its end (no compute after it). More: the turn runs to EOS.
+        self.stop = (tools.TOOL_CALL_CLOSE,) if self.max_parallel_calls == 1 else ()
+        # The search tool's own settings win over retriever.*: the tool config is what the recipe configures.
+        search = tools.ToolConfig.from_dict(self.tool_config).search_settings()
+        if search is not None:
+            self.search_url = search.retrieval_service_url
+            self.topk = int(search.topk)
+            self.retrieval_timeout = float(search.timeout)
+            if self.retrieval_concurrency is None:
+                # veRL's num_workers / rate_limit cap the requests in flight over the whole job; split evenly
+                # over the rollout workers (each runs its own client).
+                cap = min(int(search.num_workers), int(search.rate_limit)) if search.enable_global_rate_limit \
+                    else int(search.num_workers)
+                self.retrieval_concurrency = max(1, cap // max(1, self.num_gpus))
 
 
 # generate_trajectories' contract: the config goes in meta_info, rows and counters come back per row.
@@ -129,6 +180,7 @@ class _Row:
     n_turns: int = 0
     n_valid_actions: int = 0
     n_searches: int = 0
+    n_tool_rounds: int = 0      # tool protocol: rounds of tool answers appended (veRL's user turns)
     # Response position from which the policy sampled from a rolling context that had dropped
     # older turns (-1: never). Old log-probs and the update see the full sequence instead.
     cut_from: int = -1
@@ -172,6 +224,8 @@ class _TurnResult:
     action: Action
     emitted_eos: bool
     generated: int
+    calls: tuple = ()                 # tool protocol: the turn's parsed calls (tools.ToolCall | ToolCallError)
+    queries: tuple[str, ...] = ()     # the queries the turn sends to the retrieval server
 
 
 class LLMGenerationManager:
@@ -188,6 +242,12 @@ class LLMGenerationManager:
         self._log_probs_match_actor = True
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("tokenizer must define both pad_token_id and eos_token_id")
+        self._tool = None
+        if config.protocol == "tool":
+            from search_r1.llm_agent.tool_turns import ToolTurns
+
+            self._tool = ToolTurns(self, config)
+            return
         self._close_ids = self._encode(actions.INFORMATION_CLOSE)
         self._invalid_ids = self._encode(actions.INVALID_ACTION_NOTICE)
         self._budget_ids = self._encode(actions.SEARCH_BUDGET_NOTICE)
@@ -206,6 +266,18 @@ class LLMGenerationManager:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def _shortest_prefix(self, sampled: list[int], complete: Any) -> list[int]:
+        """The shortest prefix of `sampled` whose decoded text satisfies `complete` (true for the
+        whole); the predicate is monotone in the prefix length, so O(log n) decodes."""
+        lo, hi = 1, len(sampled)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if complete(self._decode(sampled[:mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        return sampled[:lo]
+
     def _cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
         """Keep the sampled ids up to the token that completes the first action.
 
@@ -213,23 +285,18 @@ class LLMGenerationManager:
         them (or with an engine that overshoots) the tail is dropped here by token
         position. Decoded text is used only to find that position.
         """
+        if self._tool is not None:
+            return self._tool.cut_turn(sampled, eos_token_ids)
         text = self._decode(sampled)
         action = actions.parse_action(text)
         kept = sampled
         if action.is_valid and text[action.end:]:
-            # Smallest prefix that already holds a complete action; the predicate is
-            # monotone in the prefix length, so binary search needs O(log n) decodes.
-            lo, hi = 1, len(sampled)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if actions.has_complete_action(self._decode(sampled[:mid])):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            kept = sampled[:lo]
+            kept = self._shortest_prefix(sampled, actions.has_complete_action)
             action = actions.parse_action(self._decode(kept))
         emitted_eos = bool(kept) and kept[-1] in eos_token_ids
-        return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled))
+        queries = (action.content,) if action.kind == "search" else ()
+        return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled),
+                           queries=queries)
 
     def _observation_ids(self, text: str) -> tuple[list[int], bool]:
         """Tokenize an observation once; if too long, cut the body but keep `</information>\\n\\n`.
@@ -319,19 +386,55 @@ class LLMGenerationManager:
                                            max_retries=self.config.retrieval_max_retries)
         return self._client
 
-    def _search(self, queries: list[str]) -> tuple[list[str], int]:
-        """One retrieval call for all of a turn's queries. Returns (observations, n_failed)."""
+    def _retrieve(self, queries: list[str]) -> tuple[list[list[Hit]] | None, str | None]:
+        """One retrieval call for `queries`: (hits per query, None), or (None, why) when it failed."""
         if not queries:
-            return [], 0
+            return [], None
         from search_r1.search.client import RetrievalError
 
         try:
             results = self._retriever().retrieve(queries, topk=self.config.topk, return_scores=True)
-        except RetrievalError:
-            return [actions.render_search_failure() for _ in queries], len(queries)
+        except RetrievalError as err:
+            return None, str(err)
         if len(results) != len(queries):
             raise ValueError(f"retrieval returned {len(results)} result lists for {len(queries)} queries")
-        return [actions.render_observation(hits) for hits in results], 0
+        return results, None
+
+    def _runs_action(self, row: _Row, res: _TurnResult, is_final: bool) -> bool:
+        """Whether the turn's search (tags) or tool calls (tool) are carried out, not refused as over budget."""
+        if self._tool is not None:
+            return bool(res.calls) and not self._tool.is_final(row)
+        return res.action.kind == "search" and not is_final
+
+    def _observation_for(self, res: _TurnResult, hits: list[list[Hit]] | None, error: str | None,
+                         stats: Counter[str]) -> str | list[str]:
+        """What answers a turn whose action runs: the `<information>` block (tags), or each call's
+        tool message (tool). `hits` holds one list per query of `res.queries` (None: retrieval failed)."""
+        if self._tool is not None:
+            return self._tool.answers(res, hits, error, stats)
+        return actions.render_search_failure() if hits is None else actions.render_observation(hits[0])
+
+    def _turn_limit(self) -> int:
+        if self._tool is not None:
+            from search_r1.llm_agent.tool_turns import turn_limit
+
+            return turn_limit(self.config)
+        return self.config.max_turns + 1
+
+    def _stop_before_turn(self, row: _Row) -> str | None:
+        """A row that cannot take another turn (no room left in its response budget) ends here."""
+        if self._tool is not None:
+            return actions.CONTEXT_FULL if self._tool.remaining(row) <= 0 else None
+        return actions.stop_if_context_full(row.response_len, self.config.max_response_length + self.config.max_obs_length,
+                                            self.config.max_total_response_length)
+
+    def _clip_to_budget(self, row: _Row, sampled: list[int], log_probs: list[float] | None
+                        ) -> tuple[list[int], list[float] | None]:
+        """Tool protocol: a turn keeps at most what is left of the row's budget (cut by position)."""
+        if self._tool is None:
+            return sampled, log_probs
+        room = self._tool.remaining(row)
+        return sampled[:room], None if log_probs is None else log_probs[:room]
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -386,16 +489,14 @@ class LLMGenerationManager:
                   meta: dict[str, Any]) -> Any:
         """One engine call per turn for every row still active; one retrieval call per turn."""
         eos_ids = eos_token_ids(meta)
-        turn_budget = self.config.max_response_length + self.config.max_obs_length
         stats: Counter[str] = Counter()
         timing = {"generate": 0.0, "retrieval": 0.0}
 
-        for turn in range(self.config.max_turns + 1):
+        for turn in range(self._turn_limit()):
             is_final = turn == self.config.max_turns
             for row in rows:
                 if row.active:
-                    row.stop_reason = actions.stop_if_context_full(
-                        row.response_len, turn_budget, self.config.max_total_response_length)
+                    row.stop_reason = self._stop_before_turn(row)
             active = [i for i, row in enumerate(rows) if row.active]
             if not active:
                 break
@@ -407,23 +508,39 @@ class LLMGenerationManager:
                 if cut and rows[i].cut_from < 0:
                     rows[i].cut_from = rows[i].response_len
 
+            turn_meta = meta
+            if self._tool is not None:
+                # A turn may use what is left of the budget; the longest remainder bounds this call.
+                longest = max(self._tool.remaining(rows[i]) for i in active)
+                turn_meta = {**meta, K.META_RESPONSE_LENGTH: min(self.config.max_response_length, longest)}
             start = time.perf_counter()
-            sampled, sampled_log_probs = self._generate(contexts, meta)
+            sampled, sampled_log_probs = self._generate(contexts, turn_meta)
             timing["generate"] += time.perf_counter() - start
-            results = [self._cut_turn(ids, eos_ids) for ids in sampled]
+            results = []
+            for k, i in enumerate(active):
+                lps = None if sampled_log_probs is None else sampled_log_probs[k]
+                ids, lps = self._clip_to_budget(rows[i], sampled[k], lps)
+                results.append((self._cut_turn(ids, eos_ids), lps))
 
-            searching = [k for k, res in enumerate(results) if res.action.kind == "search" and not is_final]
+            running = [k for k, (i, (res, _)) in enumerate(zip(active, results, strict=True))
+                       if self._runs_action(rows[i], res, is_final)]
+            queries = [q for k in running for q in results[k][0].queries]
             start = time.perf_counter()
-            observations, n_failed = self._search([results[k].action.content for k in searching])
+            hits, error = self._retrieve(queries)
             timing["retrieval"] += time.perf_counter() - start
-            stats["search_failures"] += n_failed
-            search_obs = dict(zip(searching, observations, strict=True))
+            stats["search_failures"] += len(queries) if hits is None else 0
+            observations: dict[int, str | list[str]] = {}
+            position = 0
+            for k in running:
+                res = results[k][0]
+                row_hits = None if hits is None else hits[position: position + len(res.queries)]
+                observations[k] = self._observation_for(res, row_hits, error, stats)
+                position += len(res.queries)
 
-            for k, (i, res) in enumerate(zip(active, results, strict=True)):
+            for k, (i, (res, lps)) in enumerate(zip(active, results, strict=True)):
                 stats["generated_tokens"] += res.generated
                 stats["kept_tokens"] += len(res.kept_ids)
-                self._apply_turn(rows[i], res, search_obs.get(k), is_final, stats,
-                                 None if sampled_log_probs is None else sampled_log_probs[k])
+                self._apply_turn(rows[i], res, observations.get(k), is_final, stats, lps)
 
         return self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
 
@@ -451,9 +568,12 @@ class LLMGenerationManager:
         timing = {"generate": wall, "retrieval": stats.pop("retrieval_ms", 0) / 1000.0 / max(1, len(rows))}
         return self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
 
-    def _apply_turn(self, row: _Row, res: _TurnResult, search_obs: str | None, is_final: bool,
+    def _apply_turn(self, row: _Row, res: _TurnResult, search_obs: str | list[str] | None, is_final: bool,
                     stats: Counter[str], sampled_log_probs: list[float] | None = None) -> None:
         """Append a turn and its observation to `row` and decide whether the row ends."""
+        if self._tool is not None:
+            self._tool.apply_turn(row, res, search_obs, stats, sampled_log_probs)
+            return
         row.n_turns += 1
         row.n_valid_actions += int(res.action.is_valid)
         reason = (actions.stop_if_answered(res.action)
@@ -510,6 +630,11 @@ class LLMGenerationManager:
             "search_failures": int(stats["search_failures"]),
             "obs_truncated": int(stats["obs_truncated"]),
             "context_cuts": int(stats["context_cuts"]),
+            # Tool protocol: calls made, malformed ones (answered with an error message), answers cut to
+            # max_tool_response_length characters.
+            "tool_calls": int(stats["tool_calls"]),
+            "tool_call_errors": int(stats["tool_call_errors"]),
+            "tool_response_truncated": int(stats["tool_response_truncated"]),
             "generated_tokens": int(stats["generated_tokens"]),
             "kept_tokens": int(stats["kept_tokens"]),
             "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},

@@ -1,0 +1,165 @@
+"""The generation manager's turns in the tool protocol (veRL upstream's Search-R1 recipe).
+
+`LLMGenerationManager` delegates here when `GenerationConfig.protocol == "tool"`; the loops
+(sync and async), the rolling context, the log-probs and the composed batch are the
+manager's, shared with the tag protocol. What differs, and lives here:
+
+- **Cut.** A turn ends at the end of its first tool call (`</tool_call>` is the engine's stop
+  string when `max_parallel_calls == 1`, veRL's default) or at EOS. If an engine wrote past
+  the call, the ids are cut at the token that completes it (binary search over decoded
+  prefixes, as for tags). Sampled ids are never re-encoded.
+- **Act.** The turn's calls (at most `max_parallel_calls`) are parsed from its text; every
+  search call's `query_list` goes into the turn's one retrieval request (sync: one request
+  for all rows). Each call is answered by a `tool` message: veRL SearchTool's text for the
+  hits, or an error message for a malformed call (counted in `tool_call_errors`), cut to
+  `max_tool_response_length` characters as veRL cuts it.
+- **Append.** The observation is the chat template's own text between the turns (tools.
+  ChatFraming): end of the assistant turn (unless the model wrote EOS), the tool messages,
+  the next assistant opening; tokenized once, masked; the tool contents are shortened to
+  fit `max_obs_length` tokens, the framing never is.
+- **Stop.** No call: the row ends (`answered` if it wrote `<answer>…</answer>`, `eos`, or
+  `context_full` when the budget ran out mid-turn). `max_assistant_turns` /
+  `max_user_turns` reached: the row ends without running the call (`max_turns`), as in
+  veRL. The budget `max_total_response_length` (veRL's `data.max_response_length`) bounds
+  all turns and observations together; a tool message that would not fit ends the row
+  (`context_full`), as in veRL.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from search_r1.llm_agent import actions, tools
+from search_r1.llm_agent.actions import Action
+from search_r1.search.schema import Hit
+
+if TYPE_CHECKING:
+    from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager, _Row, _TurnResult
+
+
+class ToolTurns:
+    """Cut, observation and stop rules of one manager in the tool protocol."""
+
+    def __init__(self, manager: LLMGenerationManager, config: GenerationConfig) -> None:
+        self.manager = manager
+        self.config = config
+        self.tool_config = tools.ToolConfig.from_dict(config.tool_config or {})
+        self.tool_names = self.tool_config.tool_names
+        self.framing = tools.ChatFraming(manager.tokenizer, self.tool_config.schemas)
+        framing_len = len(self._observation_ids([""], ended_with_eos=False)[0])
+        if framing_len >= config.max_obs_length:
+            raise ValueError(f"max_obs_length ({config.max_obs_length}) leaves no room for a tool answer: the chat "
+                             f"template's text around one tool message is {framing_len} tokens")
+
+    # --- cut --------------------------------------------------------------------------
+
+    def cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
+        from search_r1.llm_agent.generation import _TurnResult
+
+        decode = self.manager._decode
+        text = decode(sampled)
+        kept = sampled
+        close = tools.TOOL_CALL_CLOSE
+        if self.config.max_parallel_calls == 1 and close in text and text[text.index(close) + len(close):]:
+            kept = self.manager._shortest_prefix(sampled, lambda prefix: close in prefix)
+            text = decode(kept)
+        calls = tuple(tools.parse_tool_calls(text, self.tool_names)[: self.config.max_parallel_calls])
+        queries: list[str] = []
+        for call in calls:
+            if isinstance(call, tools.ToolCall):
+                queries += tools.search_queries(call) or []
+        if calls:
+            action = Action(kind="search", content="")
+        elif tools.has_answer(text):
+            action = Action(kind="answer", content="")
+        else:
+            action = Action(kind="invalid", content="")
+        emitted_eos = bool(kept) and kept[-1] in eos_token_ids
+        return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled),
+                           calls=calls, queries=tuple(queries))
+
+    # --- act --------------------------------------------------------------------------
+
+    def is_final(self, row: _Row) -> bool:
+        """True when the turn being taken is the row's last: its calls are not run (veRL's limits)."""
+        c = self.config
+        return bool((c.max_assistant_turns and row.n_turns + 1 >= c.max_assistant_turns)
+                    or (c.max_user_turns and row.n_tool_rounds >= c.max_user_turns))
+
+    def answers(self, res: _TurnResult, hits: list[list[Hit]] | None, error: str | None,
+                stats: Counter[str]) -> list[str]:
+        """The tool message of each call of `res`: `hits` holds one list per query of `res.queries`
+        in order (None when the retrieval failed with `error`)."""
+        texts = []
+        position = 0
+        for call in res.calls:
+            if isinstance(call, tools.ToolCallError):
+                text = tools.render_call_error(call)
+            else:
+                queries = tools.search_queries(call)
+                if queries is None:
+                    text = tools.render_bad_query_list()
+                elif hits is None:
+                    text = tools.render_search_error(error or "the retrieval server did not answer")
+                else:
+                    text = tools.render_search_results(hits[position: position + len(queries)])
+                    position += len(queries)
+            text, cut = tools.truncate_tool_response(text, self.config.max_tool_response_length,
+                                                     self.config.tool_response_truncate_side)
+            stats["tool_response_truncated"] += int(cut)
+            texts.append(text)
+        return texts
+
+    # --- append and stop ------------------------------------------------------------------
+
+    def _observation_ids(self, texts: list[str], ended_with_eos: bool) -> tuple[list[int], bool]:
+        """The observation's ids; tool contents shortened (evenly) to fit max_obs_length. Returns (ids, truncated)."""
+        encode = self.manager._encode
+        pieces = [(encode(text), is_content) for text, is_content in self.framing.split_observation(texts, ended_with_eos)]
+        total = sum(len(ids) for ids, _ in pieces)
+        if total <= self.config.max_obs_length:
+            return [tok for ids, _ in pieces for tok in ids], False
+        framing = sum(len(ids) for ids, is_content in pieces if not is_content)
+        room = max(0, self.config.max_obs_length - framing) // max(1, len(texts))
+        return [tok for ids, is_content in pieces for tok in (ids[:room] if is_content else ids)], True
+
+    def apply_turn(self, row: _Row, res: _TurnResult, answers: list[str] | None, stats: Counter[str],
+                   sampled_log_probs: list[float] | None) -> None:
+        """Append the turn (and, when its calls ran, their tool messages) to `row`; decide whether it ends."""
+        row.n_turns += 1
+        errors = sum(isinstance(c, tools.ToolCallError) or tools.search_queries(c) is None for c in res.calls)
+        row.n_valid_actions += int(res.action.kind == "answer" or len(res.calls) > errors)
+        stats["tool_calls"] += len(res.calls)
+        stats["tool_call_errors"] += errors
+        obs_ids: list[int] = []
+        if not res.calls:
+            if res.action.kind == "answer":
+                reason: str | None = actions.ANSWERED
+            else:
+                reason = actions.EOS if res.emitted_eos else actions.CONTEXT_FULL
+        elif answers is None:
+            reason = actions.MAX_TURNS
+        else:
+            obs_ids, truncated = self._observation_ids(answers, res.emitted_eos)
+            stats["obs_truncated"] += int(truncated)
+            reason = None
+            if row.response_len + len(res.kept_ids) + len(obs_ids) >= self.config.max_total_response_length:
+                obs_ids, reason = [], actions.CONTEXT_FULL
+            else:
+                row.n_tool_rounds += 1
+                row.n_searches += len(res.calls) - errors
+        row.append_turn(res.kept_ids, obs_ids, sampled_log_probs)
+        row.stop_reason = reason
+
+    def remaining(self, row: _Row) -> int:
+        """Tokens the row may still generate (veRL's response budget over all turns)."""
+        return max(0, int(self.config.max_total_response_length) - row.response_len)
+
+
+def turn_limit(config: GenerationConfig) -> int:
+    """Most turns a row can take: max_assistant_turns, else the budget (each turn costs >= 1 token)."""
+    return int(config.max_assistant_turns or config.max_total_response_length)
+
+
+__all__ = ["ToolTurns", "turn_limit"]

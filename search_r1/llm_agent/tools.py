@@ -1,0 +1,369 @@
+"""Native tool calling, veRL upstream's Search-R1 recipe: pure functions on text, no tokens.
+
+The model calls tools through its chat template (`<tool_call>{"name": "search", "arguments":
+{"query_list": [...]}}</tool_call>`, the Hermes/Qwen format) and each call is answered by a
+`tool` message that the same chat template renders. This module reads the recipe's tool
+config (`search_tool_config.yaml`), parses a turn's tool calls, renders the search tool's
+answer exactly as veRL's SearchTool writes it, and derives from the tokenizer's chat template
+the text that goes between the model's turn and its next one. The generation manager is the
+only place where that text becomes token ids (docs/agent.md, "Two protocols").
+
+Departures from veRL's tool agent loop, on purpose:
+- A malformed call (not JSON, no name, unknown tool, bad arguments) is answered by an error
+  `tool` message and counted (`tool_call_errors`); veRL drops it silently and ends the row.
+- The text between turns is what the chat template renders for the whole conversation,
+  including the newline after the assistant's end-of-turn token, which veRL's
+  system-prompt-stripping leaves out; so a rollout is the conversation an inference server
+  would build.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from search_r1.search.schema import Hit
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+# The tool classes a tool config may name; veRL's class path is the recipe's spelling.
+SEARCH_TOOL_CLASSES = ("verl.tools.search_tool.SearchTool", "search_r1.llm_agent.tools.SearchTool")
+# The keys of a search tool's `config:` block and what they mean here (docs/agent.md).
+SEARCH_TOOL_KEYS = ("retrieval_service_url", "topk", "timeout", "num_workers", "rate_limit",
+                    "enable_global_rate_limit", "type")
+TRUNCATE_SIDES = ("left", "right", "middle")
+# multi_turn.format: the tool-call text format; veRL's recipe spells Hermes "qwen" (older name).
+TOOL_FORMATS = ("hermes", "qwen")
+
+# veRL SearchTool's texts, byte for byte (its tool response is JSON {"result": text}).
+NO_RESULTS_TEXT = "No search results found."
+BAD_QUERY_LIST_TEXT = "Error: 'query_list' is missing, empty, or not a list in parameters."
+
+
+@dataclass(frozen=True)
+class SearchToolSettings:
+    """A search tool's `config:` block (veRL SearchTool's keys, its defaults)."""
+
+    retrieval_service_url: str
+    topk: int = 3
+    timeout: float = 30.0
+    num_workers: int = 120      # concurrent requests to the retrieval server, per rollout worker
+    rate_limit: int = 120       # requests in flight at once, per rollout worker
+    enable_global_rate_limit: bool = True
+    type: str = "native"
+
+
+@dataclass(frozen=True)
+class ToolConfig:
+    """A tool config file (`multi_turn.tool_config_path`): the schemas the chat template shows
+    the model, and the settings of the tools that answer. Plain JSON types throughout, so it
+    travels inside `GenerationConfig` to rollout workers."""
+
+    schemas: list[dict] = field(default_factory=list)   # OpenAI function schemas, as written
+    search: dict | None = None                           # SearchToolSettings as a dict
+    source: str = ""
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [s["function"]["name"] for s in self.schemas]
+
+    @property
+    def search_name(self) -> str | None:
+        """The name the model calls the search tool by (the schema's `function.name`)."""
+        return None if self.search is None else self.search["name"]
+
+    def search_settings(self) -> SearchToolSettings | None:
+        if self.search is None:
+            return None
+        return SearchToolSettings(**{k: v for k, v in self.search.items() if k != "name"})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ToolConfig:
+        return cls(schemas=[dict(s) for s in data.get("schemas", [])], search=data.get("search"),
+                   source=str(data.get("source", "")))
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf / YAML values as plain Python containers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, DictConfig | ListConfig):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a core dependency
+        pass
+    return value
+
+
+def parse_tool_config(data: Any, source: str = "<tool config>") -> ToolConfig:
+    """Validate a tool config (the YAML's content) and return it; errors name `source` and the key."""
+    data = _plain(data)
+    if not isinstance(data, dict) or not isinstance(data.get("tools"), list) or not data["tools"]:
+        raise ValueError(f"{source}: expected a top-level 'tools:' list with at least one tool")
+    schemas: list[dict] = []
+    search: dict | None = None
+    for i, tool in enumerate(data["tools"]):
+        where = f"{source}: tools[{i}]"
+        if not isinstance(tool, dict):
+            raise ValueError(f"{where}: expected a mapping with class_name, config and tool_schema")
+        unknown = sorted(set(tool) - {"class_name", "config", "tool_schema"})
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; known: class_name, config, tool_schema")
+        schema = tool.get("tool_schema")
+        function = schema.get("function") if isinstance(schema, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"{where}.tool_schema: expected {{type: function, function: {{name: ..., "
+                             f"description: ..., parameters: ...}}}}")
+        if schema.get("type", "function") != "function":
+            raise ValueError(f"{where}.tool_schema.type: only 'function' tools are supported, got {schema['type']!r}")
+        name = function["name"]
+        if name in [s["function"]["name"] for s in schemas]:
+            raise ValueError(f"{where}.tool_schema.function.name: tool {name!r} is defined twice")
+        class_name = tool.get("class_name")
+        if class_name not in SEARCH_TOOL_CLASSES:
+            raise ValueError(f"{where}.class_name: {class_name!r} is not a tool this project runs; supported: "
+                             f"{list(SEARCH_TOOL_CLASSES)} (the retrieval server's search)")
+        if search is not None:
+            raise ValueError(f"{where}: only one search tool may be configured (also {search['name']!r})")
+        config = tool.get("config") or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}.config: expected a mapping")
+        unknown = sorted(set(config) - set(SEARCH_TOOL_KEYS))
+        if unknown:
+            raise ValueError(f"{where}.config: unknown keys {unknown}; known: {list(SEARCH_TOOL_KEYS)}")
+        if not config.get("retrieval_service_url"):
+            raise ValueError(f"{where}.config.retrieval_service_url: required (the retrieval server's "
+                             f"/retrieve URL, e.g. http://127.0.0.1:8000/retrieve)")
+        if config.get("type", "native") != "native":
+            raise ValueError(f"{where}.config.type: only 'native' is supported, got {config['type']!r}")
+        settings = SearchToolSettings(**config)
+        for key in ("topk", "num_workers", "rate_limit"):
+            if int(getattr(settings, key)) < 1:
+                raise ValueError(f"{where}.config.{key}: must be >= 1, got {getattr(settings, key)}")
+        if float(settings.timeout) <= 0:
+            raise ValueError(f"{where}.config.timeout: must be > 0, got {settings.timeout}")
+        search = {"name": name, **asdict(settings)}
+        schemas.append(schema)
+    return ToolConfig(schemas=schemas, search=search, source=source)
+
+
+def load_tool_config(path: str | Path) -> ToolConfig:
+    """Read `multi_turn.tool_config_path` (veRL's YAML layout; see example/tool_recipe/)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"actor_rollout_ref.rollout.multi_turn.tool_config_path: no file {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML: {err}") from err
+    return parse_tool_config(data, source=str(path))
+
+
+# --- a turn's tool calls ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call of a configured tool."""
+
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A call that cannot run; `message` is the error the model reads in the tool message."""
+
+    message: str
+
+
+def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | ToolCallError]:
+    """Every complete `<tool_call>…</tool_call>` in `text`, in order, parsed; an unclosed one is not a call.
+
+    The body must be a JSON object with a string `name` of a configured tool and an object
+    `arguments` (a JSON string holding an object is accepted too, as some models write it).
+    """
+    calls: list[ToolCall | ToolCallError] = []
+    for body in _TOOL_CALL_RE.findall(text):
+        try:
+            obj = json.loads(body)
+        except (json.JSONDecodeError, RecursionError) as err:
+            msg = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+            calls.append(ToolCallError(f"Error: the tool call is not valid JSON ({msg}); write "
+                                       f'{{"name": <tool name>, "arguments": {{...}}}} inside <tool_call></tool_call>.'))
+            continue
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if not isinstance(name, str):
+            calls.append(ToolCallError('Error: the tool call must be a JSON object with a string "name" and an '
+                                       'object "arguments".'))
+            continue
+        if name not in tool_names:
+            calls.append(ToolCallError(f"Error: unknown tool {name!r}; available tools: {list(tool_names)}."))
+            continue
+        arguments = obj.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            calls.append(ToolCallError(f'Error: the "arguments" of tool {name!r} must be a JSON object.'))
+            continue
+        calls.append(ToolCall(name=name, arguments=arguments))
+    return calls
+
+
+def has_answer(text: str) -> bool:
+    return _ANSWER_RE.search(text) is not None
+
+
+def search_queries(call: ToolCall) -> list[str] | None:
+    """The queries of a search call, or None when `query_list` is not a non-empty list of
+    non-empty strings (veRL asks only for a non-empty list; an empty or non-string query would
+    fail the server's whole request, so it is an argument error here)."""
+    queries = call.arguments.get("query_list")
+    if not isinstance(queries, list) or not queries:
+        return None
+    if not all(isinstance(q, str) and q.strip() for q in queries):
+        return None
+    return [q.strip() for q in queries]
+
+
+def tool_result(text: str) -> str:
+    """A tool's answer as veRL's SearchTool wraps it: JSON `{"result": text}`, non-ASCII kept."""
+    return json.dumps({"result": text}, ensure_ascii=False)
+
+
+def render_passages(hits: Sequence[Hit]) -> str:
+    """One query's hits as veRL's search tool writes them: `Doc i (Title: first line)\\nrest` per
+    hit, blank-line separated (note the space before `(`, unlike the tag protocol's `Doc i(`)."""
+    out = ""
+    for i, hit in enumerate(hits, start=1):
+        title, _, rest = hit.contents.partition("\n")
+        out += f"Doc {i} (Title: {title})\n{rest}\n\n"
+    return out.strip()
+
+
+def render_search_results(results: Sequence[Sequence[Hit]]) -> str:
+    """The search tool's answer to one call: each query's passages, joined by `\\n---\\n`, wrapped."""
+    if not results:
+        return tool_result(NO_RESULTS_TEXT)
+    return tool_result("\n---\n".join(render_passages(hits) for hits in results))
+
+
+def render_search_error(message: str) -> str:
+    """The search tool's answer when the retrieval server could not answer."""
+    return tool_result(f"Search error: {message}")
+
+
+def render_call_error(error: ToolCallError) -> str:
+    return tool_result(error.message)
+
+
+def render_bad_query_list() -> str:
+    return tool_result(BAD_QUERY_LIST_TEXT)
+
+
+def truncate_tool_response(text: str, max_length: int | None, side: str = "middle") -> tuple[str, bool]:
+    """veRL's `max_tool_response_length` (characters) and `tool_response_truncate_side`:
+    left keeps the start, right the end, middle both halves. Returns (text, truncated)."""
+    if side not in TRUNCATE_SIDES:
+        raise ValueError(f"multi_turn.tool_response_truncate_side must be one of {TRUNCATE_SIDES}, got {side!r}")
+    if not max_length or len(text) <= max_length:
+        return text, False
+    if side == "left":
+        return text[:max_length] + "...(truncated)", True
+    if side == "right":
+        return "(truncated)..." + text[-max_length:], True
+    half = max_length // 2
+    return text[:half] + "...(truncated)..." + text[len(text) - half:], True
+
+
+# --- the chat template's text between turns ---------------------------------------------------
+
+_SENTINEL = "\x00SEARCH_R1_SENTINEL\x00"
+
+
+class ChatFraming:
+    """What the tokenizer's chat template writes between the model's turn and its next one.
+
+    Found by rendering a small conversation with and without tool messages, so any template
+    that renders `tool` messages after an assistant message as an appendix works (Qwen2.5,
+    Llama-3.1, the demo's). `observation(texts, ended_with_eos)` is the assistant's
+    end-of-turn (unless the model already wrote it), the tool messages, and the generation
+    prompt of the next assistant turn.
+    """
+
+    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tool calling (multi_turn.enable) needs a tokenizer with a chat template that renders "
+                             f"tools and 'tool' messages; {getattr(tokenizer, 'name_or_path', tokenizer)!r} has none")
+        self._tokenizer = tokenizer
+        self._tools = list(tools) if tools else None
+        base = self._render([{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], False)
+        if base.count(_SENTINEL) != 1:
+            raise ValueError("the chat template does not render an assistant message's content once, verbatim")
+        self.assistant_end = base[base.index(_SENTINEL) + len(_SENTINEL):]
+        self._base = base
+        eos = getattr(tokenizer, "eos_token", None)
+        self._eos_text = eos if isinstance(eos, str) else ""
+        probe = self.tool_block([_SENTINEL])
+        if _SENTINEL not in probe:
+            raise ValueError("the chat template does not render 'tool' messages (role 'tool'); tool calling needs one "
+                             "that does (e.g. Qwen2.5's)")
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self._tokenizer.apply_chat_template(messages, tools=self._tools, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
+
+    def tool_block(self, texts: Sequence[str]) -> str:
+        """The tool messages and the next assistant turn's opening, as rendered after an assistant turn."""
+        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+        full = self._render(messages + [{"role": "tool", "content": t} for t in texts], True)
+        if not full.startswith(self._base):
+            raise ValueError("the chat template renders an assistant turn differently once tool messages follow it; "
+                             "tool observations cannot be appended token-exactly")
+        return full[len(self._base):]
+
+    def observation(self, texts: Sequence[str], ended_with_eos: bool) -> str:
+        """Text appended after a turn that called tools: end of the assistant turn, the tool
+        messages, the next assistant opening. A turn that already ended with the EOS token
+        (the template's end-of-turn token) is not given a second one."""
+        end = self.assistant_end
+        if ended_with_eos and self._eos_text and end.startswith(self._eos_text):
+            end = end[len(self._eos_text):]
+        return end + self.tool_block(texts)
+
+    def split_observation(self, texts: Sequence[str], ended_with_eos: bool) -> list[tuple[str, bool]]:
+        """`observation` cut into pieces, each (text, is_tool_content), so the caller can shorten
+        the tool contents and keep the framing (the closing tags and the next turn's opening)."""
+        marked = self.observation([f"{_SENTINEL}{i}{_SENTINEL}" for i in range(len(texts))], ended_with_eos)
+        pieces: list[tuple[str, bool]] = []
+        parts = marked.split(_SENTINEL)
+        # parts: framing, "0", framing, "1", ..., framing
+        for j, part in enumerate(parts):
+            if j % 2 == 1:
+                pieces.append((texts[int(part)], True))
+            elif part:
+                pieces.append((part, False))
+        return pieces
+
+
+__all__ = [
+    "BAD_QUERY_LIST_TEXT", "NO_RESULTS_TEXT", "SEARCH_TOOL_CLASSES", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN",
+    "TOOL_FORMATS", "TRUNCATE_SIDES", "ChatFraming", "SearchToolSettings", "ToolCall", "ToolCallError",
+    "ToolConfig", "has_answer", "load_tool_config", "parse_tool_config", "parse_tool_calls", "render_bad_query_list",
+    "render_call_error", "render_passages", "render_search_error", "render_search_results", "search_queries",
+    "tool_result", "truncate_tool_response",
+]
