@@ -42,7 +42,10 @@ ASSISTANT_MARK = "<|im_start|>assistant\n"
 
 def default_turn_index(context_text: str) -> int:
     """Turns already taken = observations after the assistant's opening (the prompt's own
-    mentions of `<information>` come before it)."""
+    mentions of `<information>` come before it); in the tool protocol each tool answer opens a
+    new assistant turn, so it is the number of assistant openings after the first."""
+    if context_text.count(ASSISTANT_MARK) > 1:
+        return context_text.count(ASSISTANT_MARK) - 1
     tail = context_text.rsplit(ASSISTANT_MARK, 1)[-1]
     return tail.count("<information>") + tail.count(actions.INVALID_ACTION_NOTICE.strip())
 
