@@ -2,13 +2,31 @@
 
 A FlashRAG source is JSONL with `id`, `question` and `golden_answers: [str]`. It is read
 either from the hub (`RUC-NLPIR/FlashRAG_datasets`, only when online) or from a local
-folder laid out as `{local_dir}/{source}/{split}.jsonl`. Every row becomes
+folder laid out as `{local_dir}/{source}/{split}.jsonl`. With `--format tags` (the
+default: the original Search-R1's `<search>` protocol) every row becomes
 
     {"data_source": source,
      "prompt": [{"role": "user", "content": make_prefix(question)}],
      "ability": "fact-reasoning",
      "reward_model": {"style": "rule", "ground_truth": {"target": [answers]}},
      "extra_info": {"split": split, "index": i}}
+
+With `--format tool` (native tool calling) it becomes the row veRL upstream's
+examples/data_preprocess/preprocess_search_r1_dataset.py writes:
+
+    {"data_source": "searchR1_" + source,
+     "prompt": [{"role": "system", "content": TOOL_SYSTEM_CONTENT},
+                {"role": "user", "content": TOOL_USER_CONTENT_PREFIX + question}],
+     "ability": "fact-reasoning",
+     "reward_model": {"style": "rule", "ground_truth": {"target": [answers]}},
+     "extra_info": {"index": i, "need_tools_kwargs": True, "question": question, "split": split,
+                    "tools_kwargs": {"search": {"create_kwargs": {
+                        "ground_truth": {"target": [answers]}, "question": question,
+                        "data_source": "searchR1_" + source}}}},
+     "metadata": the FlashRAG row's "metadata" (None when it has none)}
+
+The question goes in as written in the source (veRL's script does not strip it or add
+a "?"; the tag format does, as the original Search-R1 did).
 
 The demo builds its parquet with these same functions, so the demo and the real data
 can never drift apart.
@@ -19,15 +37,39 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 
 from search_r1.prompt import make_prefix
 
 HUB_REPO = "RUC-NLPIR/FlashRAG_datasets"
 ABILITY = "fact-reasoning"
+
+# Row layouts --format chooses: the original's <search> tags, or veRL's native tool calling.
+FORMATS = ("tags", "tool")
+# veRL upstream names tool-format sources "searchR1_<source>"; the reward registry keys on it
+# (verl/utils/reward_score: SEARCH_R1_LIKE_PREFIX).
+TOOL_DATA_SOURCE_PREFIX = "searchR1_"
+# A data contract, like shared/fixtures/prompt_template.txt: checkpoints trained with veRL's
+# Search-R1 reproduction saw exactly these strings, so they must stay byte-identical to
+# DEFAULT_SYSTEM_CONTENT and DEFAULT_USER_CONTENT_PREFIX in veRL's
+# examples/data_preprocess/preprocess_search_r1_dataset.py (volcengine/verl, checked at
+# b178a3cd56f5; tests pin the prefix's sha256). The question follows the prefix directly.
+TOOL_SYSTEM_CONTENT = "You are a helpful and harmless assistant."
+TOOL_USER_CONTENT_PREFIX = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> "
+    "first every time you get new information. After reasoning, if you find you lack "
+    "some knowledge, you can call a search engine by <tool_call> query </tool_call> "
+    "and it will return the top searched results between <tool_response> and "
+    "</tool_response>. You can search as many times as your want. If you find no "
+    "further external knowledge needed, you can directly provide the answer inside "
+    "<answer> and </answer>, without detailed illustrations. For example, "
+    "<answer> Beijing </answer>. Question: "
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +80,8 @@ class QARecord:
     question: str
     golden_answers: tuple[str, ...]
     where: str
+    # FlashRAG's optional per-row "metadata"; only the tool format writes it (as veRL's rows carry it).
+    metadata: Any = field(default=None, compare=False)
 
 
 def _record_from_dict(row: object, where: str) -> QARecord:
@@ -54,7 +98,8 @@ def _record_from_dict(row: object, where: str) -> QARecord:
         raise ValueError(f"{where}: field 'golden_answers' must be a non-empty list of strings, got {answers!r}")
     if not all(isinstance(a, str) for a in answers):
         raise ValueError(f"{where}: field 'golden_answers' holds a non-string: {answers!r}")
-    return QARecord(id=str(row.get("id", "")), question=question, golden_answers=tuple(answers), where=where)
+    return QARecord(id=str(row.get("id", "")), question=question, golden_answers=tuple(answers), where=where,
+                    metadata=row.get("metadata"))
 
 
 def read_flashrag_jsonl(path: str | Path) -> list[QARecord]:
@@ -131,9 +176,46 @@ def make_row(record: QARecord, data_source: str, split: str, index: int) -> dict
     }
 
 
-def records_to_rows(records: Sequence[QARecord], data_source: str, split: str, start_index: int = 0) -> list[dict]:
-    """Rows with indices start_index, start_index+1, ... so merged sources never collide."""
-    return [make_row(r, data_source, split, start_index + i) for i, r in enumerate(records)]
+def tool_data_source(source: str) -> str:
+    """The tool format's name for a FlashRAG source (`nq` -> `searchR1_nq`)."""
+    return source if source.startswith(TOOL_DATA_SOURCE_PREFIX) else TOOL_DATA_SOURCE_PREFIX + source
+
+
+def make_tool_row(record: QARecord, data_source: str, split: str, index: int) -> dict:
+    """One row in veRL's tool format (see the module docstring); `data_source` is the FlashRAG name."""
+    tagged = tool_data_source(data_source)
+    question = record.question  # as is: veRL's script neither strips it nor adds a "?"
+    ground_truth = {"target": list(record.golden_answers)}
+    return {
+        "data_source": tagged,
+        "prompt": [{"role": "system", "content": TOOL_SYSTEM_CONTENT},
+                   {"role": "user", "content": TOOL_USER_CONTENT_PREFIX + question}],
+        "ability": ABILITY,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {
+            "index": index,
+            "need_tools_kwargs": True,
+            "question": question,
+            "split": split,
+            "tools_kwargs": {"search": {"create_kwargs": {
+                "ground_truth": {"target": list(record.golden_answers)}, "question": question,
+                "data_source": tagged}}},
+        },
+        "metadata": record.metadata,
+    }
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown data format {fmt!r}; choose one of {list(FORMATS)} (--format)")
+    return fmt
+
+
+def records_to_rows(records: Sequence[QARecord], data_source: str, split: str, start_index: int = 0,
+                    fmt: str = "tags") -> list[dict]:
+    """Rows (in format `fmt`) with indices start_index, start_index+1, ... so merged sources never collide."""
+    row_of = make_tool_row if check_format(fmt) == "tool" else make_row
+    return [row_of(r, data_source, split, start_index + i) for i, r in enumerate(records)]
 
 
 def write_parquet(rows: Sequence[dict], path: str | Path) -> Path:
@@ -145,7 +227,12 @@ def write_parquet(rows: Sequence[dict], path: str | Path) -> Path:
     if len(set(indices)) != len(indices):
         raise ValueError(f"{path}: extra_info.index values are not unique")
     path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(list(rows)).to_parquet(path, index=False)
+    try:
+        pd.DataFrame(list(rows)).to_parquet(path, index=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        # Only free-form fields (the tool format's FlashRAG `metadata`) can disagree across rows.
+        raise ValueError(f"{path}: rows cannot be stored as one parquet table ({e}); if the sources' "
+                         "'metadata' fields differ in type, write the sources to separate files") from e
     return path
 
 
@@ -154,17 +241,19 @@ def build_merged(
     preferred_splits: Sequence[str],
     out_split: str,
     local_dir: str | Path | None,
+    fmt: str = "tags",
 ) -> list[dict]:
-    """Rows of several sources concatenated, with indices unique across sources.
+    """Rows (in format `fmt`) of several sources concatenated, with indices unique across sources.
 
     A source with a `{local_dir}/{source}/` folder is read locally, any other from the hub.
     """
+    check_format(fmt)
     rows: list[dict] = []
     for source in sources:
         source_dir = local_dir_for(source, local_dir)
         split = pick_split(source, preferred_splits, source_dir)
         records = load_source_split(source, split, source_dir)
-        rows.extend(records_to_rows(records, source, out_split, start_index=len(rows)))
+        rows.extend(records_to_rows(records, source, out_split, start_index=len(rows), fmt=fmt))
     return rows
 
 
@@ -185,6 +274,9 @@ def add_common_args(parser, default_local_dir: str) -> None:
     parser.add_argument("--hdfs_dir", default=None, help="accepted for compatibility; copying to HDFS is not supported")
     parser.add_argument("--template_type", default="base", choices=["base"],
                         help="accepted for compatibility; only the released 'base' template exists")
+    parser.add_argument("--format", dest="fmt", default="tags", choices=list(FORMATS),
+                        help="row layout: 'tags' (the original's <search> prompt, data_source = source) or "
+                             "'tool' (veRL's native tool-calling rows, data_source = searchR1_<source>)")
 
 
 def parse_sources(text: str) -> list[str]:
@@ -195,9 +287,9 @@ def parse_sources(text: str) -> list[str]:
 
 
 def merge_split(sources: Sequence[str], splits: Sequence[str], out_split: str, local_dir: str | Path,
-                input_dir: str | Path | None = None) -> Path:
+                input_dir: str | Path | None = None, fmt: str = "tags") -> Path:
     """Merge `splits` (first one found per source) of `sources` into `{local_dir}/{out_split}.parquet`."""
-    rows = build_merged(sources, tuple(splits), out_split, input_dir if input_dir is not None else local_dir)
+    rows = build_merged(sources, tuple(splits), out_split, input_dir if input_dir is not None else local_dir, fmt)
     return write_parquet(rows, Path(local_dir) / f"{out_split}.parquet")
 
 
@@ -208,6 +300,7 @@ def merge_cli(argv: list[str] | None, doc: str | None, default_sources: str, spl
     add_common_args(parser, default_local_dir="./data/nq_hotpotqa_train")
     parser.add_argument("--data_sources", default=default_sources)
     args = parser.parse_args(argv)
-    path = merge_split(parse_sources(args.data_sources), splits, out_split, args.local_dir, args.input_dir)
+    path = merge_split(parse_sources(args.data_sources), splits, out_split, args.local_dir, args.input_dir,
+                       args.fmt)
     print(f"{out_split}: {path}")
     return path

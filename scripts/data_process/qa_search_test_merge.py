@@ -4,6 +4,8 @@
         --data_sources nq,triviaqa,popqa,hotpotqa,2wikimultihopqa,musique,bamboogle
 
 Each row keeps its source as data_source, so validation reports EM per source.
+
+With --format tool the rows are veRL's native tool-calling rows (data_source searchR1_<source>).
 """
 
 from __future__ import annotations

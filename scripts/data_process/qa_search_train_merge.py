@@ -4,6 +4,8 @@
         --data_sources nq,hotpotqa
 
 Indices (extra_info.index) are unique across the merged sources.
+
+With --format tool the rows are veRL's native tool-calling rows (data_source searchR1_<source>).
 """
 
 from __future__ import annotations
