@@ -15,8 +15,8 @@ manager's, shared with the tag protocol. What differs, and lives here:
   `max_tool_response_length` characters as veRL cuts it.
 - **Append.** The observation is the chat template's own text between the turns (tools.
   ChatFraming): end of the assistant turn (unless the model wrote EOS), the tool messages,
-  the next assistant opening; tokenized once, masked; the tool contents are shortened to
-  fit `max_obs_length` tokens, the framing never is.
+  the next assistant opening; tokenized once, masked; when it is over `max_obs_length`
+  tokens the tool contents are shortened, the framing never is.
 - **Stop.** No call: the row ends (`answered` if it wrote `<answer>…</answer>`, `eos`, or
   `context_full` when the budget ran out mid-turn). `max_assistant_turns` /
   `max_user_turns` reached: the row ends without running the call (`max_turns`), as in
@@ -114,12 +114,14 @@ class ToolTurns:
     # --- append and stop ------------------------------------------------------------------
 
     def _observation_ids(self, texts: list[str], ended_with_eos: bool) -> tuple[list[int], bool]:
-        """The observation's ids; tool contents shortened (evenly) to fit max_obs_length. Returns (ids, truncated)."""
+        """The observation's ids, the whole text tokenized at once (as an SFT row's observation segment
+        is); when over max_obs_length, the framing and the tool contents are tokenized apart and the
+        contents shortened (evenly) so the framing stays whole. Returns (ids, truncated)."""
         encode = self.manager._encode
+        whole = encode(self.framing.observation(texts, ended_with_eos))
+        if len(whole) <= self.config.max_obs_length:
+            return whole, False
         pieces = [(encode(text), is_content) for text, is_content in self.framing.split_observation(texts, ended_with_eos)]
-        total = sum(len(ids) for ids, _ in pieces)
-        if total <= self.config.max_obs_length:
-            return [tok for ids, _ in pieces for tok in ids], False
         framing = sum(len(ids) for ids, is_content in pieces if not is_content)
         room = max(0, self.config.max_obs_length - framing) // max(1, len(texts))
         return [tok for ids, is_content in pieces for tok in (ids[:room] if is_content else ids)], True

@@ -225,8 +225,8 @@ def call(queries) -> str:
 
 
 def expected_observation(tok, framing, texts, ended_with_eos=False) -> list[int]:
-    """The observation as the manager builds it: template framing and tool contents, each tokenized once."""
-    return [t for piece, _ in framing.split_observation(texts, ended_with_eos) for t in encode(tok, piece)]
+    """The observation as the manager builds it when it fits: the whole text tokenized once."""
+    return encode(tok, framing.observation(texts, ended_with_eos))
 
 
 def response_of(out, row: int) -> tuple[list[int], list[int]]:
