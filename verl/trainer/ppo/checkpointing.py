@@ -6,15 +6,19 @@ Layout under `trainer.default_local_dir`:
     global_step_{N}/critic/    (gae only)
     global_step_{N}/hf/        HF-format export for inference (trainer.save_hf_model)
     global_step_{N}/data.pt    driver state: dataloader position, global_step, driver RNG
+    global_step_{N}/manifest.json   size and sha256 of every other file (verl/utils/checkpoint/manifest.py)
     latest_checkpointed_iteration.txt   N of the newest complete checkpoint
 
-A step folder is first written as `global_step_{N}.tmp/` and renamed when every part
-is on disk, so a crash mid-save never leaves a folder that looks complete; the
-`latest` file is replaced atomically after the rename.
+A step folder is first written as `global_step_{N}.tmp/`; once every part is on disk its
+manifest is written and the folder renamed, so a crash mid-save never leaves a folder that
+looks complete; the `latest` file is replaced atomically after the rename. A resume checks
+the files against the manifest: `auto` falls back to the newest intact checkpoint, an
+explicit path stops, each naming the file that differs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -25,6 +29,15 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from verl.utils.checkpoint.manifest import (
+    CorruptCheckpointError,
+    ManifestCheck,
+    verify_manifest,
+    write_manifest,
+)
+
+logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DRIVER_STATE_FILE = "data.pt"
@@ -72,10 +85,12 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def finalize_checkpoint(root: str | Path, step: int, max_to_keep: int) -> Path:
-    """Rename the tmp folder into place, point `latest` at it, keep only the newest `max_to_keep`."""
+    """Write the manifest, rename the tmp folder into place, point `latest` at it, keep only the
+    newest `max_to_keep`. Every rank's writes must have returned (the worker calls block)."""
     root = Path(root)
     tmp = root / f"global_step_{step}.tmp"
     final = step_dir(root, step)
+    write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -119,27 +134,77 @@ def load_driver_state(folder: str | Path) -> DriverState:
     return DriverState(int(state["global_step"]), state["dataloader"], state["rng"], state.get("extra", {}))
 
 
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint: the one `latest_checkpointed_iteration.txt` names, else the
+    newest step folder, else None. Its files are not verified here (find_resume_dir does that)."""
+    candidates = _resume_candidates(root)
+    return candidates[0] if candidates else None
+
+
+def _resume_candidates(root: str | Path) -> list[Path]:
+    """The folder `latest` names first, then every other complete step folder, newest first."""
+    root = Path(root)
+    found = list_checkpoints(root)[::-1]
+    latest = root / LATEST_FILE
+    if latest.is_file():
+        try:
+            named = step_dir(root, int(latest.read_text().strip()))
+        except ValueError:
+            named = None  # a garbled pointer: the folders themselves still say what is there
+        if named is not None and named.is_dir():
+            found = [named, *(p for p in found if p != named)]
+    return found
+
+
+def _warn_unverified(check: ManifestCheck) -> None:
+    if not check.has_manifest:
+        logger.warning("checkpoint %s has no manifest.json (saved before checkpoints carried one): "
+                       "resuming from it without checking its files", check.folder)
+
+
 def find_resume_dir(root: str | Path, resume_mode: str) -> Path | None:
     """The checkpoint folder to resume from per `trainer.resume_mode`, or None to start fresh.
 
-    auto: the one named in `latest_checkpointed_iteration.txt` (else the newest complete
-    folder, else none); disable: none; anything else: a path to a global_step_N folder.
+    auto: the newest intact checkpoint, trying the one named in `latest_checkpointed_iteration.txt`
+    first, then older folders (a corrupt one is skipped with a warning naming its bad file); none
+    on disk: None; none intact: CorruptCheckpointError. disable: None. Anything else: a path to a
+    global_step_N folder, which must be intact. Folders without a manifest are accepted unverified.
     """
     if resume_mode == "disable":
         return None
     if resume_mode == "auto":
-        root = Path(root)
-        latest = root / LATEST_FILE
-        if latest.is_file():
-            folder = step_dir(root, int(latest.read_text().strip()))
-            if folder.is_dir():
-                return folder
-        found = list_checkpoints(root)
-        return found[-1] if found else None
+        corrupt: list[ManifestCheck] = []
+        for folder in _resume_candidates(root):
+            check = verify_manifest(folder)
+            if not check.intact:
+                logger.warning("trainer.resume_mode=auto: checkpoint %s is corrupt: %s", folder, check.summary())
+                corrupt.append(check)
+                continue
+            _warn_unverified(check)
+            if corrupt:
+                logger.warning(
+                    "trainer.resume_mode=auto: resuming from %s (step %d), the newest intact checkpoint, instead "
+                    "of the corrupt %s (%s); the steps after %d are trained again", folder, step_of(folder),
+                    corrupt[0].folder, corrupt[0].summary(), step_of(folder))
+            return folder
+        if corrupt:
+            listed = "; ".join(f"{c.folder.name}: {c.summary()}" for c in corrupt)
+            raise CorruptCheckpointError(
+                f"trainer.resume_mode=auto: no intact checkpoint under {root} to resume from ({listed}). "
+                "A save was cut short (full disk? crashed node?). Free the space, then either move the corrupt "
+                f"folders out of {root} (the run starts from step 0) or pass trainer.resume_mode=disable.")
+        return None
     folder = Path(resume_mode)
     if not folder.is_dir():
         raise FileNotFoundError(f"trainer.resume_mode={resume_mode}: no such checkpoint folder")
     step_of(folder)
     if not (folder / DRIVER_STATE_FILE).is_file():
         raise FileNotFoundError(f"trainer.resume_mode={resume_mode}: folder has no {DRIVER_STATE_FILE}")
+    check = verify_manifest(folder)
+    if not check.intact:
+        raise CorruptCheckpointError(
+            f"trainer.resume_mode={resume_mode}: the checkpoint is corrupt: {check.summary()}. Resume from an "
+            f"intact one: trainer.resume_mode=auto takes the newest intact checkpoint under {folder.parent}, "
+            "or name an older global_step_N folder.")
+    _warn_unverified(check)
     return folder

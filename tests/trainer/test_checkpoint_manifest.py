@@ -1,0 +1,149 @@
+"""Checkpoint manifests: written with every save, checked on resume; a corrupt newest checkpoint
+falls back (auto) or stops (explicit path, or nothing intact left), naming the file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
+from verl.trainer import main_ppo
+from verl.trainer.ppo import checkpointing as ck
+from verl.utils.checkpoint import FSDPCheckpointManager
+from verl.utils.checkpoint.manifest import MANIFEST_FILE, CorruptCheckpointError, verify_manifest
+
+SHARD = "actor/dcp/__0_0.distcp"   # rank 0's model + optimizer shard, the biggest file
+
+
+@pytest.fixture(scope="module")
+def manager(tiny_model_dir: str) -> FSDPCheckpointManager:
+    """The real checkpoint writer on a tiny model with one optimizer step taken (one process)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return FSDPCheckpointManager(model, optimizer)
+
+
+def _save(manager: FSDPCheckpointManager, root: Path, step: int) -> Path:
+    """What RayPPOTrainer.save_checkpoint does, with the worker's writer called in-process."""
+    tmp = ck.begin_checkpoint(root, step)
+    manager.save_checkpoint(str(tmp / "actor"), global_step=step)
+    ck.save_driver_state(tmp, step, {"pos": step})
+    return ck.finalize_checkpoint(root, step, max_to_keep=3)
+
+
+def _truncate(path: Path) -> None:
+    """Half the file is left, as a full disk or a node crashing mid-write leaves it."""
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_sha256(manager, tmp_path: Path) -> None:
+    folder = _save(manager, tmp_path, 1)
+    files = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    on_disk = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert sorted(files) == sorted(set(on_disk) - {MANIFEST_FILE})
+    assert {SHARD, "actor/dcp/.metadata", "actor/extra_state_rank0.pt", ck.DRIVER_STATE_FILE} <= set(files)
+    assert files[SHARD]["size"] == (folder / SHARD).stat().st_size
+    assert len(files[SHARD]["sha256"]) == 64
+    assert verify_manifest(folder).intact
+
+
+def test_a_truncated_shard_breaks_the_load_that_the_manifest_check_prevents(manager, tmp_path: Path) -> None:
+    # What resuming did before: the worker's raw CheckpointException (here in-process).
+    folder = _save(manager, tmp_path, 1)
+    _truncate(folder / SHARD)
+    with pytest.raises(CheckpointException):
+        manager.load_checkpoint(str(folder / "actor"))
+    check = verify_manifest(folder)
+    assert not check.intact and str(folder / SHARD) in check.summary() and "bytes" in check.summary()
+
+
+def test_same_size_different_bytes_are_caught_by_the_checksum(manager, tmp_path: Path) -> None:
+    folder = _save(manager, tmp_path, 1)
+    path = folder / SHARD
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    check = verify_manifest(folder)
+    assert check.problems == [f"{path}: sha256 differs from the manifest (same size, different bytes)"]
+
+
+def test_auto_resume_skips_a_corrupt_newest_checkpoint_naming_the_file(manager, tmp_path, caplog) -> None:
+    _save(manager, tmp_path, 1)
+    newest = _save(manager, tmp_path, 2)
+    _truncate(newest / SHARD)
+    with caplog.at_level(logging.WARNING, logger=ck.__name__):
+        assert ck.find_resume_dir(tmp_path, "auto") == tmp_path / "global_step_1"
+    assert str(newest / SHARD) in caplog.text and "global_step_1 (step 1)" in caplog.text
+
+
+def test_an_explicit_corrupt_checkpoint_stops_naming_the_file_and_the_way_out(manager, tmp_path: Path) -> None:
+    _save(manager, tmp_path, 1)
+    newest = _save(manager, tmp_path, 2)
+    (newest / "actor" / "extra_state_rank0.pt").unlink()
+    with pytest.raises(CorruptCheckpointError) as info:
+        ck.find_resume_dir(tmp_path, str(newest))
+    message = str(info.value)
+    assert str(newest / "actor" / "extra_state_rank0.pt") in message and "missing" in message
+    assert "trainer.resume_mode=auto" in message
+    assert ck.find_resume_dir(tmp_path, str(tmp_path / "global_step_1")) == tmp_path / "global_step_1"
+
+
+def test_no_intact_checkpoint_left_stops_naming_each_corrupt_file(manager, tmp_path: Path) -> None:
+    for step in (1, 2):
+        _truncate(_save(manager, tmp_path, step) / SHARD)
+    with pytest.raises(CorruptCheckpointError) as info:
+        ck.find_resume_dir(tmp_path, "auto")
+    message = str(info.value)
+    for step in (1, 2):
+        assert str(tmp_path / f"global_step_{step}" / SHARD) in message
+    assert "trainer.resume_mode=disable" in message
+
+
+def test_a_checkpoint_without_a_manifest_resumes_with_a_warning(manager, tmp_path: Path, caplog) -> None:
+    folder = _save(manager, tmp_path, 1)
+    (folder / MANIFEST_FILE).unlink()   # as saved before manifests existed
+    with caplog.at_level(logging.WARNING, logger=ck.__name__):
+        assert ck.find_resume_dir(tmp_path, "auto") == folder
+        assert ck.find_resume_dir(tmp_path, str(folder)) == folder
+    assert "no manifest.json" in caplog.text
+
+
+# ---------------------------------------------------------------------- through the entry point
+def _train(model_dir: str, data, ckpt: Path, steps: int) -> list[dict]:
+    overrides = toy_overrides(model_dir, data, str(ckpt), adv_estimator="grpo", steps=steps)
+    cfg = main_ppo.compose_config([*overrides, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=3",
+                                   "trainer.save_hf_model=false"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return main_ppo.run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
+
+
+@pytest.mark.slow
+def test_run_ppo_resumes_from_the_previous_checkpoint_when_the_newest_is_truncated(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path, caplog) -> None:
+    data = write_toy_parquets(tmp_path / "data", n_train=8, n_val=2)
+    ckpt = tmp_path / "ckpt"
+    assert [h["step"] for h in _train(tiny_model_dir, data, ckpt, steps=2)] == [1, 2]
+    bad = ckpt / "global_step_2" / "actor" / "dcp" / "__1_0.distcp"   # rank 1's shard
+    _truncate(bad)
+
+    with caplog.at_level(logging.WARNING, logger=ck.__name__):
+        resumed = _train(tiny_model_dir, data, ckpt, steps=2)
+    assert [h["step"] for h in resumed] == [2]   # step 2 trained again from step 1's checkpoint
+    assert str(bad) in caplog.text and "resuming from" in caplog.text
+    assert verify_manifest(ckpt / "global_step_2").intact   # the re-save replaced the corrupt folder
+
+    for step in (1, 2):
+        _truncate(ckpt / f"global_step_{step}" / "actor" / "dcp" / "__0_0.distcp")
+    with pytest.raises(CorruptCheckpointError, match="no intact checkpoint") as info:
+        _train(tiny_model_dir, data, ckpt, steps=2)
+    assert str(ckpt / "global_step_1" / "actor" / "dcp" / "__0_0.distcp") in str(info.value)
