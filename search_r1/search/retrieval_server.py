@@ -207,14 +207,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus_cache_dir", default=None, help="where the corpus Arrow store is cached")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max_queries_per_request", type=int, default=ServerLimits.max_queries_per_request)
+    p.add_argument(
+        "--max_queries_per_request", type=int, default=ServerLimits.max_queries_per_request,
+        help="more queries in one request answer 413; the original trainer sends a whole turn at once "
+             "(its GRPO recipe: 512 prompts x 5 = 2,560)",
+    )
     p.add_argument(
         "--max_query_chars", type=int, default=ServerLimits.max_query_chars,
         help="a longer query is cut to this many characters (not refused); dense retrievers also "
              "keep only the first --max_length tokens",
     )
     p.add_argument("--max_topk", type=int, default=ServerLimits.max_topk)
-    p.add_argument("--max_body_bytes", type=int, default=ServerLimits.max_body_bytes)
+    p.add_argument(
+        "--max_body_bytes", type=int, default=ServerLimits.max_body_bytes,
+        help="a larger request body answers 413 (default 16 MiB: 4,096 queries of 2,048 characters, twice over)",
+    )
     p.add_argument("--no_coalesce", action="store_true", default=False, help="search each request alone")
     p.add_argument("--coalesce_wait_ms", type=float, default=5.0)
     p.add_argument("--coalesce_max_queries", type=int, default=512)

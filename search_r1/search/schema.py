@@ -64,10 +64,14 @@ class ServerLimits:
     batch of a turn. The request as a whole stays bounded by ``max_body_bytes``.
     """
 
-    max_queries_per_request: int = 512
+    # The original Search-R1 trainer POSTs all of a turn's queries at once: its GRPO recipe
+    # (train_batch_size 512 x n_agent 5) sends up to 2,560. 4,096 also serves 512 prompts x 8.
+    max_queries_per_request: int = 4096
     max_query_chars: int = 2048
     max_topk: int = 100
-    max_body_bytes: int = 4 * 1024 * 1024
+    # 4,096 queries of 2,048 ASCII characters (a query's longest useful length, the cut above) are
+    # 8.4 MB of JSON; twice that. A real turn (2,560 queries of ~100 characters) is about 0.3 MB.
+    max_body_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("max_queries_per_request", "max_query_chars", "max_topk", "max_body_bytes"):

@@ -8,7 +8,7 @@ body through ``read_json_body`` and answer ``RequestError`` through
 - a body over ``ServerLimits.max_body_bytes`` -> 413. The limit is checked on the bytes
   actually read: a chunked body carries no Content-Length, so a header check alone
   would let any size through;
-- a body that is not JSON -> 400;
+- a body that is not JSON, or JSON nested too deeply to parse -> 400;
 - JSON that does not fit the request model -> 422 naming the field.
 
 ``serve_in_background`` runs an app under uvicorn in a thread (tests, benches).
@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +67,13 @@ def parse_body(body: bytes, model: type[RequestModel]) -> RequestModel:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"request body is not valid JSON: {err}", status_code=400) from err
+    except RecursionError as err:
+        # json's parser recurses once per nesting level: `[[[[...` a few thousand deep exhausts the
+        # stack. That is the client's malformed body, not a search failure (500).
+        raise RequestError(
+            "request body is nested too deeply to parse (arrays/objects inside each other past "
+            f"Python's limit of about {sys.getrecursionlimit()} levels); send "
+            '{"queries": ["...", ...], "topk": k}', status_code=400) from err
     try:
         return model.model_validate(payload)
     except ValidationError as err:
