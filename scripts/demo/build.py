@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from scripts.data_process.common import build_merged, write_flashrag_jsonl, write_parquet
+from scripts.data_process.common import build_merged, read_flashrag_jsonl, write_flashrag_jsonl, write_parquet
+from scripts.demo import tool_demonstrations
 from scripts.demo.demonstrations import make_demonstrations
 from scripts.demo.world import (
     ONE_HOP_KINDS,
@@ -76,6 +77,15 @@ class DemoSettings:
     # repository root) when its manifest's settings match these, else built under data_dir.
     warmstart_dir: str = "example/demo_warmstart"
     rebuild_warmstart: bool = False   # build under data_dir even when the shipped one matches
+    # demo.protocol=tool: veRL upstream's recipe (native tool calls, docs/demo.md "Tool
+    # protocol"). Its warm start continues the tag warm start's SFT (the one the fields above
+    # determine) on tool-call demonstrations, with the same tokenizer and a tool chat template.
+    protocol: str = "tags"            # tags | tool
+    tool_n_demos: int = 1600
+    tool_sft_steps: tuple[int, ...] = (100,)
+    tool_sft_lr: float = 2e-3
+    tool_sft_batch_size: int = 16
+    tool_warmstart_dir: str = "example/demo_warmstart_tool"
 
     @property
     def root(self) -> Path:
@@ -85,12 +95,23 @@ class DemoSettings:
     def warmstart_path(self) -> Path:
         return REPO_ROOT / self.warmstart_dir
 
+    @property
+    def tool_warmstart_path(self) -> Path:
+        return REPO_ROOT / self.tool_warmstart_dir
+
+
+PROTOCOLS = ("tags", "tool")
+# Where each protocol's demo keeps its data and outputs unless demo.data_dir / demo.output_dir
+# are given: the two demos never read each other's cached parquet or checkpoints.
+PROTOCOL_DIRS = {"tags": ("data/demo", "outputs/demo"), "tool": ("data/demo_tool", "outputs/demo_tool")}
+
 
 def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
     """`demo.<field>=v` arguments set DemoSettings; everything else is a trainer override."""
     settings = DemoSettings()
     known = {f.name: f for f in fields(DemoSettings)}
     overrides = []
+    given: set[str] = set()
     for arg in argv:
         key, sep, value = arg.partition("=")
         if key.startswith("demo."):
@@ -107,8 +128,16 @@ def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
             else:
                 parsed = type(current)(value)
             setattr(settings, name, parsed)
+            given.add(name)
         else:
             overrides.append(arg)
+    if settings.protocol not in PROTOCOLS:
+        raise SystemExit(f"demo.protocol takes {' or '.join(PROTOCOLS)}, got {settings.protocol!r}")
+    data_dir, output_dir = PROTOCOL_DIRS[settings.protocol]
+    if "data_dir" not in given:
+        settings.data_dir = data_dir
+    if "output_dir" not in given:
+        settings.output_dir = output_dir
     return settings, overrides
 
 
@@ -143,11 +172,54 @@ def build_questions(s: DemoSettings) -> tuple[Path, Path]:
         write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(train_q)], flashrag / source / "train.jsonl")
         write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(test_q)], flashrag / source / "test.jsonl")
     sources = [ONEHOP_SOURCE, TWOHOP_SOURCE]
+    if s.protocol == "tool":
+        train_rows, test_rows = tool_rows(sources, "train", flashrag), tool_rows(sources, "test", flashrag)
+        random.Random(s.world_seed + 1).shuffle(train_rows)
+        write_parquet(train_rows[: s.n_train], train_pq)
+        write_parquet(test_rows, test_pq)
+        return train_pq, test_pq
     train_rows = build_merged(sources, ("train",), "train", flashrag)
     random.Random(s.world_seed + 1).shuffle(train_rows)
     write_parquet(train_rows[: s.n_train], train_pq)
     write_parquet(build_merged(sources, ("test",), "test", flashrag), test_pq)
     return train_pq, test_pq
+
+
+def tool_rows(sources: list[str], split: str, flashrag: Path) -> list[dict]:
+    """Rows in the layout of veRL's preprocess_search_r1_dataset.py (system + user prompt,
+    `searchR1_<source>` data source, `extra_info.tools_kwargs`) from the demo's FlashRAG files."""
+    rows: list[dict] = []
+    for source in sources:
+        data_source = f"searchR1_{source}"
+        for record in read_flashrag_jsonl(flashrag / source / f"{split}.jsonl"):
+            target = list(record.golden_answers)
+            create = {"ground_truth": {"target": target}, "question": record.question, "data_source": data_source}
+            rows.append({
+                "data_source": data_source,
+                "prompt": tool_demonstrations.prompt_messages(record.question),
+                "ability": "fact-reasoning",
+                "reward_model": {"style": "rule", "ground_truth": {"target": target}},
+                "extra_info": {"index": len(rows), "need_tools_kwargs": True, "question": record.question,
+                               "split": split, "tools_kwargs": {"search": {"create_kwargs": create}}},
+            })
+    return rows
+
+
+def claim_data_dir(s: DemoSettings) -> None:
+    """Mark `demo.data_dir` as holding `demo.protocol`'s data; refuse a folder of the other one
+    (its cached parquet and warm start are in the other protocol's text)."""
+    marker = s.root / "PROTOCOL"
+    if marker.exists():
+        found: str | None = marker.read_text().strip()
+    elif (s.root / "train.parquet").exists():
+        found = "tags"   # built before the marker existed
+    else:
+        found = None
+    if found is not None and found != s.protocol:
+        raise SystemExit(f"demo.data_dir={s.data_dir} holds the {found!r} protocol's demo data; give "
+                         f"demo.protocol={s.protocol} its own folder (default {PROTOCOL_DIRS[s.protocol][0]})")
+    s.root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(s.protocol + "\n")
 
 
 def build_corpus_and_index(s: DemoSettings) -> tuple[Path, Path]:
@@ -205,16 +277,42 @@ def build_sft_data(s: DemoSettings) -> Path:
     return out
 
 
-def sft_overrides(s: DemoSettings, sft_data: Path, model_init: Path, steps: int, phase: int) -> list[str]:
+def tool_sft_data_path(s: DemoSettings) -> Path:
+    return s.root / "sft_tool" / "train.parquet"
+
+
+def build_tool_sft_data(s: DemoSettings, tokenizer) -> Path:
+    """Tool-protocol demonstrations from the SFT worlds, with the prompt already rendered by the
+    tool chat template (tools=the search schema), as the rollout renders it; the fingerprint of
+    the rows goes beside them (…/train.fingerprint)."""
+    out = tool_sft_data_path(s)
+    if out.exists():
+        return out
+    framing = tool_demonstrations.framing_for(tokenizer)
+    worlds = [make_world(seed) for seed in s.sft_world_seeds]
+    demos = tool_demonstrations.make_tool_demonstrations(worlds, s.tool_n_demos, s.topk, seed=s.world_seed + 7,
+                                                         framing=framing)
+    rows = [{"prompt": tool_demonstrations.render_prompt(tokenizer, q.text),
+             "turns": [asdict(t) for t in turns], "kind": q.kind} for q, turns in demos]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (out.parent / "train.fingerprint").write_text(fingerprint(rows) + "\n")
+    pd.DataFrame(rows).to_parquet(out, index=False)
+    return out
+
+
+def sft_overrides(s: DemoSettings, sft_data: Path, model_init: Path, steps: int, phase: int,
+                  tool: bool = False) -> list[str]:
     w = s.sft_context_weight
+    lr, batch = (s.tool_sft_lr, s.tool_sft_batch_size) if tool else (s.sft_lr, s.sft_batch_size)
+    out_dir = s.root / (f"tool_sft_phase{phase}" if tool else f"sft_phase{phase}")
     return [
         f"data.train_files={sft_data}", "data.max_length=1024", "data.truncation=skip",
-        f"data.train_batch_size={s.sft_batch_size}", f"data.micro_batch_size_per_gpu={s.sft_batch_size}",
+        f"data.train_batch_size={batch}", f"data.micro_batch_size_per_gpu={batch}",
         f"data.loss_weights.prompt={w}", "data.loss_weights.policy=1.0", f"data.loss_weights.observation={w}",
-        f"model.partial_pretrain={model_init}", f"optim.lr={s.sft_lr}",
+        f"model.partial_pretrain={model_init}", f"optim.lr={lr}",
         f"optim.warmup_steps_ratio={0.05 if phase == 0 else 0.02}", "optim.weight_decay=0.0",
-        f"trainer.total_training_steps={steps}", f"trainer.seed={1 + phase}",
-        f"trainer.default_local_dir={s.root / f'sft_phase{phase}'}", "trainer.logger=[jsonl]",
+        f"trainer.total_training_steps={steps}", f"trainer.seed={1 + phase + (100 if tool else 0)}",
+        f"trainer.default_local_dir={out_dir}", "trainer.logger=[jsonl]",
         "trainer.progress_bar=true", "trainer.log_freq=25", f"trainer.device={s.sft_device}", f"trainer.num_threads={s.num_threads}",
     ]
 
@@ -231,6 +329,41 @@ def build_warm_start(s: DemoSettings) -> Path:
         hf_dir = s.root / f"sft_phase{phase}" / "huggingface"
         if not (hf_dir / "config.json").exists():
             result = run_sft(compose_sft_config(sft_overrides(s, sft_data, model, steps, phase)))
+            (hf_dir.parent / "sft_result.json").write_text(json.dumps(
+                {"steps": result.steps, "final_loss": result.final_loss, "wall_seconds": result.wall_seconds}))
+        model = hf_dir
+    return model
+
+
+def build_tool_warm_start(s: DemoSettings, base: Path) -> Path:
+    """The tool protocol's warm start: the tag warm start `base` (its weights and tokenizer) with
+    the tool chat template, then the project's SFT trainer on tool-call demonstrations, one phase
+    per entry of `tool_sft_steps` (each from the previous one; skipped when done)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+
+    if not s.tool_sft_steps:
+        raise ValueError("demo.tool_sft_steps is empty: at least one SFT phase is needed")
+    init = s.root / "tool_model_init"
+    if not (init / "config.json").exists():
+        tmp = init.with_name(init.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("manifest.json"))
+        tok = tool_demonstrations.with_tool_template(AutoTokenizer.from_pretrained(tmp))
+        (tmp / "chat_template.jinja").unlink(missing_ok=True)
+        tok.save_pretrained(tmp)
+        tmp.rename(init)
+    tokenizer = AutoTokenizer.from_pretrained(init)
+    sft_data = build_tool_sft_data(s, tokenizer)
+    model = init
+    for phase, steps in enumerate(s.tool_sft_steps):
+        hf_dir = s.root / f"tool_sft_phase{phase}" / "huggingface"
+        if not (hf_dir / "config.json").exists():
+            result = run_sft(compose_sft_config(sft_overrides(s, sft_data, model, steps, phase, tool=True)))
             (hf_dir.parent / "sft_result.json").write_text(json.dumps(
                 {"steps": result.steps, "final_loss": result.final_loss, "wall_seconds": result.wall_seconds}))
         model = hf_dir

@@ -43,13 +43,16 @@ import pandas as pd
 from tqdm import tqdm
 
 from scripts.demo.build import (
+    REPO_ROOT,
     TWOHOP_SOURCE,
     DemoSettings,
     build_corpus_and_index,
     build_questions,
+    claim_data_dir,
     split_args,
 )
-from scripts.demo.warmstart import MANIFEST, read_manifest, resolve_warmstart, warmstart_settings
+from scripts.demo.tool_demonstrations import MAX_TOOL_RESPONSE_LENGTH, write_tool_config
+from scripts.demo.warmstart import MANIFEST, read_manifest, resolve_warmstart, settings_for, shipped_path
 from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS
 
 # RL settings found to work for the demo (see docs/demo.md); any can be overridden.
@@ -109,12 +112,28 @@ PPO_RL_OVERRIDES = (
 )
 ALGORITHMS = ("grpo", "ppo")
 
+# `demo.protocol=tool`: veRL upstream's recipe (native tool calls through the chat template),
+# added to the keys above; its warm start and parquet are the tool protocol's own
+# (docs/demo.md "Tool protocol"). The tool config file (the demo's server URL) is written by
+# run_demo and passed as multi_turn.tool_config_path.
+TOOL_RL_OVERRIDES = (
+    "actor_rollout_ref.rollout.multi_turn.enable=true",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",   # two searches and the answer (max_turns=2)
+    f"actor_rollout_ref.rollout.multi_turn.max_tool_response_length={MAX_TOOL_RESPONSE_LENGTH}",
+    "data.max_prompt_length=640",       # the initial prompt: tool schema, veRL's user prefix, the question
+    "data.max_response_length=512",     # all turns and tool messages of a row together (veRL's meaning)
+    "data.max_obs_length=192",          # one tool message with its framing (two passages: ~125 tokens)
+)
+TOOL_CONFIG_FILE = "search_tool_config.yaml"   # under demo.output_dir
+
 
 # Measured on an idle 2-core CPU (docs/demo.md), for the start line's estimate only.
 SECONDS_PER_RL_STEP = 30.0
 SECONDS_PER_VALIDATION = 8.0
 SECONDS_START = 45.0          # world, index, retrieval server, Ray and workers, final save and plot
 SECONDS_PER_SFT_STEP = 1.0    # only when the warm start is (re)built here
+TOOL_SECONDS_PER_RL_STEP = 30.0   # demo.protocol=tool (longer prompts and turns)
+TOOL_SECONDS_PER_VALIDATION = 8.0
 
 
 @dataclass
@@ -133,11 +152,12 @@ class DemoSummary:
     plot_path: str
     data_dir: str = "data/demo"
     try_command: str = ""
+    protocol: str = "tags"
 
 
 def build_all(s: DemoSettings) -> dict[str, Path]:
     """Corpus and BM25 index, RL questions, and the warm start (shipped, or built here)."""
-    s.root.mkdir(parents=True, exist_ok=True)
+    claim_data_dir(s)
     with tqdm(total=3, desc="build (world, index, questions, warm start)", unit="part") as bar:
         corpus, index_dir = build_corpus_and_index(s)
         bar.update(1)
@@ -250,6 +270,11 @@ def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: 
         f"trainer.default_local_dir={out_dir / 'checkpoints'}", f"retriever.url={url}",
     ]
     overrides = [*algorithm_overrides(algorithm), *base]
+    if s.protocol == "tool":
+        tool_keys = {o.partition("=")[0] for o in TOOL_RL_OVERRIDES}
+        overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in tool_keys]
+        overrides += [*TOOL_RL_OVERRIDES, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config_path(s)}",
+                      f"trainer.experiment_name=demo-{algorithm}-tool"]
     # Later overrides win in Hydra, but a "+key" given twice is an error: drop ours.
     user_keys = {a.lstrip("+").partition("=")[0] for a in user}
     overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in user_keys]
@@ -263,6 +288,11 @@ def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: 
     return overrides + user
 
 
+def tool_config_path(s: DemoSettings) -> Path:
+    """Where the tool protocol's demo writes its tool config (pointing at its retrieval server)."""
+    return (Path(s.output_dir) / TOOL_CONFIG_FILE).resolve()
+
+
 def validations(steps: int, test_freq: int) -> int:
     """How many validation passes a run makes: before training, every test_freq steps, and at the end."""
     return 1 + len({*range(test_freq, steps + 1, test_freq), steps}) if test_freq > 0 else 1
@@ -270,21 +300,28 @@ def validations(steps: int, test_freq: int) -> int:
 
 def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int, algorithm: str = "grpo") -> str:
     """One line saying what the demo will do and about how long it takes."""
-    shipped = (s.warmstart_path / MANIFEST).exists() and not s.rebuild_warmstart and \
-        read_manifest(s.warmstart_path).settings == warmstart_settings(s)
-    cached = (s.root / f"sft_phase{len(s.sft_steps) - 1}" / "huggingface" / "config.json").exists()
+    tool = s.protocol == "tool"
+    shipped_dir = shipped_path(s)
+    shipped = (shipped_dir / MANIFEST).exists() and not s.rebuild_warmstart and \
+        read_manifest(shipped_dir).settings == settings_for(s)
+    last = f"tool_sft_phase{len(s.tool_sft_steps) - 1}" if tool else f"sft_phase{len(s.sft_steps) - 1}"
+    cached = (s.root / last / "huggingface" / "config.json").exists()
+    sft_steps = sum(s.tool_sft_steps) if tool else sum(s.sft_steps)
     n_checks = validations(steps, test_freq)
-    seconds = SECONDS_START + steps * SECONDS_PER_RL_STEP + n_checks * SECONDS_PER_VALIDATION
+    per_step, per_val = (TOOL_SECONDS_PER_RL_STEP, TOOL_SECONDS_PER_VALIDATION) if tool else \
+        (SECONDS_PER_RL_STEP, SECONDS_PER_VALIDATION)
+    seconds = SECONDS_START + steps * per_step + n_checks * per_val
     if shipped:
-        warm = f"start from the shipped warm start ({s.warmstart_dir}, {sum(s.sft_steps):,} SFT steps)"
+        warm = f"start from the shipped warm start ({shipped_dir.relative_to(REPO_ROOT)}, {sft_steps:,} SFT steps)" \
+            if shipped_dir.is_relative_to(REPO_ROOT) else f"start from the shipped warm start ({shipped_dir})"
     elif cached:
         warm = f"start from the warm start cached under {s.root}"
     else:
-        warm = f"build the warm start ({sum(s.sft_steps):,} SFT steps)"
-        seconds += sum(s.sft_steps) * SECONDS_PER_SFT_STEP
+        warm = f"build the warm start ({sft_steps:,} SFT steps)"
+        seconds += sft_steps * SECONDS_PER_SFT_STEP
     minutes = max(1, round(seconds / 60))
     return (f"[demo] This will build a small fictional world and its BM25 search server, {warm}, then run "
-            f"{steps} {algorithm.upper()} steps with search on CPU, validating on {n_val} held-out questions {n_checks} times: "
+            f"{steps} {algorithm.upper()} steps with search{' (tool calls)' if tool else ''} on CPU, validating on {n_val} held-out questions {n_checks} times: "
             f"about {minutes} min on an idle 2-core machine (up to {2 * minutes} on a slower or busy one).")
 
 
@@ -311,6 +348,8 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
 
     with retrieval_server(_given(user_overrides, "retriever.url"), paths["index"], paths["corpus"],
                           settings.topk, out_dir / "retrieval_server.log") as url:
+        if settings.protocol == "tool":
+            write_tool_config(tool_config_path(settings), url, settings.topk)
         config = compose_config(rl_overrides(settings, paths, user_overrides, url, algorithm))
         rl_start = time.time()
         history = run_ppo(config)
@@ -326,15 +365,18 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
     from scripts.plot_metrics import PANELS, plot_metrics
 
     panels = PANELS + CRITIC_PANELS if algorithm == "ppo" else PANELS
+    shown = f"{algorithm.upper()}, tool calls" if settings.protocol == "tool" else algorithm.upper()
     plot_path = plot_metrics(metrics_path, out_dir / "training_curves.png",
-                             title=f"Search-R1 offline demo ({algorithm.upper()})", panels=panels)
+                             title=f"Search-R1 offline demo ({shown})", panels=panels)
     hf_model_dir = str(ckpt_root / f"global_step_{step}" / "hf")
     summary = DemoSummary(
         algorithm=algorithm, val_em_before=em_before, val_em_after=em_after, val_em_before_by_source=by_before,
         val_em_after_by_source=by_after, rl_steps=step, wall_seconds=time.time() - start, rl_seconds=rl_seconds,
         checkpoint_dir=str(ckpt_root / f"global_step_{step}"),
         hf_model_dir=hf_model_dir, metrics_path=str(metrics_path), plot_path=str(plot_path),
-        data_dir=str(settings.root), try_command=try_command(paths["test"], out_dir))
+        data_dir=str(settings.root), protocol=settings.protocol,
+        # infer.py --demo asks in the tag protocol; the tool model is shown by its validation.
+        try_command=try_command(paths["test"], out_dir) if settings.protocol == "tags" else "")
     (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     print_summary(summary, out_dir / "summary.json")
     return summary
@@ -390,13 +432,15 @@ CRITIC_PANELS = (
 
 
 def print_summary(s: DemoSummary, path: Path) -> None:
-    print(f"\n========== Search-R1 offline demo ({s.algorithm.upper()}) ==========")
+    shown = f"{s.algorithm.upper()}, tool calls" if s.protocol == "tool" else s.algorithm.upper()
+    print(f"\n========== Search-R1 offline demo ({shown}) ==========")
     print(f"validation EM before RL: {s.val_em_before:.3f}  {s.val_em_before_by_source}")
     print(f"validation EM after RL:  {s.val_em_after:.3f}  {s.val_em_after_by_source}")
     print(f"RL steps: {s.rl_steps}   RL time: {s.rl_seconds:.0f}s   total: {s.wall_seconds:.0f}s")
     print(f"checkpoint: {s.checkpoint_dir}\nHF model:   {s.hf_model_dir}")
     print(f"metrics:    {s.metrics_path}\nplot:       {s.plot_path}\nsummary:    {path}")
-    print(f"try it:     {s.try_command}", flush=True)
+    if s.try_command:
+        print(f"try it:     {s.try_command}", flush=True)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
     python -m scripts.demo.warmstart                     # rebuild example/demo_warmstart/ from scratch
     python -m scripts.demo.warmstart --check             # do the shipped files match their manifest?
+    python -m scripts.demo.warmstart demo.protocol=tool  # rebuild example/demo_warmstart_tool/ (tool protocol)
     python -m scripts.demo.warmstart --out /tmp/ws demo.sft_steps=300,200   # any DemoSettings field
 
 The warm start is a means, not what the demo shows: building it costs ~1,060 SFT steps
@@ -34,13 +35,17 @@ from pathlib import Path
 import torch
 
 from scripts.demo.build import (
+    REPO_ROOT,
     DemoSettings,
+    build_tool_warm_start,
     build_warm_start,
     fingerprint,
     sft_data_fingerprint_path,
     split_args,
     tokenizer_texts,
+    tool_sft_data_path,
 )
+from scripts.demo.tool_demonstrations import tool_text_fingerprint
 
 MANIFEST = "manifest.json"
 REBUILD_COMMAND = "python -m scripts.demo.warmstart"
@@ -51,6 +56,8 @@ WARMSTART_FIELDS = (
     "num_layers", "num_heads", "intermediate_size", "topk", "sft_steps", "sft_lr", "sft_batch_size",
     "sft_context_weight",
 )
+# demo.protocol=tool: its warm start continues the tag warm start (WARMSTART_FIELDS) with these.
+TOOL_WARMSTART_FIELDS = ("tool_n_demos", "tool_sft_steps", "tool_sft_lr", "tool_sft_batch_size")
 # The libraries whose version can change the files: the tokenizer's BPE trainer and its
 # serialisation, the model code and kernels, the weights' format, and the demonstrations'
 # BM25 search (its stemmer, and numpy's top-k, which breaks score ties).
@@ -103,6 +110,26 @@ def warmstart_settings(s: DemoSettings) -> dict:
     return json.loads(json.dumps(settings))
 
 
+def tool_warmstart_settings(s: DemoSettings) -> dict:
+    """What determines the tool protocol's warm start: the tag warm start it continues (its
+    settings and text protocol), the tool SFT's fields, and the tool protocol's text fingerprint."""
+    settings = warmstart_settings(s)
+    settings.update({name: getattr(s, name) for name in TOOL_WARMSTART_FIELDS})
+    settings["protocol"] = "tool"
+    settings["tool_text_protocol"] = tool_text_fingerprint()
+    return json.loads(json.dumps(settings))
+
+
+def settings_for(s: DemoSettings) -> dict:
+    """The manifest settings of `s.protocol`'s warm start."""
+    return tool_warmstart_settings(s) if s.protocol == "tool" else warmstart_settings(s)
+
+
+def shipped_path(s: DemoSettings) -> Path:
+    """The shipped warm start of `s.protocol` (demo.warmstart_dir / demo.tool_warmstart_dir)."""
+    return s.tool_warmstart_path if s.protocol == "tool" else s.warmstart_path
+
+
 def file_hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
@@ -130,22 +157,36 @@ def verify(folder: Path) -> WarmStartManifest:
 
 
 def _sft_phases(s: DemoSettings) -> list[dict]:
+    if s.protocol == "tool":
+        return [json.loads((s.root / f"tool_sft_phase{i}" / "sft_result.json").read_text())
+                for i in range(len(s.tool_sft_steps))]
     return [json.loads((s.root / f"sft_phase{i}" / "sft_result.json").read_text()) for i in range(len(s.sft_steps))]
 
 
-def export_warmstart(s: DemoSettings, model_dir: Path, out: Path, command: str) -> WarmStartManifest:
-    """Copy the HF folder `model_dir` (built by `build_warm_start(s)`) to `out` with its manifest."""
+def _inputs(s: DemoSettings, base: Path | None) -> dict:
+    if s.protocol == "tool":
+        # The tag warm start the tool SFT continued from (its weights' sha256) and the tool demonstrations.
+        where = base.resolve()
+        shown = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else where
+        return {"base_warmstart": str(shown), "base_model_sha256": file_hashes(base)["model.safetensors"],
+                "sft_data": (tool_sft_data_path(s).parent / "train.fingerprint").read_text().strip()}
+    return {"tokenizer_texts": fingerprint(tokenizer_texts(s)),
+            "sft_data": sft_data_fingerprint_path(s).read_text().strip()}
+
+
+def export_warmstart(s: DemoSettings, model_dir: Path, out: Path, command: str,
+                     base: Path | None = None) -> WarmStartManifest:
+    """Copy the HF folder `model_dir` (built by `build_warm_start(s)`, or for the tool protocol by
+    `build_tool_warm_start(s, base)`) to `out` with its manifest."""
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(model_dir, tmp)
     manifest = WarmStartManifest(
-        settings=warmstart_settings(s), files=file_hashes(tmp), command=command, sft_phases=_sft_phases(s),
+        settings=settings_for(s), files=file_hashes(tmp), command=command, sft_phases=_sft_phases(s),
         built_with={"torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
                     "num_threads": s.num_threads, "sft_device": s.sft_device},
-        libraries=library_versions(),
-        inputs={"tokenizer_texts": fingerprint(tokenizer_texts(s)),
-                "sft_data": sft_data_fingerprint_path(s).read_text().strip()})
+        libraries=library_versions(), inputs=_inputs(s, base))
     (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
@@ -157,20 +198,30 @@ def rebuild(s: DemoSettings, out: Path, command: str = REBUILD_COMMAND) -> WarmS
     """Build the warm start from nothing (a fresh temporary data folder) and export it to `out`."""
     with tempfile.TemporaryDirectory(prefix="demo_warmstart_") as tmp:
         fresh = replace(s, data_dir=tmp)
+        if s.protocol == "tool":
+            # The tag warm start it continues: the shipped one when it matches the settings.
+            base = resolve_warmstart(replace(fresh, protocol="tags"))
+            return export_warmstart(fresh, build_tool_warm_start(fresh, base), out, command, base=base)
         return export_warmstart(fresh, build_warm_start(fresh), out, command)
 
 
 def resolve_warmstart(s: DemoSettings) -> Path:
     """The model RL starts from: the shipped warm start when it was made with these settings,
     else (or with demo.rebuild_warmstart=true) one built and cached under demo.data_dir."""
-    shipped = s.warmstart_path
+    shipped = shipped_path(s)
+    wanted = settings_for(s)
     if not s.rebuild_warmstart and (shipped / MANIFEST).exists():
         manifest = verify(shipped)
-        if manifest.settings == warmstart_settings(s):
+        if manifest.settings == wanted:
             return shipped
-        changed = sorted(k for k in manifest.settings if manifest.settings[k] != warmstart_settings(s).get(k))
-        print(f"[demo] settings {changed} differ from the shipped warm start's: building one under {s.data_dir}",
-              flush=True)
+        changed = sorted(k for k in {*manifest.settings, *wanted} if manifest.settings.get(k) != wanted.get(k))
+        print(f"[demo] settings {changed} differ from the shipped warm start's ({shipped}): building one under "
+              f"{s.data_dir}", flush=True)
+    if s.protocol == "tool":
+        # demo.rebuild_warmstart=true rebuilds the tool SFT; the tag warm start under it is the
+        # shipped one whenever the tag settings match it.
+        base = resolve_warmstart(replace(s, protocol="tags", rebuild_warmstart=False))
+        return build_tool_warm_start(s, base)
     return build_warm_start(s)
 
 
@@ -182,11 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     settings, extra = split_args(rest)
     if extra:
         parser.error(f"only demo.<field>=value arguments are accepted, got {extra}")
-    out = args.out or settings.warmstart_path
+    out = args.out or shipped_path(settings)
     if args.check:
         manifest = verify(out)
         print(f"{out}: {len(manifest.files)} files match {MANIFEST}; settings match the defaults: "
-              f"{manifest.settings == warmstart_settings(settings)}")
+              f"{manifest.settings == settings_for(settings)}")
         return
     command = " ".join([REBUILD_COMMAND, *(["--out", str(args.out)] if args.out else []), *rest])
     manifest = rebuild(settings, out, command)
