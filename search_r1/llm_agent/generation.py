@@ -31,13 +31,12 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from search_r1.llm_agent import actions
-from search_r1.llm_agent.actions import Action
 from search_r1.llm_agent.tensor_helper import (
     left_pad,
     masked_rows,
@@ -45,6 +44,7 @@ from search_r1.llm_agent.tensor_helper import (
     real_tokens,
     right_pad,
 )
+from search_r1.llm_agent.trajectory import _Row, _TurnResult
 from search_r1.search.schema import Hit
 from verl.utils import batch_keys as K
 
@@ -164,68 +164,6 @@ AGENT_STATS = "agent_stats"
 def eos_token_ids(meta: dict[str, Any]) -> frozenset[int]:
     eos = meta[K.META_EOS_TOKEN_ID]
     return frozenset(int(e) for e in eos) if isinstance(eos, list | tuple) else frozenset({int(eos)})
-
-
-@dataclass
-class _Row:
-    """One trajectory while it is being rolled out."""
-
-    prompt_ids: list[int]
-    # Each turn: (policy ids, observation ids); observation may be empty.
-    turns: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    # The engine's log-prob of each policy id, per turn (None once any turn came without them).
-    log_probs: list[list[float]] | None = field(default_factory=list)
-    response_len: int = 0
-    stop_reason: str | None = None
-    n_turns: int = 0
-    n_valid_actions: int = 0
-    n_searches: int = 0
-    n_tool_rounds: int = 0      # tool protocol: rounds of tool answers appended (veRL's user turns)
-    # Response position from which the policy sampled from a rolling context that had dropped
-    # older turns (-1: never). Old log-probs and the update see the full sequence instead.
-    cut_from: int = -1
-
-    @property
-    def active(self) -> bool:
-        return self.stop_reason is None
-
-    def append_turn(self, policy_ids: list[int], obs_ids: list[int], policy_log_probs: list[float] | None = None) -> None:
-        self.turns.append((policy_ids, obs_ids))
-        self.response_len += len(policy_ids) + len(obs_ids)
-        if self.log_probs is not None and policy_log_probs is not None:
-            self.log_probs.append(list(policy_log_probs[: len(policy_ids)]))
-        else:
-            self.log_probs = None
-
-    def response_log_probs(self) -> list[float] | None:
-        """The engine's log-prob at each response position (0 on observations), if it gave them."""
-        if self.log_probs is None:
-            return None
-        out: list[float] = []
-        for (_, obs_ids), lps in zip(self.turns, self.log_probs, strict=True):
-            out += lps + [0.0] * len(obs_ids)
-        return out
-
-    def response(self) -> tuple[list[int], list[int]]:
-        """All turns' ids and the matching mask (1 = sampled by the policy, 0 = observation)."""
-        ids: list[int] = []
-        mask: list[int] = []
-        for policy_ids, obs_ids in self.turns:
-            ids += policy_ids + obs_ids
-            mask += [1] * len(policy_ids) + [0] * len(obs_ids)
-        return ids, mask
-
-
-@dataclass(frozen=True)
-class _TurnResult:
-    """A policy turn after cutting at its first action."""
-
-    kept_ids: list[int]
-    action: Action
-    emitted_eos: bool
-    generated: int
-    calls: tuple = ()                 # tool protocol: the turn's parsed calls (tools.ToolCall | ToolCallError)
-    queries: tuple[str, ...] = ()     # the queries the turn sends to the retrieval server
 
 
 class LLMGenerationManager:

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING
 
 from search_r1.llm_agent import actions, tools
 from search_r1.llm_agent.actions import Action
+from search_r1.llm_agent.trajectory import _Row, _TurnResult
 from search_r1.search.schema import Hit
 
 if TYPE_CHECKING:
-    from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager, _Row, _TurnResult
+    from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
 
 
 class ToolTurns:
@@ -55,8 +56,6 @@ class ToolTurns:
     # --- cut --------------------------------------------------------------------------
 
     def cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
-        from search_r1.llm_agent.generation import _TurnResult
-
         decode = self.manager._decode
         text = decode(sampled)
         kept = sampled

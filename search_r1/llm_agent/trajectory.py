@@ -1,0 +1,70 @@
+"""One trajectory while it is rolled out, and one policy turn after its cut: the records the
+generation manager's loops (sync, async) and both protocols' rules (tags, tool) share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from search_r1.llm_agent.actions import Action
+
+
+@dataclass
+class _Row:
+    """One trajectory while it is being rolled out."""
+
+    prompt_ids: list[int]
+    # Each turn: (policy ids, observation ids); observation may be empty.
+    turns: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    # The engine's log-prob of each policy id, per turn (None once any turn came without them).
+    log_probs: list[list[float]] | None = field(default_factory=list)
+    response_len: int = 0
+    stop_reason: str | None = None
+    n_turns: int = 0
+    n_valid_actions: int = 0
+    n_searches: int = 0
+    n_tool_rounds: int = 0      # tool protocol: rounds of tool answers appended (veRL's user turns)
+    # Response position from which the policy sampled from a rolling context that had dropped
+    # older turns (-1: never). Old log-probs and the update see the full sequence instead.
+    cut_from: int = -1
+
+    @property
+    def active(self) -> bool:
+        return self.stop_reason is None
+
+    def append_turn(self, policy_ids: list[int], obs_ids: list[int], policy_log_probs: list[float] | None = None) -> None:
+        self.turns.append((policy_ids, obs_ids))
+        self.response_len += len(policy_ids) + len(obs_ids)
+        if self.log_probs is not None and policy_log_probs is not None:
+            self.log_probs.append(list(policy_log_probs[: len(policy_ids)]))
+        else:
+            self.log_probs = None
+
+    def response_log_probs(self) -> list[float] | None:
+        """The engine's log-prob at each response position (0 on observations), if it gave them."""
+        if self.log_probs is None:
+            return None
+        out: list[float] = []
+        for (_, obs_ids), lps in zip(self.turns, self.log_probs, strict=True):
+            out += lps + [0.0] * len(obs_ids)
+        return out
+
+    def response(self) -> tuple[list[int], list[int]]:
+        """All turns' ids and the matching mask (1 = sampled by the policy, 0 = observation)."""
+        ids: list[int] = []
+        mask: list[int] = []
+        for policy_ids, obs_ids in self.turns:
+            ids += policy_ids + obs_ids
+            mask += [1] * len(policy_ids) + [0] * len(obs_ids)
+        return ids, mask
+
+
+@dataclass(frozen=True)
+class _TurnResult:
+    """A policy turn after cutting at its first action."""
+
+    kept_ids: list[int]
+    action: Action
+    emitted_eos: bool
+    generated: int
+    calls: tuple = ()                 # tool protocol: the turn's parsed calls (tools.ToolCall | ToolCallError)
+    queries: tuple[str, ...] = ()     # the queries the turn sends to the retrieval server
