@@ -56,7 +56,7 @@ class AsyncAgentLoop:
                 hits = await self.client.retrieve(queries, topk=self.manager.config.topk, return_scores=True)
             except RetrievalError as err:
                 hits, error = None, str(err)
-                stats["search_failures"] += len(queries)
+                stats["search_failures"] += self.manager._n_searches(res)
             if hits is not None and len(hits) != len(queries):
                 raise ValueError(f"retrieval returned {len(hits)} result lists for {len(queries)} queries")
         return self.manager._observation_for(res, hits, error, stats)

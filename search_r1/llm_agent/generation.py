@@ -352,6 +352,13 @@ class LLMGenerationManager:
             return self._tool.answers(res, hits, error, stats)
         return actions.render_search_failure() if hits is None else actions.render_observation(hits[0])
 
+    def _n_searches(self, res: _TurnResult) -> int:
+        """The turn's searches, as valid_search_stats and search_failures count them: its search
+        action (tags), or its well-formed search calls, each with all of its queries (tool)."""
+        if self._tool is not None:
+            return self._tool.n_searches(res)
+        return len(res.queries)
+
     def _turn_limit(self) -> int:
         if self._tool is not None:
             from search_r1.llm_agent.tool_turns import turn_limit
@@ -466,7 +473,7 @@ class LLMGenerationManager:
             start = time.perf_counter()
             hits, error = self._retrieve(queries)
             timing["retrieval"] += time.perf_counter() - start
-            stats["search_failures"] += len(queries) if hits is None else 0
+            stats["search_failures"] += sum(self._n_searches(results[k][0]) for k in running) if hits is None else 0
             observations: dict[int, str | list[str]] = {}
             position = 0
             for k in running:

@@ -80,6 +80,11 @@ class ToolTurns:
 
     # --- act --------------------------------------------------------------------------
 
+    @staticmethod
+    def n_searches(res: _TurnResult) -> int:
+        """Well-formed search calls of the turn (each sends all of its queries)."""
+        return sum(isinstance(c, tools.ToolCall) and tools.search_queries(c) is not None for c in res.calls)
+
     def is_final(self, row: _Row) -> bool:
         """True when the turn being taken is the row's last: its calls are not run (veRL's limits)."""
         c = self.config
@@ -149,7 +154,7 @@ class ToolTurns:
                 obs_ids, reason = [], actions.CONTEXT_FULL
             else:
                 row.n_tool_rounds += 1
-                row.n_searches += len(res.calls) - errors
+                row.n_searches += self.n_searches(res)
         row.append_turn(res.kept_ids, obs_ids, sampled_log_probs)
         row.stop_reason = reason
 

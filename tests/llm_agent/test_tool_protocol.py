@@ -336,13 +336,18 @@ def test_failed_retrieval_becomes_a_search_error_tool_message(tool_tokenizer, to
     tok = tool_tokenizer
     dead = tools.ToolConfig.from_dict({**tool_config.to_dict(), "search": {
         **tool_config.search, "retrieval_service_url": f"http://127.0.0.1:{free_port()}/retrieve", "timeout": 2}})
-    search = encode(tok, call(["capital of France"]))
+    search = encode(tok, call(["capital of France", "Eiffel Tower"]))
     answer = encode(tok, "<answer> Paris </answer>") + [tok.eos_token_id]
     out, _ = run_tool(tok, {"q1": [search, answer]}, ["q1"], tool_gen_config(dead))
     ids, loss = response_of(out, 0)
     observation = tok.decode([t for t, m in zip(ids, loss, strict=True) if m == 0])
     assert '{"result": "Search error: ' in observation
-    assert out.meta_info["search_failures"] == 1 and out.meta_info["stop_reasons"]["answered"] == 1
+    assert out.meta_info["stop_reasons"]["answered"] == 1
+    # One failed call (of two queries) is one failed search of one: the failure fraction is per search.
+    assert out.meta_info["search_failures"] == 1 and out.meta_info["valid_search_stats"] == [1]
+    from verl.trainer.ppo.metric_utils import compute_env_metrics
+
+    assert compute_env_metrics(out.meta_info)["env/search_failure_fraction"] == 1.0
 
 
 def test_tool_observation_is_shortened_to_max_obs_length_keeping_the_framing(tool_tokenizer, tool_config):

@@ -140,7 +140,8 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
     if "valid_search_stats" in meta_info:
         searches = np.asarray(meta_info["valid_search_stats"], dtype=np.float64)
         metrics["env/number_of_valid_search"] = float(searches.mean()) if searches.size else 0.0
-    for key in ("search_failures", "obs_truncated", "context_cuts"):
+    for key in ("search_failures", "obs_truncated", "context_cuts",
+                "tool_calls", "tool_call_errors", "tool_response_truncated"):   # (the last three: tool protocol)
         if key in meta_info:
             metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
     if "search_failures" in meta_info and "valid_search_stats" in meta_info:
