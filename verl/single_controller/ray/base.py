@@ -4,6 +4,10 @@ The driver builds a RayResourcePool (one placement group spanning the nodes, one
 then a RayWorkerGroup that starts node i's actors in bundle i with their rank/rendezvous environment,
 and binds the worker class's @register methods on itself. On a machine without GPUs the
 bundles are CPU-only and everything (gloo process groups included) runs the same way.
+
+A worker process that dies (killed, out of memory, its node lost) surfaces in the driver as
+Ray's ActorDiedError naming only an actor id; the group turns it into a WorkerDiedError naming
+the role, rank, pid and node (`worker_death`), the Ray error kept as its __cause__.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -29,6 +34,46 @@ from verl.single_controller.base.worker_group import (
 )
 
 PLACEMENT_GROUP_TIMEOUT_S = 120
+# After a worker's task fails, how long to look for a peer that died: a rank blocked in a gloo
+# collective fails as soon as the process it talks to is gone, often before Ray reports that death.
+DEATH_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where one worker of a group runs (pid / node_ip None when it died before it could say)."""
+
+    role: str
+    rank: int
+    actor_name: str
+    pid: int | None
+    node_ip: str | None
+
+    def describe(self) -> str:
+        pid = self.pid if self.pid is not None else "?"
+        node = self.node_ip or "?"
+        return f"{self.role} rank {self.rank} (pid {pid}, node {node}, Ray actor {self.actor_name})"
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process died under a running call; `place` says which (None when unknown)."""
+
+    def __init__(self, message: str, place: WorkerPlace | None = None) -> None:
+        super().__init__(message)
+        self.place = place
+
+
+def _where_am_i(_actor: Any) -> tuple[int, str]:
+    # Run inside the actor through __ray_call__, before any work: once it is dead nobody can ask.
+    return os.getpid(), ray.util.get_node_ip_address()
+
+
+def _ray_exit_detail(err: BaseException) -> str:
+    """Ray's one-line reason for an actor death (e.g. 'killed by SIGKILL'), or ''."""
+    for line in str(err).splitlines():
+        if "Worker exit detail:" in line:
+            return line.split("Worker exit detail:", 1)[1].strip()
+    return ""
 
 
 def _unwrap_actor_class(cls: Any) -> type:
@@ -224,11 +269,15 @@ class RayWorkerGroup(WorkerGroup):
         self._detached = detached
         self.master_addr: str | None = None
         self.master_port: str | None = None
+        self._place_refs: list[ray.ObjectRef] = []
+        # The name a death is reported under: the role for a view from spawn(), else the class.
+        self.role = ray_cls_with_init.user_cls.__name__ if ray_cls_with_init is not None else ""
         if ray_cls_with_init is None:
             return  # an empty shell, filled in by spawn()
         if worker_names is not None:
             self._workers = [ray.get_actor(name) for name in worker_names]
             self._worker_names = list(worker_names)
+            self._ask_places()
         else:
             if resource_pool is None:
                 raise ValueError("RayWorkerGroup needs a resource_pool (or worker_names of detached workers)")
@@ -272,6 +321,11 @@ class RayWorkerGroup(WorkerGroup):
                 self._workers.append(actor)
                 self._worker_names.append(name)
                 rank += 1
+        self._ask_places()
+
+    def _ask_places(self) -> None:
+        """Ask every actor for its pid and node now (answers kept as object refs, read on a death)."""
+        self._place_refs = [worker.__ray_call__.remote(_where_am_i) for worker in self._workers]
 
     @classmethod
     def from_detached(cls, worker_names: list[str], ray_cls_with_init: RayClassWithInitArgs) -> RayWorkerGroup:
@@ -287,6 +341,8 @@ class RayWorkerGroup(WorkerGroup):
             group._resource_pool = self._resource_pool
             group._workers = self._workers
             group._worker_names = self._worker_names
+            group._place_refs = self._place_refs
+            group.role = prefix
             group.master_addr, group.master_port = self.master_addr, self.master_port
             user_cls = self.ray_cls_with_init.user_cls
             known_roles = getattr(user_cls, "role_methods", {})
@@ -313,12 +369,52 @@ class RayWorkerGroup(WorkerGroup):
 
     def _resolve(self, handles: list[ray.ObjectRef]) -> list[Any]:
         """Every result, raising the first failure as soon as it happens: a worker that failed while
-        its peers wait in a collective for it must not leave the driver waiting on those peers."""
+        its peers wait in a collective for it must not leave the driver waiting on those peers.
+
+        A dead worker is raised as WorkerDiedError (role, rank, pid, node). When a task fails with
+        an ordinary error, the other calls get DEATH_GRACE_S to show whether a worker died under
+        them: a peer's broken collective is then a symptom, and the death is what is raised."""
         pending = list(handles)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready)   # raises the worker's error now
+            try:
+                ray.get(ready)   # raises the worker's error now
+            except ray.exceptions.RayActorError as err:
+                raise self.worker_death(err) from err
+            except ray.exceptions.RayTaskError:
+                died = _first_death(pending, DEATH_GRACE_S)
+                if died is not None:
+                    raise self.worker_death(died) from died
+                raise
         return ray.get(handles)
+
+    def rank_of(self, err: ray.exceptions.RayActorError) -> int | None:
+        """The rank of the actor `err` is about, or None when it is not one of this group's."""
+        actor_id = getattr(err, "actor_id", None)
+        for rank, worker in enumerate(self._workers):
+            if actor_id is not None and worker._actor_id.hex() == actor_id:
+                return rank
+        return None
+
+    def place(self, rank: int) -> WorkerPlace:
+        """Role, rank, actor name, pid and node of one worker (pid / node None if never answered)."""
+        pid, node_ip = None, None
+        if rank < len(self._place_refs):
+            try:
+                pid, node_ip = ray.get(self._place_refs[rank], timeout=1.0)
+            except (ray.exceptions.RayError, ValueError):
+                pass   # died before it answered: the message says '?'
+        return WorkerPlace(self.role, rank, self._worker_names[rank], pid, node_ip)
+
+    def worker_death(self, err: ray.exceptions.RayActorError) -> WorkerDiedError:
+        """`err` as a WorkerDiedError naming this group's role and the rank that died (raise it `from err`)."""
+        rank = self.rank_of(err)
+        if rank is None:
+            return WorkerDiedError(f"a Ray actor outside {self.role or 'this worker group'} died: "
+                                   f"{str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        place = self.place(rank)
+        detail = _ray_exit_detail(err)
+        return WorkerDiedError(f"{place.describe()} died" + (f": {detail}" if detail else ""), place)
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Call method_name with the same arguments on every worker; returns object refs."""
@@ -326,7 +422,7 @@ class RayWorkerGroup(WorkerGroup):
         return self._execute_ranks(method_name, ranks, [args] * len(ranks), [kwargs] * len(ranks))
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return ray.get(self.execute_all_async(method_name, *args, **kwargs))
+        return self._resolve(self.execute_all_async(method_name, *args, **kwargs))
 
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.execute_all(method_name, *args, **kwargs)
@@ -335,13 +431,45 @@ class RayWorkerGroup(WorkerGroup):
         return self._execute_ranks(method_name, [0], [args], [kwargs])[0]
 
     def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        return ray.get(self.execute_rank_zero_async(method_name, *args, **kwargs))
+        return self._resolve([self.execute_rank_zero_async(method_name, *args, **kwargs)])[0]
 
     def shutdown(self) -> None:
         """Kill this group's actors (views from spawn() share them, so they go too)."""
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers = []
+
+
+def _first_death(handles: list[ray.ObjectRef], grace_s: float) -> ray.exceptions.RayActorError | None:
+    """The first of `handles` to fail because its actor died, waiting at most `grace_s`; else None."""
+    deadline = time.monotonic() + grace_s
+    pending = list(handles)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return err
+            except ray.exceptions.RayError:
+                continue
+    return None
+
+
+def worker_death(err: BaseException, groups: Iterable[RayWorkerGroup]) -> WorkerDiedError | None:
+    """`err` as a WorkerDiedError when it is one, or when it is Ray's actor death of a worker in one
+    of `groups` (the first that holds the actor names the role); None for any other error."""
+    if isinstance(err, WorkerDiedError):
+        return err
+    if not isinstance(err, ray.exceptions.RayActorError):
+        return None
+    for group in groups:
+        if group is not None and group.rank_of(err) is not None:
+            return group.worker_death(err)
+    return None
 
 
 def _role_method(role: str, method_name: str, spec: MethodSpec) -> Any:

@@ -515,6 +515,37 @@ class RayPPOTrainer:
         logger.info("resumed from %s at global_step %d", folder, self.global_step)
         return folder
 
+    def _worker_death(self, err: BaseException) -> tuple[Exception, BaseException] | None:
+        """A worker process's death (Ray's ActorDiedError, or the worker group's WorkerDiedError) as
+        (an error naming its role, rank, pid and node, the last complete checkpoint and how to
+        resume; Ray's original error, its cause); None for any other error."""
+        from verl.single_controller.ray import WorkerDiedError, worker_death
+
+        death = worker_death(err, [self.actor_rollout_wg, self.critic_wg])
+        if death is None:
+            return None
+        # The group's WorkerDiedError was raised from Ray's error: that one stays the cause.
+        cause = err.__cause__ if isinstance(err, WorkerDiedError) and err.__cause__ is not None else err
+        return WorkerDiedError(f"{death}. {self._resume_hint()}", death.place), cause
+
+    def _resume_hint(self) -> str:
+        """Where a new run of the same command would continue from, and what to pass for it."""
+        trainer = self.config.trainer
+        root = Path(trainer.default_local_dir).absolute()
+        latest = checkpointing.latest_checkpoint(root)
+        if latest is None:
+            save_freq = int(trainer.save_freq)
+            why = (f"trainer.save_freq={save_freq}" if save_freq > 0
+                   else f"trainer.save_freq={save_freq} saves none; set trainer.save_freq=N to save every N steps")
+            return (f"Last complete checkpoint: none under {root} ({why}); running the same command "
+                    "starts again from step 0.")
+        where = f"Last complete checkpoint: {latest} (step {checkpointing.step_of(latest)})."
+        mode = str(trainer.resume_mode)
+        if mode == "auto":
+            return f"{where} Running the same command resumes from it (trainer.resume_mode=auto)."
+        return (f"{where} To resume from it, run the same command with trainer.resume_mode=auto "
+                f"(or trainer.resume_mode={latest}); this run had trainer.resume_mode={mode}.")
+
     # ------------------------------------------------------------------ loop
     def _tracker(self) -> Tracking:
         trainer = self.config.trainer
@@ -549,5 +580,10 @@ class RayPPOTrainer:
                         break
             bar.close()
             return self.history
+        except Exception as err:
+            death = self._worker_death(err)
+            if death is None:
+                raise
+            raise death[0] from death[1]
         finally:
             tracker.finish()
