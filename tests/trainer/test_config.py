@@ -92,7 +92,7 @@ SMALL = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_
     (["trainer.n_gpus_per_node=3"], "trainer.nnodes*trainer.n_gpus_per_node=3"),
     (["critic.model.path=null"], "algorithm.adv_estimator=gae needs a critic: set critic.model.path"),
     (["algorithm.no_think_rl=true"], "algorithm.no_think_rl=true is not supported"),
-    (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name='sglang' is unknown"),
+    (["actor_rollout_ref.rollout.name=trtllm"], "actor_rollout_ref.rollout.name='trtllm' is unknown"),
     (["actor_rollout_ref.rollout.mode=fast"], "actor_rollout_ref.rollout.mode='fast' is unknown"),
     (["actor_rollout_ref.rollout.mode=async", "do_search=false"], "mode=async runs the multi-turn search loop"),
     (["trainer.logger=[console,mlflow]"], "unknown backend 'mlflow'"),

@@ -11,9 +11,13 @@ rollout engine is resolved (vLLM installed, GPUs present).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -24,6 +28,39 @@ logger = logging.getLogger(__name__)
 
 ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "rloo")
 ROLLOUT_NAMES = ("auto", "hf", "vllm")
+# veRL's engines that this project does not ship (docs/rollout.md, "SGLang"): refused with the
+# setting that gives the same rollout here.
+SGLANG_NAMES = ("sglang", "sglang_async")
+TRUNCATIONS = ("error", "left", "right", "middle")
+SCHEMA_PATH = Path(__file__).parent / "config" / "ppo_trainer.yaml"
+
+# One setting, two names: Search-R1's global micro-batch (rows over all workers) and veRL's
+# `<key>_per_gpu` (rows per worker). Both default to null; set one. Both null: this many rows in all.
+MICRO_BATCH_DEFAULTS: dict[str, int] = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size": 8,
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": 128,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": 128,
+    "critic.ppo_micro_batch_size": 8,
+}
+
+# veRL keys a user of its recipes may pass that have no meaning in this project; the reason is
+# added to the "not a setting of this project" message (a prefix matches its sub-keys).
+VERL_KEYS_WITHOUT_MEANING: dict[str, str] = {
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path":
+        "veRL's interactions (simulated user turns) are not implemented; tools answer through tool_config_path",
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template":
+        "the rollout is the model's own ids plus the chat template's tool messages (token-exact), as veRL's False",
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode":
+        "rollouts are token-exact by construction: the model's ids are kept, only tool messages are tokenized",
+    "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts":
+        "samples per prompt are actor_rollout_ref.rollout.n (veRL) or rollout.n_agent (Search-R1)",
+    "actor_rollout_ref.rollout.agent": "veRL's agent loop corresponds to actor_rollout_ref.rollout.mode=async",
+    "actor_rollout_ref.rollout.calculate_log_probs":
+        "the rollout's log-probs are compared with the actor's when the engine returns them (rollout/log_prob_gap)",
+    "data.custom_cls": "the dataset is verl/utils/dataset/rl_dataset.py's RLHFDataset",
+    "data.image_key": "text-only: no multi-modal inputs",
+    "data.video_key": "text-only: no multi-modal inputs",
+}
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -50,6 +87,48 @@ def trainer_flag(cfg: DictConfig, key: str) -> Any:
     if key not in OPTIONAL_TRAINER_KEYS:
         raise KeyError(f"trainer.{key} is not an optional trainer key; known: {sorted(OPTIONAL_TRAINER_KEYS)}")
     return OmegaConf.select(cfg, f"trainer.{key}", default=OPTIONAL_TRAINER_KEYS[key])
+
+
+def tool_protocol(cfg: DictConfig) -> bool:
+    """Whether the run calls tools natively (veRL upstream's recipe): `actor_rollout_ref.rollout.multi_turn.enable`."""
+    return bool(OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn.enable", default=False))
+
+
+def prompt_bound(cfg: DictConfig) -> tuple[int, str]:
+    """(tokens an initial prompt may have, the key that says so): `data.max_prompt_length` in the tool
+    protocol (veRL's meaning), `data.max_start_length` in the tag protocol (the original's)."""
+    key = "data.max_prompt_length" if tool_protocol(cfg) else "data.max_start_length"
+    return int(OmegaConf.select(cfg, key)), key
+
+
+def shuffle_train(cfg: DictConfig) -> bool:
+    """Whether the training rows are shuffled each epoch: `data.shuffle_train_dataloader` (Search-R1)
+    or its veRL name `data.shuffle`; both null means True (config_errors refuses two different values)."""
+    for key in ("shuffle_train_dataloader", "shuffle"):
+        value = cfg.data.get(key)
+        if value is not None:
+            return bool(value)
+    return True
+
+
+def micro_batch_rows(cfg: DictConfig, key: str) -> int:
+    """Rows of one micro-batch over all workers for a MICRO_BATCH_DEFAULTS key (or
+    `critic.forward_micro_batch_size`): `<key>_per_gpu` x workers when that is set, else `<key>`,
+    else the default (the critic's forward pass: its update micro-batch)."""
+    per_gpu = OmegaConf.select(cfg, f"{key}_per_gpu")
+    if isinstance(per_gpu, int) and not isinstance(per_gpu, bool):   # a bad value is reported by _check_data
+        return per_gpu * world_size(cfg)
+    value = OmegaConf.select(cfg, key)
+    if value is not None:
+        return int(value)
+    if key == "critic.forward_micro_batch_size":
+        return micro_batch_rows(cfg, "critic.ppo_micro_batch_size")
+    return MICRO_BATCH_DEFAULTS[key]
+
+
+def micro_batch_key(cfg: DictConfig, key: str) -> str:
+    """How the micro-batch of `key` was given, for messages: `<key>_per_gpu*world_size` or `<key>`."""
+    return f"{key}_per_gpu*world_size" if OmegaConf.select(cfg, f"{key}_per_gpu") is not None else key
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -147,20 +226,24 @@ def _check_batch_sizes(cfg: DictConfig, errors: list[str]) -> None:
     _check_mini_batch(errors, "actor", "actor_rollout_ref.actor", int(actor.ppo_mini_batch_size),
                       "actor_rollout_ref.rollout.n", int(rollout.get("n", 1)), rollouts, rollouts_key, ws, ws_key)
     if not actor.use_dynamic_bsz:
-        _check_micro_batch(errors, "actor", "actor_rollout_ref.actor", mini_batch_rollouts(cfg, "actor"),
-                           int(actor.ppo_micro_batch_size), ws, ws_key)
+        key = "actor_rollout_ref.actor.ppo_micro_batch_size"
+        _check_micro_batch(errors, "actor", micro_batch_key(cfg, key), mini_batch_rollouts(cfg, "actor"),
+                           micro_batch_rows(cfg, key), ws, ws_key)
         for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size"):
-            _divides(errors, "log-prob micro-batch per worker", int(OmegaConf.select(cfg, key)), key, ws, ws_key)
+            _divides(errors, "log-prob micro-batch per worker", micro_batch_rows(cfg, key), micro_batch_key(cfg, key),
+                     ws, ws_key)
 
     if need_critic(cfg):
         critic = cfg.critic
         _check_mini_batch(errors, "critic", "critic", int(critic.ppo_mini_batch_size),
                           "critic.rollout_n", int(critic.get("rollout_n", 1)), rollouts, rollouts_key, ws, ws_key)
         if not critic.use_dynamic_bsz:
-            _check_micro_batch(errors, "critic", "critic", mini_batch_rollouts(cfg, "critic"),
-                               int(critic.ppo_micro_batch_size), ws, ws_key)
-            _divides(errors, "critic forward micro-batch per worker", int(critic.forward_micro_batch_size),
-                     "critic.forward_micro_batch_size", ws, ws_key)
+            key = "critic.ppo_micro_batch_size"
+            _check_micro_batch(errors, "critic", micro_batch_key(cfg, key), mini_batch_rollouts(cfg, "critic"),
+                               micro_batch_rows(cfg, key), ws, ws_key)
+            key = "critic.forward_micro_batch_size"
+            _divides(errors, "critic forward micro-batch per worker", micro_batch_rows(cfg, key),
+                     micro_batch_key(cfg, key), ws, ws_key)
 
 
 def _check_mini_batch(errors: list[str], who: str, prefix: str, size: int, n_key: str, n: int, rollouts: int,
@@ -173,10 +256,10 @@ def _check_mini_batch(errors: list[str], who: str, prefix: str, size: int, n_key
     _divides(errors, f"{who} mini-batch per worker", mini, mini_key, ws, ws_key)
 
 
-def _check_micro_batch(errors: list[str], who: str, prefix: str, mini_rollouts: int, micro: int,
+def _check_micro_batch(errors: list[str], who: str, micro_key: str, mini_rollouts: int, micro: int,
                        ws: int, ws_key: str) -> None:
-    """`{prefix}.ppo_micro_batch_size` (rows) fits in the mini-batch and splits evenly over the workers."""
-    micro_key = f"{prefix}.ppo_micro_batch_size"
+    """The micro-batch (`micro` rows in all, set by `micro_key`) fits in the mini-batch and splits evenly
+    over the workers."""
     if micro > mini_rollouts:
         errors.append(f"{micro_key}={micro} is larger than the mini-batch of {mini_rollouts} rollouts")
     _divides(errors, f"{who} micro-batch per worker", micro, micro_key, ws, ws_key)
@@ -214,9 +297,17 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
         )
 
 
+def sglang_message(name: str) -> str:
+    """Why `rollout.name=sglang` / `sglang_async` is refused, and the setting that gives that rollout here."""
+    return (f"rollout.name={name} is not available in this project (see docs/rollout.md, 'SGLang'): use "
+            "rollout.name=vllm (or hf); veRL's async agent loop corresponds to rollout.mode=async")
+
+
 def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name not in ROLLOUT_NAMES:
+    if rollout.name in SGLANG_NAMES:
+        errors.append(sglang_message(rollout.name))
+    elif rollout.name not in ROLLOUT_NAMES:
         errors.append(f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; choose one of {list(ROLLOUT_NAMES)}")
     mode = rollout.get("mode", "sync")
     if mode not in ("sync", "async"):
@@ -228,7 +319,8 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
         errors.append("actor_rollout_ref.hybrid_engine=False is not supported: actor, rollout and ref share one process")
     if cfg.actor_rollout_ref.actor.state_masking and not cfg.do_search:
         logger.info("actor_rollout_ref.actor.state_masking=True with do_search=False: no observations to mask")
-    if cfg.do_search:
+    _check_max_model_len(cfg, errors)
+    if cfg.do_search and not tool_protocol(cfg):
         if not cfg.retriever.url:
             errors.append("do_search=true needs retriever.url")
         if int(cfg.max_turns) < 0:
@@ -239,6 +331,184 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
                 f"data.max_prompt_length={cfg.data.max_prompt_length} (the rolling context keeps the prompt "
                 "plus recent turns)"
             )
+
+
+def _check_max_model_len(cfg: DictConfig, errors: list[str]) -> None:
+    """vLLM's context (`rollout.max_model_len`, veRL's key) must hold the prompt and the response budget."""
+    rollout = cfg.actor_rollout_ref.rollout
+    value = rollout.get("max_model_len")
+    if value is None:
+        return
+    key = "actor_rollout_ref.rollout.max_model_len"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        errors.append(f"{key}={value!r} must be an int >= 1 or null (= prompt_length + response_length)")
+        return
+    need = int(rollout.prompt_length) + int(rollout.response_length)
+    if need > value:
+        errors.append(f"{key}={value} is shorter than a rollout's context: actor_rollout_ref.rollout.prompt_length="
+                      f"{rollout.prompt_length} + response_length={rollout.response_length} = {need} tokens "
+                      f"(data.max_prompt_length + data.max_response_length); raise {key} to >= {need} or set it to null")
+
+
+def load_tool_config(cfg: DictConfig) -> Any:
+    """The tool config of a tool-protocol run (`multi_turn.tool_config_path`, veRL's YAML), read and checked."""
+    from search_r1.llm_agent.tools import load_tool_config as load
+
+    return load(str(cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path))
+
+
+def retrieval_endpoint(config: DictConfig) -> tuple[str, float, str, str]:
+    """(url, timeout s, the setting's name, where it is set) of the retrieval server the rollouts query:
+    `retriever.url` in the tag protocol; in the tool protocol the search tool's `retrieval_service_url`
+    in the tool config (`multi_turn.tool_config_path`)."""
+    if tool_protocol(config):
+        path = config.actor_rollout_ref.rollout.multi_turn.tool_config_path
+        search = load_tool_config(config).search or {}
+        return (str(search["retrieval_service_url"]), float(search.get("timeout", config.retriever.timeout)),
+                "retrieval_service_url", f"retrieval_service_url in {path}")
+    return str(config.retriever.url), float(config.retriever.timeout), "retriever.url", "retriever.url"
+
+
+def _check_multi_turn(cfg: DictConfig, errors: list[str]) -> None:
+    """`actor_rollout_ref.rollout.multi_turn.*` (veRL's keys and defaults): the tool protocol's settings."""
+    from search_r1.llm_agent.tools import TOOL_FORMATS, TRUNCATE_SIDES
+
+    prefix = "actor_rollout_ref.rollout.multi_turn"
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if mt.format not in TOOL_FORMATS:
+        errors.append(f"{prefix}.format={mt.format!r} is not supported; supported: {list(TOOL_FORMATS)} "
+                      "(hermes: <tool_call>{json}</tool_call>, as Qwen2.5 writes it; qwen is its older name)")
+    for key in ("max_assistant_turns", "max_user_turns"):
+        value = mt.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            errors.append(f"{prefix}.{key}={value!r} must be an int >= 1 or null (no bound)")
+    for key in ("max_parallel_calls", "max_tool_response_length"):
+        value = mt.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            errors.append(f"{prefix}.{key}={value!r} must be an int >= 1")
+    if mt.tool_response_truncate_side not in TRUNCATE_SIDES:
+        errors.append(f"{prefix}.tool_response_truncate_side={mt.tool_response_truncate_side!r} is unknown; "
+                      f"choose one of {list(TRUNCATE_SIDES)}")
+    if not mt.enable:
+        return
+    if not mt.tool_config_path:
+        errors.append(f"{prefix}.enable=true needs {prefix}.tool_config_path (veRL's tool YAML, e.g. "
+                      "example/tool_recipe/config/tool_config/search_tool_config.yaml)")
+    else:
+        try:
+            tool_config = load_tool_config(cfg)
+        except (OSError, ValueError) as exc:
+            errors.append(f"{prefix}.tool_config_path: {exc}")
+        else:
+            if tool_config.search is None:
+                errors.append(f"{prefix}.tool_config_path={mt.tool_config_path}: configures no search tool")
+    if not cfg.do_search:
+        errors.append(f"{prefix}.enable=true runs the tool loop against the retrieval server, but do_search=false "
+                      f"turns the search loop off: set do_search=true or {prefix}.enable=false")
+
+
+def _check_data(cfg: DictConfig, errors: list[str]) -> None:
+    data = cfg.data
+    if data.truncation not in TRUNCATIONS:
+        errors.append(f"data.truncation={data.truncation!r} is unknown; choose one of {list(TRUNCATIONS)} "
+                      "(a prompt longer than the bound when data.filter_overlong_prompts=False)")
+    both = {key: data.get(key) for key in ("shuffle_train_dataloader", "shuffle")}
+    if None not in both.values() and bool(both["shuffle"]) != bool(both["shuffle_train_dataloader"]):
+        errors.append(f"data.shuffle={both['shuffle']} and data.shuffle_train_dataloader={both['shuffle_train_dataloader']} "
+                      "are one setting (veRL's and Search-R1's names) with two values: set one of them")
+    for key in MICRO_BATCH_DEFAULTS:
+        value, per_gpu = OmegaConf.select(cfg, key), OmegaConf.select(cfg, f"{key}_per_gpu")
+        if value is not None and per_gpu is not None:
+            errors.append(f"{key}={value} and {key}_per_gpu={per_gpu} are both set: {key} counts rows over all "
+                          f"workers (Search-R1), {key}_per_gpu rows per worker (veRL); set one of them")
+        elif per_gpu is not None and (isinstance(per_gpu, bool) or not isinstance(per_gpu, int) or per_gpu < 1):
+            errors.append(f"{key}_per_gpu={per_gpu!r} must be an int >= 1 or null")
+
+
+def unknown_key_message(key: str) -> str:
+    """Why `key` is refused: not a setting of this project, with the reason for a known veRL key."""
+    message = (f"{key} is not a setting of this project (verl/trainer/config/ppo_trainer.yaml declares no such "
+               "key), so it would have no meaning here: remove it")
+    for known, reason in VERL_KEYS_WITHOUT_MEANING.items():
+        if key == known or key.startswith(known + "."):
+            return f"{message} ({reason})"
+    return message
+
+
+@functools.cache
+def _schema() -> DictConfig:
+    return OmegaConf.load(SCHEMA_PATH)
+
+
+def is_declared(key: str) -> bool:
+    """Whether the dotted `key` is a setting of ppo_trainer.yaml (inside a free-form mapping such as
+    `model.override_config` any key is), or an optional `trainer.<key>` (OPTIONAL_TRAINER_KEYS)."""
+    if key.startswith("trainer.") and key.split(".", 1)[1] in OPTIONAL_TRAINER_KEYS:
+        return True
+    node: Any = _schema()
+    for part in key.split("."):
+        if isinstance(node, DictConfig) and len(node) == 0:
+            return True
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node._get_node(part)
+    return True
+
+
+def undeclared_keys(cfg: DictConfig) -> list[str]:
+    """Dotted keys of `cfg` that ppo_trainer.yaml does not declare: appended with `+key=...`, or added
+    by a recipe YAML (e.g. `--config-name` of a file whose defaults list holds ppo_trainer)."""
+    found: list[str] = []
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for name in node.keys():
+            key = f"{prefix}{name}"
+            if not is_declared(key):
+                found.append(key)
+            elif isinstance(node._get_node(name), DictConfig) and not OmegaConf.is_interpolation(node, name):
+                walk(node._get_node(name), key + ".")
+
+    walk(cfg, "")
+    return found
+
+
+_OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2})(?P<key>[A-Za-z_][\w-]*(?:\.[\w-]+)*)=(?P<value>.*)$", re.DOTALL)
+
+
+def normalize_overrides(overrides: Sequence[str]) -> list[str]:
+    """Command-line overrides as Hydra composes them here.
+
+    The optional trainer keys (OPTIONAL_TRAINER_KEYS) are not declared in the YAML (DESIGN 3.4),
+    so the original's `+trainer.val_before_train=...` appends them; veRL's recipes write
+    `trainer.val_before_train=...` without `+`. Both forms (and `++`) become one `++trainer.<key>=`
+    (add or override), the last value winning as for any other key. Everything else is unchanged.
+    """
+    out: list[str] = []
+    last: dict[str, int] = {}
+    for arg in overrides:
+        match = _OVERRIDE.match(arg)
+        key = match["key"] if match else ""
+        if key.startswith("trainer.") and key.split(".", 1)[1] in OPTIONAL_TRAINER_KEYS:
+            if key in last:
+                out[last[key]] = ""
+            last[key] = len(out)
+            out.append(f"++{key}={match['value']}")
+        else:
+            out.append(arg)
+    return [arg for arg in out if arg != ""]
+
+
+def check_override_keys(overrides: Sequence[str]) -> None:
+    """Refuse a plain `key=value` override of a key ppo_trainer.yaml does not declare, with a message
+    saying it has no meaning here (Hydra's own would suggest appending it with `+`, which would then be
+    refused by `config_errors` anyway). Hydra's own keys (`hydra.*`) pass."""
+    errors = []
+    for arg in overrides:
+        match = _OVERRIDE.match(arg)
+        if match and not match["prefix"] and not match["key"].startswith("hydra.") and not is_declared(match["key"]):
+            errors.append(unknown_key_message(match["key"]))
+    if errors:
+        raise ConfigError("invalid trainer config:\n  - " + "\n  - ".join(errors))
 
 
 def _check_tensor_parallel(cfg: DictConfig, errors: list[str], has_gpu: bool | None) -> None:
@@ -369,9 +639,11 @@ def validate_config(cfg: DictConfig, has_gpu: bool | None = None) -> None:
 def config_errors(cfg: DictConfig, has_gpu: bool | None = None) -> list[str]:
     """What `validate_config` finds wrong, one message per problem (empty when the config is valid)."""
     OmegaConf.set_struct(cfg, True)
-    errors: list[str] = []
+    errors: list[str] = [unknown_key_message(key) for key in undeclared_keys(cfg)]
+    _check_data(cfg, errors)
     _check_algorithm(cfg, errors)
     _check_rollout(cfg, errors)
+    _check_multi_turn(cfg, errors)
     _check_tensor_parallel(cfg, errors, has_gpu)
     _check_retriever(cfg, errors)
     _check_trainer(cfg, errors)

@@ -14,14 +14,20 @@ importable and testable: `run_ppo(config)`.
 
 Before Ray starts: the config is validated (keys, batch sizes, the optional packages the run
 imports), and with `do_search=true` the retrieval server's /health must answer within
-`retriever.health_wait_s`. `+trainer.preflight=true` stops after the checks (verl/trainer/preflight.py):
+`retriever.health_wait_s` (in the tool protocol, the server of the tool config's
+`retrieval_service_url`). `+trainer.preflight=true` stops after the checks (verl/trainer/preflight.py):
 exit status 0/1 in seconds, with no Ray, worker or weights.
+
+veRL's recipes compose too (example/tool_recipe/): `--config-path <dir> --config-name <recipe>`
+with a recipe whose defaults list holds ppo_trainer, and veRL's `trainer.val_before_train=...`
+without `+` (`normalize_overrides`). A key ppo_trainer.yaml does not declare is refused, saying so.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,10 +36,14 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer.config_check import (
+    ConfigError,
     check_cluster_settings,
+    check_override_keys,
     check_runtime,
     cluster_address,
     need_critic,
+    normalize_overrides,
+    retrieval_endpoint,
     trainer_flag,
     validate_config,
     world_size,
@@ -46,14 +56,21 @@ CONFIG_DIR = Path(__file__).parent / "config"
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer") -> DictConfig:
-    """The config `python -m verl.trainer.main_ppo <overrides>` would see (for tests and scripts)."""
+def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer",
+                   config_dir: str | Path | None = None) -> DictConfig:
+    """The config `python -m verl.trainer.main_ppo [--config-path <config_dir> --config-name <config_name>]
+    <overrides>` would see (for tests and scripts). `config_dir` (default verl/trainer/config) may be
+    relative to the working directory, as may a recipe's `hydra.searchpath` (veRL's `file://verl/trainer/config`:
+    run from the repository root)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    overrides = normalize_overrides(list(overrides or []))
+    check_override_keys(overrides)
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose(config_name=config_name, overrides=list(overrides or []))
+    directory = Path(config_dir).resolve() if config_dir is not None else CONFIG_DIR
+    with initialize_config_dir(config_dir=str(directory), version_base=None):
+        return compose(config_name=config_name, overrides=overrides)
 
 
 def _has_gpu(config: DictConfig) -> bool:
@@ -72,19 +89,20 @@ def _has_gpu(config: DictConfig) -> bool:
 
 
 def wait_for_retriever(config: DictConfig) -> str:
-    """Block until the retrieval server at `retriever.url` answers, for at most `retriever.health_wait_s`
-    (under Slurm the server may still be loading its index); returns the url that answered.
+    """Block until the retrieval server answers, for at most `retriever.health_wait_s` (under Slurm the
+    server may still be loading its index); returns the url that answered. The server is `retriever.url`,
+    or in the tool protocol the tool config's `retrieval_service_url` (`retrieval_endpoint`).
 
     GET <url base>/health, every 2 s; a server without /health (404/405, e.g. the original Search-R1
-    server) passes when one POST /retrieve answers. A RuntimeError names retriever.url and what was tried.
+    server) passes when one POST /retrieve answers. A RuntimeError names the url's setting and what was tried.
     """
     import requests
 
     from search_r1.search.client import RetrievalClient, RetrievalError
 
-    url = str(config.retriever.url)
+    url, timeout, setting, where = retrieval_endpoint(config)
     wait_s = float(config.retriever.health_wait_s)
-    client = RetrievalClient(url, topk=1, timeout=float(config.retriever.timeout), max_retries=0)
+    client = RetrievalClient(url, topk=1, timeout=timeout, max_retries=0)
     health = client.health_url
     start = time.monotonic()
     deadline, next_log = start + wait_s, start + 30.0
@@ -118,9 +136,9 @@ def wait_for_retriever(config: DictConfig) -> str:
     finally:
         client.close()
     raise RuntimeError(
-        f"do_search=true but the retrieval server at retriever.url={url} did not answer: GET {health} tried "
+        f"do_search=true but the retrieval server at {setting}={url} did not answer: GET {health} tried "
         f"{tries} time(s) over {time.monotonic() - start:.0f} s (retriever.health_wait_s={wait_s:g}); last: {last}. "
-        "Start it (bash retrieval_launch.sh, docs/retriever.md) or fix retriever.url. No worker was started.")
+        f"Start it (bash retrieval_launch.sh, docs/retriever.md) or fix {where}. No worker was started.")
 
 
 def per_node_need(config: DictConfig, nodes: list[dict[str, Any]]) -> dict[str, float]:
@@ -270,5 +288,18 @@ def main(config: DictConfig) -> None:
     run_ppo(config)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> None:
+    """`python -m verl.trainer.main_ppo ...`: the command line normalized (`normalize_overrides`) and its
+    keys checked (`check_override_keys`) before Hydra composes it."""
+    args = normalize_overrides(sys.argv[1:] if argv is None else argv)
+    try:
+        check_override_keys(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    sys.argv = [sys.argv[0], *args]
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -116,8 +116,18 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
                         f"{cc.rollouts_per_step(cfg)} rollouts per step ({cfg.algorithm.adv_estimator})")
     report.lines.append(f"loggers: {', '.join(cc.logger_backends(cfg))}")
     if cfg.do_search:
-        report.lines.append(f"retriever: {cfg.retriever.url} (not contacted here; the run waits up to "
+        try:
+            url, _, setting, _ = cc.retrieval_endpoint(cfg)
+        except (OSError, ValueError):   # a bad tool config: config_errors below says what is wrong
+            url, setting = "?", "retrieval_service_url"
+        report.lines.append(f"retriever: {setting}={url} (not contacted here; the run waits up to "
                             f"retriever.health_wait_s={cfg.retriever.health_wait_s} s for its /health)")
+    if cc.tool_protocol(cfg):
+        mt = rollout.multi_turn
+        report.lines.append(f"tool protocol: {mt.tool_config_path}; max_assistant_turns={mt.max_assistant_turns}, "
+                            f"max_user_turns={mt.max_user_turns}; prompts <= data.max_prompt_length="
+                            f"{cfg.data.max_prompt_length}, all turns <= data.max_response_length="
+                            f"{cfg.data.max_response_length} tokens")
     report.errors.extend(cc.config_errors(cfg, has_gpu))
     if world >= 1:
         _per_worker_sizes(cfg, world, report)

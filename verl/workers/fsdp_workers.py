@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, MeshRank, register
+from verl.trainer.config_check import MICRO_BATCH_DEFAULTS
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
 from verl.utils import fsdp_utils
@@ -67,6 +68,28 @@ def _per_rank(node: Any, key: str, world_size: int, where: str, multiplier: int 
         node[key] = total // world_size
 
 
+def _micro_per_rank(node: Any, key: str, world_size: int, where: str, default: int) -> None:
+    """A micro-batch size, given over all workers (`key`, Search-R1) or per worker (`key`_per_gpu, veRL),
+    becomes rows per worker in both keys (in place). Both null: `default` rows over all workers."""
+    per_gpu_key = f"{key}_per_gpu"
+    total, per_gpu = node.get(key), node.get(per_gpu_key)
+    if total is not None and per_gpu is not None:
+        raise ValueError(f"{where}.{key}={total} and {where}.{per_gpu_key}={per_gpu} are both set: {key} counts "
+                         f"rows over all workers, {per_gpu_key} rows per worker; set one of them")
+    if per_gpu is not None:
+        if isinstance(per_gpu, bool) or not isinstance(per_gpu, int) or per_gpu < 1:
+            raise ValueError(f"{where}.{per_gpu_key}={per_gpu!r} must be an int >= 1")
+        rows = per_gpu
+    else:
+        with open_dict(node):
+            node[key] = default if total is None else total
+        _per_rank(node, key, world_size, where)
+        rows = int(node[key])
+    with open_dict(node):
+        node[key] = rows
+        node[per_gpu_key] = rows
+
+
 def _check_micro_divides_mini(node: Any, mini_key: str, micro_key: str, where: str) -> None:
     if node.get("use_dynamic_bsz", False):
         return
@@ -80,18 +103,23 @@ def normalize_actor_batch_sizes(config: Any, role: str, world_size: int) -> None
 
     `ppo_mini_batch_size` counts rollouts (rows after the driver's n_agent repetition), times
     `rollout.n` (veRL's key, default 1), as in the original Search-R1; `rollout.n_agent` does
-    not scale it. Micro-batch sizes count rows. Call once per config copy: it divides in place.
+    not scale it. Micro-batch sizes count rows: `<key>` over all workers, or veRL's `<key>_per_gpu`
+    per worker (one of the two; both null: MICRO_BATCH_DEFAULTS); afterwards both hold the rows per
+    worker. Call once per config copy: it divides in place.
     """
     if role in ("actor", "actor_rollout", "actor_rollout_ref"):
         actor = config.actor
         n = int(config.rollout.get("n", 1))
         _per_rank(actor, "ppo_mini_batch_size", world_size, "actor_rollout_ref.actor", multiplier=n)
-        _per_rank(actor, "ppo_micro_batch_size", world_size, "actor_rollout_ref.actor")
+        _micro_per_rank(actor, "ppo_micro_batch_size", world_size, "actor_rollout_ref.actor",
+                        MICRO_BATCH_DEFAULTS["actor_rollout_ref.actor.ppo_micro_batch_size"])
         _check_micro_divides_mini(actor, "ppo_mini_batch_size", "ppo_micro_batch_size", "actor_rollout_ref.actor")
     if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
-        _per_rank(config.rollout, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.rollout")
+        _micro_per_rank(config.rollout, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.rollout",
+                        MICRO_BATCH_DEFAULTS["actor_rollout_ref.rollout.log_prob_micro_batch_size"])
     if role in ("ref", "actor_rollout_ref"):
-        _per_rank(config.ref, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.ref")
+        _micro_per_rank(config.ref, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.ref",
+                        MICRO_BATCH_DEFAULTS["actor_rollout_ref.ref.log_prob_micro_batch_size"])
 
 
 def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
@@ -103,8 +131,13 @@ def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
     """
     n = int(config.get("rollout_n", 1))
     _per_rank(config, "ppo_mini_batch_size", world_size, "critic", multiplier=n)
-    _per_rank(config, "ppo_micro_batch_size", world_size, "critic")
-    _per_rank(config, "forward_micro_batch_size", world_size, "critic")
+    default = MICRO_BATCH_DEFAULTS["critic.ppo_micro_batch_size"]
+    _micro_per_rank(config, "ppo_micro_batch_size", world_size, "critic", default)
+    if config.get("forward_micro_batch_size") is None and config.get("forward_micro_batch_size_per_gpu") is None:
+        # Neither given (the YAML ties them to the update's pair): the update's micro-batch per worker.
+        with open_dict(config):
+            config.forward_micro_batch_size_per_gpu = config.ppo_micro_batch_size
+    _micro_per_rank(config, "forward_micro_batch_size", world_size, "critic", default)
     _check_micro_divides_mini(config, "ppo_mini_batch_size", "ppo_micro_batch_size", "critic")
 
 

@@ -90,6 +90,48 @@ def check_search_failures(metrics: dict[str, float], config: DictConfig, where: 
         "server's log (retriever.max_failure_fraction=1.0 never stops)")
 
 
+def generation_config(config: DictConfig, world_size: int) -> Any:
+    """The generation manager's `GenerationConfig` for the trainer config.
+
+    Tag protocol (the original's `<search>`): the data.* bounds per turn, `retriever.*`, `rollout.stop`.
+    Tool protocol (`actor_rollout_ref.rollout.multi_turn.enable`, veRL's recipe): veRL's meanings —
+    data.max_prompt_length bounds the prompt, data.max_response_length all turns and tool messages
+    of a row together (also the cap of one turn), so the rolling context (prompt + that budget) is
+    never cut; the search tool of `multi_turn.tool_config_path` gives the server, topk, timeout and
+    concurrency (the smaller of its num_workers and rate_limit); multi_turn.* bound the turns and
+    tool answers. data.max_obs_length bounds one round of tool messages (tokens); max_turns is the
+    tag protocol's and does not bound a tool-protocol row.
+    """
+    from search_r1.llm_agent.generation import GenerationConfig
+
+    data, rollout = config.data, config.actor_rollout_ref.rollout
+    common = dict(
+        max_turns=int(config.max_turns), max_obs_length=int(data.max_obs_length), num_gpus=world_size,
+        no_think_rl=bool(config.algorithm.no_think_rl), retrieval_max_retries=int(config.retriever.max_retries),
+        mode=str(rollout.get("mode", "sync")))
+    if not config_check.tool_protocol(config):
+        return GenerationConfig(
+            max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),
+            max_response_length=int(data.max_response_length), search_url=config.retriever.url,
+            topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
+            stop=tuple(rollout.stop), **common)
+    multi_turn = rollout.multi_turn
+    tools = config_check.load_tool_config(config)
+    search = tools.search or {}
+    prompt, budget = int(data.max_prompt_length), int(data.max_response_length)
+    return GenerationConfig(
+        max_start_length=prompt, max_prompt_length=prompt + budget, max_response_length=budget,
+        max_total_response_length=budget, search_url=search.get("retrieval_service_url"),
+        topk=int(search.get("topk", config.retriever.topk)),
+        retrieval_timeout=float(search.get("timeout", config.retriever.timeout)),
+        retrieval_concurrency=min(int(search.get("num_workers", 1)), int(search.get("rate_limit", 1))) if search else None,
+        protocol="tool", tool_config=tools.to_dict(),
+        max_assistant_turns=multi_turn.max_assistant_turns, max_user_turns=multi_turn.max_user_turns,
+        max_parallel_calls=int(multi_turn.max_parallel_calls),
+        max_tool_response_length=multi_turn.max_tool_response_length,
+        tool_response_truncate_side=str(multi_turn.tool_response_truncate_side), **common)
+
+
 class Role(Enum):
     ActorRollout = "actor_rollout"        # actor + rollout (+ ref) fused in one worker
     Critic = "critic"
@@ -158,19 +200,21 @@ class RayPPOTrainer:
     def _create_dataloaders(self) -> None:
         data = self.config.data
         seed = int(data.get("seed", 1))
-        self.train_dataset = RLHFDataset(
-            data.train_files, self.tokenizer, prompt_key=data.prompt_key,
-            max_prompt_length=data.max_start_length, filter_overlong_prompts=data.filter_overlong_prompts,
-            data_num=data.train_data_num, seed=seed)
-        self.val_dataset = RLHFDataset(
-            data.val_files, self.tokenizer, prompt_key=data.prompt_key,
-            max_prompt_length=data.max_start_length, filter_overlong_prompts=data.filter_overlong_prompts,
-            data_num=data.val_data_num, seed=seed)
+        # Tag protocol: prompts bounded by data.max_start_length; tool protocol (veRL): by data.max_prompt_length,
+        # rendered with the tool schemas.
+        bound, _ = config_check.prompt_bound(self.config)
+        tools = config_check.load_tool_config(self.config).schemas if config_check.tool_protocol(self.config) else None
+        common = dict(prompt_key=data.prompt_key, max_prompt_length=bound,
+                      filter_overlong_prompts=data.filter_overlong_prompts, seed=seed,
+                      truncation=str(data.get("truncation", "error")), tools=tools,
+                      return_raw_chat=bool(data.get("return_raw_chat", False)))
+        self.train_dataset = RLHFDataset(data.train_files, self.tokenizer, data_num=data.train_data_num, **common)
+        self.val_dataset = RLHFDataset(data.val_files, self.tokenizer, data_num=data.val_data_num, **common)
         if len(self.train_dataset) < data.train_batch_size:
             raise ValueError(f"data.train_files: {len(self.train_dataset)} usable prompts, fewer than "
                              f"data.train_batch_size={data.train_batch_size}")
         self.train_dataloader = build_dataloader(self.train_dataset, data.train_batch_size, train=True,
-                                                 seed=seed, shuffle=data.shuffle_train_dataloader)
+                                                 seed=seed, shuffle=config_check.shuffle_train(self.config))
         self.val_dataloader = build_dataloader(self.val_dataset, data.val_batch_size, train=False)
 
         steps = len(self.train_dataloader) * int(self.config.trainer.total_epochs)
@@ -268,20 +312,10 @@ class RayPPOTrainer:
         """One manager per mode, kept for the run so its retrieval client's connection pool is reused."""
         if validation in self._gen_managers:
             return self._gen_managers[validation]
-        from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
+        from search_r1.llm_agent.generation import LLMGenerationManager
 
-        data = self.config.data
-        gen_config = GenerationConfig(
-            max_turns=int(self.config.max_turns), max_start_length=int(data.max_start_length),
-            max_prompt_length=int(data.max_prompt_length), max_response_length=int(data.max_response_length),
-            max_obs_length=int(data.max_obs_length), num_gpus=self.world_size,
-            no_think_rl=bool(self.config.algorithm.no_think_rl), search_url=self.config.retriever.url,
-            topk=int(self.config.retriever.topk), retrieval_timeout=float(self.config.retriever.timeout),
-            retrieval_max_retries=int(self.config.retriever.max_retries),
-            stop=tuple(self.config.actor_rollout_ref.rollout.stop),
-            mode=str(self.config.actor_rollout_ref.rollout.get("mode", "sync")))
         manager = LLMGenerationManager(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
-                                       config=gen_config, is_validation=validation)
+                                       config=generation_config(self.config, self.world_size), is_validation=validation)
         self._gen_managers[validation] = manager
         return manager
 
@@ -309,7 +343,9 @@ class RayPPOTrainer:
         phase_meta: dict[str, Any] = {}
         with self._engines_awake(phase_meta, validation):
             if self.config.do_search:
-                initial_input_ids = gen_batch.batch[K.INPUT_IDS][:, -int(self.config.data.max_start_length):].clone()
+                # The prompt columns: data.max_start_length (tags) or data.max_prompt_length (tool protocol).
+                bound, _ = config_check.prompt_bound(self.config)
+                initial_input_ids = gen_batch.batch[K.INPUT_IDS][:, -bound:].clone()
                 output = self._generation_manager(validation).run_llm_loop(gen_batch, initial_input_ids)
             else:
                 # The worker group pads a batch that does not divide by its size (validation) and unpads.

@@ -4,6 +4,12 @@ Rows follow the Search-R1 layout (DESIGN.md 3.2): `data_source`, `prompt` (a cha
 list), `reward_model`, `extra_info`. Every prompt is tokenized once, up front, so
 over-long prompts are dropped (and counted) before training starts instead of
 crashing a step hours later.
+
+The rows veRL's `preprocess_search_r1_dataset.py` writes for its tool recipe load as they are
+(prompt = [system, user], `extra_info.tools_kwargs` / `need_tools_kwargs`, `metadata`, data
+sources `searchR1_<name>`): other columns are ignored, `extra_info` is kept whole. In the tool
+protocol the prompt is rendered with the tool schemas (`tools=`), as veRL renders it, so the
+model sees the tools it may call.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from verl.utils import batch_keys as K
 logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = (K.DATA_SOURCE, K.REWARD_MODEL)
+# data.truncation (veRL's): what becomes of a prompt longer than the bound that is not filtered out.
+TRUNCATIONS = ("error", "left", "right", "middle")
+# data.return_raw_chat (veRL's key and name): each row's chat messages, kept in the batch (non-tensor).
+RAW_PROMPT = "raw_prompt"
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class DatasetStats:
     rows_subsampled_away: int
     rows_dropped_overlong: int
     rows_kept: int
+    rows_truncated: int = 0
 
 
 def _to_python(value: Any) -> Any:
@@ -50,15 +61,52 @@ def _to_python(value: Any) -> Any:
     return value
 
 
-def prompt_to_text(prompt: Any, tokenizer: Any) -> str:
-    """The string the model sees: chat template (with the assistant turn opened) if any, else raw content."""
+def prompt_messages(prompt: Any) -> list[dict]:
+    """A row's prompt as chat messages (a plain string is one user message)."""
     if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        messages = [dict(m) for m in prompt]
+        return [{"role": "user", "content": prompt}]
+    return [dict(_to_python(m)) for m in prompt]
+
+
+def prompt_to_text(prompt: Any, tokenizer: Any, tools: list[dict] | None = None) -> str:
+    """The string the model sees: chat template (with the assistant turn opened) if any, else raw content.
+
+    `tools` (the tool protocol's OpenAI function schemas) go to the chat template, which must have one.
+    """
+    messages = prompt_messages(prompt)
+    if tools:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tool protocol (actor_rollout_ref.rollout.multi_turn.enable) renders prompts with the "
+                             "tool schemas through the tokenizer's chat template, and this tokenizer has none")
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "".join(str(m["content"]) for m in messages)
+
+
+def check_template_renders_tools(prompt: Any, tokenizer: Any, tools: list[dict]) -> None:
+    """Refuse a chat template that ignores `tools=`: the model would never be shown the tools it may call."""
+    if prompt_to_text(prompt, tokenizer, tools) == prompt_to_text(prompt, tokenizer):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(f"the chat template of the tokenizer {name} ignores tools=: the tool protocol "
+                         "(actor_rollout_ref.rollout.multi_turn.enable) needs a template that renders the tool "
+                         "schemas (e.g. Qwen2.5's); use such a model or the tag protocol")
+
+
+def truncate_ids(ids: Sequence[int], length: int, side: str) -> list[int]:
+    """`ids` cut to `length` tokens (data.truncation): `left` keeps the end, `right` the start, `middle`
+    the first length // 2 and the last length - length // 2."""
+    ids = list(ids)
+    if len(ids) <= length:
+        return ids
+    if side == "left":
+        return ids[len(ids) - length:]
+    if side == "right":
+        return ids[:length]
+    if side == "middle":
+        head = length // 2
+        return ids[:head] + ids[len(ids) - (length - head):]
+    raise ValueError(f"data.truncation={side!r} is unknown; choose one of {list(TRUNCATIONS)}")
 
 
 def left_pad(ids_list: Sequence[Sequence[int]], length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +129,13 @@ class RLHFDataset(Dataset):
     """Prompts from one or more parquet files, tokenized and left-padded to `max_prompt_length`.
 
     Each item: input_ids / attention_mask / position_ids (P,) tensors plus the
-    non-tensor fields data_source, reward_model, extra_info, index.
+    non-tensor fields data_source, reward_model, extra_info, index (and raw_prompt, the chat
+    messages, with `return_raw_chat`).
+
+    A prompt longer than `max_prompt_length` tokens is dropped and counted with
+    `filter_overlong_prompts`; otherwise `truncation` decides (veRL's data.truncation): `error`
+    raises naming the file and row, `left` / `right` / `middle` cut the rendered prompt's token ids.
+    `tools`: the tool protocol's function schemas, given to the chat template.
     """
 
     def __init__(
@@ -93,15 +147,21 @@ class RLHFDataset(Dataset):
         filter_overlong_prompts: bool = True,
         data_num: int | None = None,
         seed: int = 1,
+        truncation: str = "error",
+        tools: list[dict] | None = None,
+        return_raw_chat: bool = False,
     ) -> None:
         files = [parquet_files] if isinstance(parquet_files, str | Path) else list(parquet_files)
         if not files:
             raise ValueError("RLHFDataset: no parquet files given")
         if tokenizer.pad_token_id is None:
             raise ValueError("RLHFDataset: the tokenizer has no pad token (pad_token_id is None)")
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"RLHFDataset: data.truncation={truncation!r} is unknown; choose one of {list(TRUNCATIONS)}")
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
         self.max_prompt_length = int(max_prompt_length)
+        self.return_raw_chat = bool(return_raw_chat)
 
         frames = [self._read(str(f), prompt_key) for f in files]
         frame = pd.concat(frames, ignore_index=True)
@@ -113,20 +173,32 @@ class RLHFDataset(Dataset):
             frame = frame.iloc[keep].reset_index(drop=True)
         rows_subsampled_away = rows_read - len(frame)
 
-        texts = [prompt_to_text(p, tokenizer) for p in frame[prompt_key]]
+        if tools and len(frame):
+            check_template_renders_tools(frame[prompt_key].iloc[0], tokenizer, tools)
+        texts = [prompt_to_text(p, tokenizer, tools) for p in frame[prompt_key]]
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         overlong = np.nonzero(lengths > self.max_prompt_length)[0]
-        if len(overlong) and not filter_overlong_prompts:
+        rows_dropped = rows_truncated = 0
+        if len(overlong) and filter_overlong_prompts:
+            rows_dropped = len(overlong)
+            logger.warning("RLHFDataset: dropped %d prompts longer than %d tokens", rows_dropped, self.max_prompt_length)
+        elif len(overlong) and truncation == "error":
             row = int(overlong[0])
             raise ValueError(
                 f"RLHFDataset: prompt in {frame['__file__'].iloc[row]} row {int(frame['__row__'].iloc[row])} "
                 f"has {lengths[row]} tokens > max_prompt_length={self.max_prompt_length} "
-                "(set data.filter_overlong_prompts=True to drop such rows)"
+                "(set data.filter_overlong_prompts=True to drop such rows, or data.truncation=left|right|middle "
+                "to cut them)"
             )
+        elif len(overlong):
+            rows_truncated = len(overlong)
+            for row in overlong:
+                encoded[row] = truncate_ids(encoded[row], self.max_prompt_length, truncation)
+            lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
+            logger.warning("RLHFDataset: cut %d prompts longer than %d tokens (data.truncation=%s)",
+                           rows_truncated, self.max_prompt_length, truncation)
         keep_mask = lengths <= self.max_prompt_length
-        if len(overlong):
-            logger.warning("RLHFDataset: dropped %d prompts longer than %d tokens", len(overlong), self.max_prompt_length)
         kept_ids = [ids for ids, ok in zip(encoded, keep_mask, strict=True) if ok]
         frame = frame[keep_mask].reset_index(drop=True)
 
@@ -142,7 +214,8 @@ class RLHFDataset(Dataset):
             info.get("index", int(row)) if isinstance(info, dict) else int(row)
             for info, row in zip(self.extra_info, frame["__row__"], strict=True)
         ]
-        self.stats = DatasetStats(rows_read, rows_subsampled_away, int(len(overlong)), len(frame))
+        self.raw_prompt = [prompt_messages(p) for p in frame[prompt_key]] if self.return_raw_chat else []
+        self.stats = DatasetStats(rows_read, rows_subsampled_away, int(rows_dropped), len(frame), int(rows_truncated))
 
     @staticmethod
     def _read(path: str, prompt_key: str) -> pd.DataFrame:
@@ -160,7 +233,7 @@ class RLHFDataset(Dataset):
         return len(self.data_source)
 
     def __getitem__(self, item: int) -> dict[str, Any]:
-        return {
+        row = {
             K.INPUT_IDS: self.input_ids[item],
             K.ATTENTION_MASK: self.attention_mask[item],
             K.POSITION_IDS: self.position_ids[item],
@@ -169,6 +242,9 @@ class RLHFDataset(Dataset):
             K.EXTRA_INFO: self.extra_info[item],
             K.INDEX: self.index[item],
         }
+        if self.return_raw_chat:
+            row[RAW_PROMPT] = self.raw_prompt[item]
+        return row
 
 
 class EpochShuffleSampler(Sampler[int]):
