@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None) -> list[Episode]:
     from scripts.demo.run_demo import demo_question, held_out_questions, retrieval_server
 
     run = demo_run(args.demo_output_dir)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # the episode is the output to read, as in the demo itself
     args.model_path, args.topk = str(run.model_path), run.topk
     if args.question is None:
         args.question = demo_question(run.test_parquet)
