@@ -69,10 +69,11 @@ def _where_am_i(_actor: Any) -> tuple[int, str]:
 
 
 def _ray_exit_detail(err: BaseException) -> str:
-    """Ray's one-line reason for an actor death (e.g. 'killed by SIGKILL'), or ''."""
+    """Ray's reason for an actor death without its generic list of causes, or ''."""
     for line in str(err).splitlines():
         if "Worker exit detail:" in line:
-            return line.split("Worker exit detail:", 1)[1].strip()
+            detail = line.split("Worker exit detail:", 1)[1].split(" Some common causes include", 1)[0]
+            return detail.strip().rstrip(".")
     return ""
 
 
@@ -414,7 +415,9 @@ class RayWorkerGroup(WorkerGroup):
                                    f"{str(err).splitlines()[0] if str(err) else type(err).__name__}")
         place = self.place(rank)
         detail = _ray_exit_detail(err)
-        return WorkerDiedError(f"{place.describe()} died" + (f": {detail}" if detail else ""), place)
+        return WorkerDiedError(f"{place.describe()} died" + (f" ({detail})" if detail else "")
+                               + "; a process dies this way when it is killed, runs out of host memory (see "
+                               f"`dmesg` on {place.node_ip or 'its node'}) or crashes", place)
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Call method_name with the same arguments on every worker; returns object refs."""
