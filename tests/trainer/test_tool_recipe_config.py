@@ -358,3 +358,21 @@ def test_verls_preprocessed_rows_feed_the_trainer_in_the_tool_protocol(tmp_path:
     assert manager.config.protocol == "tool" and manager.config.max_start_length == 2048
     batch = next(iter(trainer.train_dataloader))
     assert list(batch.non_tensor_batch["raw_prompt"][0][1]) == ["role", "content"]
+
+
+@pytest.mark.slow
+def test_a_step_runs_with_raw_chat_in_the_batch_and_verls_val_before_train(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    """data.return_raw_chat=true: the messages ride through repeat, dispatch, balance and reward."""
+    from transformers import AutoTokenizer
+
+    from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
+    from verl.trainer.main_ppo import run_ppo
+
+    paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=3)
+    cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="grpo", n_agent=2)
+                         + ["data.return_raw_chat=true", "trainer.val_before_train=true"])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    history = run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
+    assert "val/test_score/toy_contains" in history[0]          # validated before training (veRL's form)
+    assert any("actor/pg_loss" in step for step in history)
