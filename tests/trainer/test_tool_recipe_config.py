@@ -115,7 +115,8 @@ def test_the_trainer_builds_a_tool_protocol_generation_config_from_the_recipe(tm
     assert gen.protocol == "tool"
     assert [s["function"]["name"] for s in gen.tool_config["schemas"]] == ["search"]
     assert gen.search_url == "http://127.0.0.1:8000/retrieve"            # the tool config's, not retriever.url
-    assert (gen.topk, gen.retrieval_timeout, gen.retrieval_concurrency) == (3, 30.0, 120)
+    # veRL's num_workers / rate_limit (120) cap the whole job: 15 in flight per rollout worker of 8.
+    assert (gen.topk, gen.retrieval_timeout, gen.retrieval_concurrency) == (3, 30.0, 15)
     # veRL's budgets: the prompt bound, then all turns together; the rolling context is never cut.
     assert (gen.max_start_length, gen.max_total_response_length, gen.max_response_length) == (4096, 3000, 3000)
     assert gen.max_prompt_length == 4096 + 3000

@@ -98,7 +98,8 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     data.max_prompt_length bounds the prompt, data.max_response_length all turns and tool messages
     of a row together (also the cap of one turn), so the rolling context (prompt + that budget) is
     never cut; the search tool of `multi_turn.tool_config_path` gives the server, topk, timeout and
-    concurrency (the smaller of its num_workers and rate_limit); multi_turn.* bound the turns and
+    concurrency (GenerationConfig splits the job-wide num_workers / rate_limit over the rollout
+    workers); multi_turn.* bound the turns and
     tool answers. data.max_obs_length bounds one round of tool messages (tokens); max_turns is the
     tag protocol's and does not bound a tool-protocol row.
     """
@@ -124,7 +125,6 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
         max_total_response_length=budget, search_url=search.get("retrieval_service_url"),
         topk=int(search.get("topk", config.retriever.topk)),
         retrieval_timeout=float(search.get("timeout", config.retriever.timeout)),
-        retrieval_concurrency=min(int(search.get("num_workers", 1)), int(search.get("rate_limit", 1))) if search else None,
         protocol="tool", tool_config=tools.to_dict(),
         max_assistant_turns=multi_turn.max_assistant_turns, max_user_turns=multi_turn.max_user_turns,
         max_parallel_calls=int(multi_turn.max_parallel_calls),
@@ -540,9 +540,16 @@ class RayPPOTrainer:
         if folder is None:
             return None
         state = checkpointing.load_driver_state(folder)
-        self.actor_rollout_wg.load_checkpoint(str(folder / "actor"))
-        if self.use_critic:
-            self.critic_wg.load_checkpoint(str(folder / "critic"))
+        try:
+            self.actor_rollout_wg.load_checkpoint(str(folder / "actor"))
+            if self.use_critic:
+                self.critic_wg.load_checkpoint(str(folder / "critic"))
+        except Exception as err:
+            import ray
+
+            if not isinstance(err, ray.exceptions.RayTaskError):
+                raise   # a dead worker is explained by fit()
+            raise RuntimeError(checkpointing.load_failure_message(folder, err)) from err
         self.global_step = state.global_step
         self.train_dataloader.load_state_dict(state.dataloader_state)
         checkpointing.restore_rng_state(state.rng_state)
