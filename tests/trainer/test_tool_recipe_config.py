@@ -377,3 +377,14 @@ def test_a_step_runs_with_raw_chat_in_the_batch_and_verls_val_before_train(
     history = run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
     assert "val/test_score/toy_contains" in history[0]          # validated before training (veRL's form)
     assert any("actor/pg_loss" in step for step in history)
+
+
+def test_too_many_failed_searches_name_the_tool_configs_server(tmp_path: Path) -> None:
+    from verl.trainer.ppo.ray_trainer import SearchFailureError, check_search_failures
+
+    cfg = _recipe(tmp_path, extra=("retriever.url=http://10.0.0.9:8000/retrieve",))
+    with pytest.raises(SearchFailureError) as info:
+        check_search_failures({"env/search_failure_fraction": 0.9}, cfg, "rollout of training step 3")
+    # The tool protocol searches the tool config's server, not retriever.url: the message says which.
+    assert "retrieval_service_url" in str(info.value) and str(TOOL_CONFIG) in str(info.value)
+    assert "GET http://127.0.0.1:8000/health" in str(info.value) and "10.0.0.9" not in str(info.value)

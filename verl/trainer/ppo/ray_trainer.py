@@ -81,12 +81,16 @@ def check_search_failures(metrics: dict[str, float], config: DictConfig, where: 
         return
     from search_r1.search.client import RetrievalClient
 
+    where_key = "retriever.url"
     url = str(config.retriever.url)
+    if config_check.tool_protocol(config):
+        where_key = f"the search tool's retrieval_service_url ({config.actor_rollout_ref.rollout.multi_turn.tool_config_path})"
+        url = str((config_check.load_tool_config(config).search or {}).get("retrieval_service_url", url))
     raise SearchFailureError(
         f"{prefix}search_failure_fraction={fraction:.3f} ({prefix}search_failures="
         f"{metrics.get(f'{prefix}search_failures', 0.0):g}) in the {where} exceeds "
         f"retriever.max_failure_fraction={limit:g}: the run stops instead of training on failed searches. "
-        f"Check the retrieval server at retriever.url={url}: GET {RetrievalClient(url).health_url} and the "
+        f"Check the retrieval server at {where_key}={url}: GET {RetrievalClient(url).health_url} and the "
         "server's log (retriever.max_failure_fraction=1.0 never stops)")
 
 
