@@ -118,6 +118,20 @@ def test_a_checkpoint_without_a_manifest_resumes_with_a_warning(manager, tmp_pat
     assert "no manifest.json" in caplog.text
 
 
+def test_a_failed_load_says_whether_the_files_were_checked(manager, tmp_path: Path) -> None:
+    folder = _save(manager, tmp_path, 1)
+    _truncate(folder / SHARD)
+    (folder / MANIFEST_FILE).unlink()   # an old checkpoint: resumed unverified, then the load fails
+    with pytest.raises(CheckpointException) as info:
+        manager.load_checkpoint(str(folder / "actor"))
+    message = ck.load_failure_message(folder, info.value)
+    assert message.startswith(f"resuming from {folder}: a worker failed to load it (")
+    assert "central directory" in message   # the worker's innermost error line
+    assert "no manifest.json" in message and "older" in message and "trainer.resume_mode=disable" in message
+    checked = _save(manager, tmp_path, 2)   # carries a manifest
+    assert "does not fit this run" in ck.load_failure_message(checked, info.value)
+
+
 # ---------------------------------------------------------------------- through the entry point
 def _train(model_dir: str, data, ckpt: Path, steps: int) -> list[dict]:
     overrides = toy_overrides(model_dir, data, str(ckpt), adv_estimator="grpo", steps=steps)
@@ -147,3 +161,9 @@ def test_run_ppo_resumes_from_the_previous_checkpoint_when_the_newest_is_truncat
     with pytest.raises(CorruptCheckpointError, match="no intact checkpoint") as info:
         _train(tiny_model_dir, data, ckpt, steps=2)
     assert str(ckpt / "global_step_1" / "actor" / "dcp" / "__0_0.distcp") in str(info.value)
+
+    for step in (1, 2):   # as saved before manifests: resumed unverified, the workers' load fails
+        (ckpt / f"global_step_{step}" / MANIFEST_FILE).unlink()
+    with pytest.raises(RuntimeError, match="a worker failed to load it") as info:
+        _train(tiny_model_dir, data, ckpt, steps=2)
+    assert str(ckpt / "global_step_2") in str(info.value) and "no manifest.json" in str(info.value)

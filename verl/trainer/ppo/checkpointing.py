@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from verl.utils.checkpoint.manifest import (
+    MANIFEST_FILE,
     CorruptCheckpointError,
     ManifestCheck,
     verify_manifest,
@@ -208,3 +209,21 @@ def find_resume_dir(root: str | Path, resume_mode: str) -> Path | None:
             "or name an older global_step_N folder.")
     _warn_unverified(check)
     return folder
+
+
+def load_failure_message(folder: str | Path, err: BaseException) -> str:
+    """What to say when a worker fails to load `folder`: the worker's last error line, and whether
+    the files were checked (a manifest matched: the checkpoint does not fit this run) or not (no
+    manifest: a damaged file is likely, so an older checkpoint is the way on)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(err).__name__
+    folder = Path(folder)
+    if (folder / MANIFEST_FILE).is_file():
+        hint = ("its files match its manifest, so it does not fit this run (another world size, model or "
+                "optimizer?): resume with the settings it was saved with")
+    else:
+        hint = (f"it has no {MANIFEST_FILE} (saved before checkpoints carried one), so its files were not checked "
+                f"and one may be damaged: resume from an older one (trainer.resume_mode=<path to an older "
+                f"global_step_N under {folder.parent}>)")
+    return (f"resuming from {folder}: a worker failed to load it ({last}); {hint}, "
+            "or start afresh with trainer.resume_mode=disable")
