@@ -132,6 +132,8 @@ TOOL_CONFIG_FILE = "search_tool_config.yaml"   # under demo.output_dir
 
 # Measured on an idle 2-core CPU (docs/demo.md), for the start line's estimate only.
 SECONDS_PER_RL_STEP = 30.0
+# PPO's step adds the critic's forward and update: 1.4x GRPO's step time, measured side by side.
+PPO_STEP_TIME_FACTOR = 1.4
 SECONDS_PER_VALIDATION = 8.0
 SECONDS_START = 45.0          # world, index, retrieval server, Ray and workers, final save and plot
 SECONDS_PER_SFT_STEP = 1.0    # only when the warm start is (re)built here
@@ -313,6 +315,8 @@ def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int, algorith
     n_checks = validations(steps, test_freq)
     per_step, per_val = (TOOL_SECONDS_PER_RL_STEP, TOOL_SECONDS_PER_VALIDATION) if tool else \
         (SECONDS_PER_RL_STEP, SECONDS_PER_VALIDATION)
+    if algorithm == "ppo":
+        per_step *= PPO_STEP_TIME_FACTOR
     seconds = SECONDS_START + steps * per_step + n_checks * per_val
     if shipped:
         warm = f"start from the shipped warm start ({shipped_dir.relative_to(REPO_ROOT)}, {sft_steps:,} SFT steps)" \
