@@ -253,6 +253,9 @@ def demo_run(output_dir: str | Path = DEMO_OUTPUT_DIR) -> DemoRun:
     except (json.JSONDecodeError, KeyError) as err:
         raise SystemExit(f"infer.py --demo: {summary_path} has no readable 'hf_model_dir' ({err}). {run_first}") \
             from err
+    if summary.get("protocol", "tags") != "tags":
+        raise SystemExit(f"infer.py --demo: {summary_path} is a demo.protocol={summary['protocol']} run; infer.py "
+                         "asks in the tag protocol (<search>/<answer>): point --demo_output_dir at a tags run")
     # Summaries written before the data folder was recorded: the demo's default one.
     data_dir = _existing(summary.get("data_dir", "data/demo"))
     run = DemoRun(model_path, data_dir / "bm25", data_dir / "corpus.jsonl", data_dir / "test.parquet")

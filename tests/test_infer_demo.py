@@ -89,3 +89,11 @@ def test_without_a_demo_run_it_says_to_run_the_demo_first(tmp_path: Path) -> Non
 
     with pytest.raises(SystemExit, match=r"no trained demo model: .*summary.json does not exist.*bash train_grpo.sh"):
         main(["--demo", "--demo_output_dir", str(tmp_path / "nowhere")])
+
+
+def test_a_tool_protocol_demo_run_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    from infer import main
+
+    (tmp_path / "summary.json").write_text(json.dumps({"hf_model_dir": str(WARMSTART), "protocol": "tool"}))
+    with pytest.raises(SystemExit, match=r"demo.protocol=tool run; .*point --demo_output_dir at a tags run"):
+        main(["--demo", "--demo_output_dir", str(tmp_path)])
