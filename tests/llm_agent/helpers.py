@@ -36,3 +36,21 @@ def make_gen_batch(tokenizer, keys: list[str], **meta) -> tuple[DataProto, torch
         meta_info=dict(meta),
     )
     return batch, ids
+
+
+def teach_one_trajectory(root, row: dict) -> str:
+    """SFT the HF model in `root/init` on `row` (prompt + policy/observation turns; loss on policy
+    tokens only) until it repeats it greedily; returns the checkpoint folder. Used by the engine
+    tests that need a small model which follows one multi-turn trajectory."""
+    import pandas as pd
+
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+
+    pd.DataFrame([row] * 2).to_parquet(root / "sft.parquet")
+    cfg = compose_sft_config([
+        f"data.train_files={root / 'sft.parquet'}", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=2",
+        "data.max_length=1024", f"model.partial_pretrain={root / 'init'}", "optim.lr=1e-2",
+        "optim.warmup_steps_ratio=0.05", "data.loss_weights.observation=0.0", "data.loss_weights.prompt=0.0",
+        "trainer.total_training_steps=80", f"trainer.default_local_dir={root / 'sft'}", "trainer.log_freq=20",
+        "trainer.device=cpu", "trainer.num_threads=1"])
+    return str(run_sft(cfg).checkpoint_dir)

