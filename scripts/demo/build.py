@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from scripts.data_process.common import build_merged, read_flashrag_jsonl, write_flashrag_jsonl, write_parquet
+from scripts.data_process.common import build_merged, write_flashrag_jsonl, write_parquet
 from scripts.demo import tool_demonstrations
 from scripts.demo.demonstrations import make_demonstrations
 from scripts.demo.world import (
@@ -172,37 +172,13 @@ def build_questions(s: DemoSettings) -> tuple[Path, Path]:
         write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(train_q)], flashrag / source / "train.jsonl")
         write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(test_q)], flashrag / source / "test.jsonl")
     sources = [ONEHOP_SOURCE, TWOHOP_SOURCE]
-    if s.protocol == "tool":
-        train_rows, test_rows = tool_rows(sources, "train", flashrag), tool_rows(sources, "test", flashrag)
-        random.Random(s.world_seed + 1).shuffle(train_rows)
-        write_parquet(train_rows[: s.n_train], train_pq)
-        write_parquet(test_rows, test_pq)
-        return train_pq, test_pq
-    train_rows = build_merged(sources, ("train",), "train", flashrag)
+    # demo.protocol=tool: the rows of veRL's preprocess_search_r1_dataset.py (scripts/data_process
+    # --format tool): system + user prompt, data_source searchR1_demo_onehop / searchR1_demo_twohop.
+    train_rows = build_merged(sources, ("train",), "train", flashrag, fmt=s.protocol)
     random.Random(s.world_seed + 1).shuffle(train_rows)
     write_parquet(train_rows[: s.n_train], train_pq)
-    write_parquet(build_merged(sources, ("test",), "test", flashrag), test_pq)
+    write_parquet(build_merged(sources, ("test",), "test", flashrag, fmt=s.protocol), test_pq)
     return train_pq, test_pq
-
-
-def tool_rows(sources: list[str], split: str, flashrag: Path) -> list[dict]:
-    """Rows in the layout of veRL's preprocess_search_r1_dataset.py (system + user prompt,
-    `searchR1_<source>` data source, `extra_info.tools_kwargs`) from the demo's FlashRAG files."""
-    rows: list[dict] = []
-    for source in sources:
-        data_source = f"searchR1_{source}"
-        for record in read_flashrag_jsonl(flashrag / source / f"{split}.jsonl"):
-            target = list(record.golden_answers)
-            create = {"ground_truth": {"target": target}, "question": record.question, "data_source": data_source}
-            rows.append({
-                "data_source": data_source,
-                "prompt": tool_demonstrations.prompt_messages(record.question),
-                "ability": "fact-reasoning",
-                "reward_model": {"style": "rule", "ground_truth": {"target": target}},
-                "extra_info": {"index": len(rows), "need_tools_kwargs": True, "question": record.question,
-                               "split": split, "tools_kwargs": {"search": {"create_kwargs": create}}},
-            })
-    return rows
 
 
 def claim_data_dir(s: DemoSettings) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from scripts.data_process.common import TOOL_SYSTEM_CONTENT, TOOL_USER_CONTENT_PREFIX
 from scripts.demo.demonstrations import (
     DEFAULT_GUESS_SHARE,
     DEFAULT_KIND_WEIGHTS,
@@ -59,19 +60,10 @@ TOOL_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# veRL's examples/data_preprocess/preprocess_search_r1_dataset.py: the system message and
-# the user prefix its rows carry (the question follows the prefix).
-SYSTEM_CONTENT = "You are a helpful and harmless assistant."
-USER_CONTENT_PREFIX = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> "
-    "first every time you get new information. After reasoning, if you find you lack "
-    "some knowledge, you can call a search engine by <tool_call> query </tool_call> "
-    "and it will return the top searched results between <tool_response> and "
-    "</tool_response>. You can search as many times as your want. If you find no "
-    "further external knowledge needed, you can directly provide the answer inside "
-    "<answer> and </answer>, without detailed illustrations. For example, "
-    "<answer> Beijing </answer>. Question: "
-)
+# veRL's examples/data_preprocess/preprocess_search_r1_dataset.py: the system message and the
+# user prefix its rows carry (the question follows the prefix), as scripts/data_process writes them.
+SYSTEM_CONTENT = TOOL_SYSTEM_CONTENT
+USER_CONTENT_PREFIX = TOOL_USER_CONTENT_PREFIX
 
 # The recipe's search tool schema (veRL's search_tool_config.yaml, `item` spelling included),
 # so the demo's model reads the schema a recipe run shows.
