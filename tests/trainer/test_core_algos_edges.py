@@ -1,0 +1,74 @@
+"""core_algos at the edges mutation testing found unpinned (docs/testing.md): `compute_advantage`
+passes every argument through to each estimator, its defaults and errors, and RLOO's small groups."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verl.trainer.ppo import core_algos
+
+# 4 rows x 5 tokens, two prompts (uid a, b), an observation hole in rows 0 and 2, a padded tail in row 3.
+MASK = torch.tensor([[1, 0, 0, 1, 1], [1, 1, 1, 1, 1], [1, 1, 0, 1, 0], [1, 1, 1, 0, 0]])
+REWARDS = torch.zeros(4, 5)
+REWARDS[0, 4], REWARDS[1, 4], REWARDS[2, 3], REWARDS[3, 2] = 1.0, 0.0, 0.5, 2.0
+REWARDS[1, 1] = -0.1     # a per-token (KL-like) reward too: GAE and REINFORCE++ see where rewards sit
+VALUES = torch.linspace(-0.3, 0.6, 20).reshape(4, 5)
+INDEX = np.array(["a", "a", "b", "b"], dtype=object)
+
+
+def _direct(estimator: str, gamma: float, lam: float, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if estimator == "gae":
+        return core_algos.compute_gae_advantage_return(REWARDS, VALUES, MASK, gamma, lam)
+    if estimator == "grpo":
+        return core_algos.compute_grpo_outcome_advantage(REWARDS, MASK, INDEX, norm_adv_by_std_in_grpo=norm)
+    if estimator == "rloo":
+        return core_algos.compute_rloo_outcome_advantage(REWARDS, MASK, INDEX)
+    return core_algos.compute_reinforce_plus_plus_outcome_advantage(REWARDS, MASK, gamma)
+
+
+@pytest.mark.parametrize("estimator", core_algos.ADV_ESTIMATORS)
+@pytest.mark.parametrize("norm", [True, False])
+def test_compute_advantage_passes_every_argument_to_the_estimator(estimator, norm):
+    adv, ret = core_algos.compute_advantage(estimator, REWARDS, MASK, values=VALUES, index=INDEX, gamma=0.9,
+                                            lam=0.8, norm_adv_by_std_in_grpo=norm)
+    want_adv, want_ret = _direct(estimator, 0.9, 0.8, norm)
+    assert torch.isfinite(adv).all() and adv.abs().sum() > 0
+    torch.testing.assert_close(adv, want_adv)
+    torch.testing.assert_close(ret, want_ret)
+    assert (adv[MASK == 0] == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
+def test_compute_advantage_defaults_to_gamma_and_lambda_one_and_needs_no_index(estimator):
+    adv, ret = core_algos.compute_advantage(estimator, REWARDS, MASK, values=VALUES)
+    want_adv, want_ret = _direct(estimator, 1.0, 1.0, True)
+    torch.testing.assert_close(adv, want_adv)
+    torch.testing.assert_close(ret, want_ret)
+    # The defaults matter: gamma = 0.9 gives other returns.
+    _, discounted = _direct(estimator, 0.9, 1.0, True)
+    assert not torch.allclose(ret, discounted)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_estimators_without_uid_name_the_key(estimator):
+    with pytest.raises(ValueError) as err:
+        core_algos.compute_advantage(estimator, REWARDS, MASK)
+    assert str(err.value) == f"algorithm.adv_estimator={estimator} needs the non-tensor key 'uid' as index"
+
+
+def test_gae_without_values_names_the_key():
+    with pytest.raises(ValueError) as err:
+        core_algos.compute_advantage("gae", REWARDS, MASK)
+    assert str(err.value) == "algorithm.adv_estimator=gae needs the batch key 'values' (a critic)"
+
+
+def test_rloo_group_of_one_keeps_its_score_and_group_of_two_subtracts_the_other():
+    rewards = torch.tensor([[0.0, 3.0], [0.0, 1.0], [0.0, 0.0]])
+    mask = torch.tensor([[1, 1], [0, 1], [1, 1]])
+    adv, ret = core_algos.compute_rloo_outcome_advantage(rewards, mask, np.array(["solo", "pair", "pair"],
+                                                                                 dtype=object))
+    # solo: 3 (no baseline); pair: 1 - 0 = 1 and 0 - 1 = -1; the observation position of row 1 stays 0.
+    assert adv.tolist() == [[3.0, 3.0], [0.0, 1.0], [-1.0, -1.0]]
+    assert torch.equal(adv, ret)
