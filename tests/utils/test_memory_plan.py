@@ -1,0 +1,91 @@
+"""verl/utils/memory_plan.py: the plan's certain bytes are the real tensors' sizes, the shipped
+model configs have their public parameter counts, and 72B on one 80 GB GPU does not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl.trainer.main_ppo import compose_config
+from verl.utils.memory_plan import GIB, ModelShape, adamw_state_bytes, plan_memory, read_model_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "example" / "model_configs"
+TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float32"}
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_certain_bytes_equal_the_actor_and_adamw_tensors_of_a_tiny_qwen2(tmp_path: Path, tie: bool) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from verl.utils import fsdp_utils
+    from verl.utils.model import load_causal_lm, load_value_model
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**{**TINY, "tie_word_embeddings": tie})).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    shape = ModelShape.from_config(config)
+    # the workers' own loaders and optimizer builder (fp32 on CPU), one step so AdamW has its state
+    for model, (params, tensors) in ((load_causal_lm(str(tmp_path)), shape.causal_lm()),
+                                     (load_value_model(str(tmp_path)), shape.value_model())):
+        optim = OmegaConf.create({"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.01})
+        optimizer, _ = fsdp_utils.build_optimizer(model, optim)
+        model(input_ids=torch.tensor([[1, 2, 3]])).logits.float().sum().backward()
+        optimizer.step()
+        real = list(model.parameters())
+        assert (params, tensors) == (sum(p.numel() for p in real), len(real))
+        assert 4 * params == _tensor_bytes(real)                                   # fp32 parameters
+        assert 4 * params == _tensor_bytes(p.grad for p in real)                   # fp32 gradients
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        assert adamw_state_bytes(params, tensors) == _tensor_bytes(state)
+
+
+def test_shipped_configs_have_the_public_parameter_counts() -> None:
+    expected = {"qwen2.5-3b": 3.09, "qwen2.5-3b-instruct": 3.09, "qwen2.5-7b": 7.62, "qwen2.5-7b-instruct": 7.62,
+                "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71}
+    assert sorted(p.name for p in CONFIGS.iterdir() if p.is_dir()) == sorted(expected)
+    for name, billions in expected.items():
+        config, where = read_model_config(str(CONFIGS / name))
+        assert config["architectures"] == ["Qwen2ForCausalLM"] and config["torch_dtype"] == "bfloat16", where
+        assert round(ModelShape.from_config(config).causal_lm()[0] / 1e9, 2) == billions, name
+
+
+def test_72b_on_one_80gb_gpu_without_offload_does_not_fit_and_7b_on_eight_does() -> None:
+    big = compose_config([f"actor_rollout_ref.model.path={CONFIGS / 'qwen2.5-72b'}", "algorithm.adv_estimator=grpo",
+                          "trainer.n_gpus_per_node=1", "data.train_batch_size=8",
+                          "actor_rollout_ref.actor.ppo_mini_batch_size=8", "do_search=false"])
+    OmegaConf.resolve(big)
+    plan = plan_memory(big, device_gib=80)
+    name, gib = plan.largest()
+    assert name == "actor_update" and gib > 80
+    # fp32 params + grads + AdamW alone: 16 bytes per parameter on the one GPU
+    update = next(p for p in plan.phases if p.name == "actor_update")
+    assert update.certain["actor params (fp32 shard)"] == 4 * plan.actor_params
+    assert update.certain["actor AdamW state (shard)"] == adamw_state_bytes(plan.actor_params, plan.actor_tensors)
+    assert "activations" in update.estimated
+
+    small = compose_config([f"actor_rollout_ref.model.path={CONFIGS / 'qwen2.5-7b'}",
+                            f"critic.model.path={CONFIGS / 'qwen2.5-7b'}", "trainer.n_gpus_per_node=8",
+                            "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
+    OmegaConf.resolve(small)
+    plan = plan_memory(small, device_gib=80)
+    assert plan.largest()[1] < 80
+    update = next(p for p in plan.phases if p.name == "actor_update")
+    assert update.certain["actor params (fp32 shard)"] == -(-4 * plan.actor_params // 8)   # sharded over 8
+    assert max(plan.phase_gib().values()) * GIB >= update.total - GIB
+
+
+def test_a_folder_without_config_json_says_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="example/model_configs"):
+        read_model_config(str(tmp_path / "nothing"))

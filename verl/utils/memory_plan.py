@@ -1,0 +1,322 @@
+"""A per-GPU memory plan for each phase of a training step, from the model's config.json alone.
+
+    plan = plan_memory(cfg)              # cfg: the composed trainer config (no weights, no GPU)
+    plan.phase_gib()                     # {"actor_update": 41.2, ...} GiB per GPU
+    plan.largest()                       # ("rollout", 52.0)
+
+What the workers hold (verl/workers/fsdp_workers.py, verl/utils/fsdp_utils.py): actor, reference
+and critic are loaded in fp32 and sharded with FSDP2 over all workers (bf16 compute, fp32 master
+copy); AdamW keeps two fp32 states per parameter plus one fp32 `step` tensor per parameter tensor.
+A model whose `fsdp_config.*_offload` is set lives on the host between calls and is loaded onto the
+GPU for its own phase (`_onload` / `_offload`): offload lowers what the *other* phases see, not its own.
+
+Two kinds of numbers, kept apart in every phase:
+- certain: parameters, gradients, optimizer states and their shards, the vLLM pool
+  (gpu_memory_utilization x device memory: vLLM's own budget for weights + KV cache), the fp32
+  logits of one log-prob micro-batch at the max lengths (micro x seq x vocab x 4 bytes), the HF
+  export's gathered bf16 copy; exact byte counts for the shapes the config gives.
+- estimated: activations (per-token per-layer factors, below), labelled `estimated` in each phase.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1024 ** 3
+FP32, BF16 = 4, 2
+# AdamW (torch.optim.AdamW, not fused/capturable) state per parameter tensor: exp_avg and
+# exp_avg_sq like the parameter (fp32), and `step`, a 0-dim fp32 tensor.
+ADAM_STATES_PER_PARAM, ADAM_STEP_BYTES = 2, 4
+# Activation estimate, bytes per token per layer in bf16 (labelled as estimated):
+# without gradient checkpointing roughly the attention block's saved tensors (~10 h) and the
+# MLP's (~4 intermediate), times 2 bytes; with checkpointing only each layer's input (h x 2 bytes)
+# is kept, plus one layer's full set during its recompute.
+ACT_FACTOR_H, ACT_FACTOR_I = 10, 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only (Qwen2 / Llama-style) config.json that fix its tensor sizes."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = True    # Qwen2: q/k/v projections carry a bias, o_proj does not
+    source: str = ""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str = "") -> ModelShape:
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if k not in config]
+        if missing:
+            raise ValueError(f"{source or 'config.json'}: missing {missing}; a memory plan needs a decoder "
+                             "config with these keys (e.g. example/model_configs/qwen2.5-7b/config.json)")
+        model_type = config.get("model_type", "qwen2")
+        return cls(hidden_size=int(config["hidden_size"]), intermediate_size=int(config["intermediate_size"]),
+                   num_hidden_layers=int(config["num_hidden_layers"]),
+                   num_attention_heads=int(config["num_attention_heads"]),
+                   num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+                   vocab_size=int(config["vocab_size"]),
+                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   attention_bias=bool(config.get("attention_bias", model_type == "qwen2")), source=source)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def _layer(self) -> tuple[int, int]:
+        """(parameters, parameter tensors) of one decoder layer."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attn = h * h + 2 * h * kv + h * h                      # q, k, v, o weights
+        tensors = 4
+        if self.attention_bias:
+            attn += h + 2 * kv                                 # q, k, v biases
+            tensors += 3
+        mlp = 3 * h * self.intermediate_size                   # gate, up, down
+        return attn + mlp + 2 * h, tensors + 3 + 2             # + input / post-attention RMSNorm
+
+    def backbone(self) -> tuple[int, int]:
+        """(parameters, tensors) of embeddings + layers + final norm."""
+        layer, layer_tensors = self._layer()
+        return (self.vocab_size * self.hidden_size + self.num_hidden_layers * layer + self.hidden_size,
+                2 + self.num_hidden_layers * layer_tensors)
+
+    def causal_lm(self) -> tuple[int, int]:
+        """(parameters, tensors) of the policy / reference (XForCausalLM; a tied head adds none)."""
+        params, tensors = self.backbone()
+        if not self.tie_word_embeddings:
+            params, tensors = params + self.vocab_size * self.hidden_size, tensors + 1
+        return params, tensors
+
+    def value_model(self) -> tuple[int, int]:
+        """(parameters, tensors) of the critic (XForTokenClassification: backbone + Linear(h, 1) with bias)."""
+        params, tensors = self.backbone()
+        return params + self.hidden_size + 1, tensors + 2
+
+    def layer_params(self) -> int:
+        return self._layer()[0]
+
+
+def read_model_config(path: str) -> tuple[dict[str, Any], str]:
+    """config.json of a model folder (or of a hub id already in the local HF cache); no download.
+    Returns (config, where it was read); raises FileNotFoundError saying what to pass."""
+    folder = Path(path)
+    if (folder / "config.json").is_file():
+        file = folder / "config.json"
+        return json.loads(file.read_text()), str(file)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(path), "config.json")
+    except Exception:   # not a repo id (e.g. a missing local path): same message as no cache
+        cached = None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text()), cached
+    raise FileNotFoundError(f"no config.json at {path} (nor in the local Hugging Face cache): point the key at a "
+                            "model folder, or at example/model_configs/<name> for a plan without weights")
+
+
+def adamw_state_bytes(params: int, tensors: int) -> int:
+    """Bytes of torch.optim.AdamW's state for `params` fp32 parameters in `tensors` tensors (after a step)."""
+    return ADAM_STATES_PER_PARAM * FP32 * params + ADAM_STEP_BYTES * tensors
+
+
+def _shard(total: int, world: int) -> int:
+    """Per-rank bytes of an FSDP shard (even split, rounded up: FSDP2 pads the last rank)."""
+    return -(-total // max(world, 1))
+
+
+@dataclass
+class Phase:
+    """One phase's bytes per GPU: `certain` and `estimated` parts, by name."""
+
+    name: str
+    certain: dict[str, int] = field(default_factory=dict)
+    estimated: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.certain.values()) + sum(self.estimated.values())
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU plan: phases, the shapes it came from, and the facts a report prints."""
+
+    world: int
+    actor_params: int
+    actor_tensors: int
+    critic_params: int | None
+    critic_tensors: int | None
+    phases: list[Phase]
+    notes: list[str]
+    device_gib: float | None
+    sequence_length: int
+
+    def phase_gib(self) -> dict[str, float]:
+        return {p.name: round(p.total / GIB, 2) for p in self.phases}
+
+    def largest(self) -> tuple[str, float]:
+        phase = max(self.phases, key=lambda p: p.total)
+        return phase.name, round(phase.total / GIB, 2)
+
+    def checkpoint_bytes(self, save_hf_model: bool) -> int:
+        """Bytes on disk of one checkpoint: fp32 params + AdamW state of actor (and critic), plus the
+        HF export in bf16 when `trainer.save_hf_model`."""
+        size = FP32 * self.actor_params + adamw_state_bytes(self.actor_params, self.actor_tensors)
+        if self.critic_params is not None and self.critic_tensors is not None:
+            size += FP32 * self.critic_params + adamw_state_bytes(self.critic_params, self.critic_tensors)
+        if save_hf_model:
+            size += BF16 * self.actor_params
+        return size
+
+
+def sequence_length(cfg: Any) -> int:
+    """Tokens of one training row at the max lengths: the initial prompt bound plus the response part.
+    Tag protocol with search, as the original composes a row: max_start_length + (max_turns + 1)
+    responses + max_turns observations; otherwise prompt bound + data.max_response_length."""
+    from verl.trainer.config_check import prompt_bound, tool_protocol
+
+    data = cfg.data
+    prompt, _ = prompt_bound(cfg)
+    if cfg.do_search and not tool_protocol(cfg):
+        turns = int(cfg.max_turns)
+        return prompt + (turns + 1) * int(data.max_response_length) + turns * int(data.max_obs_length)
+    return prompt + int(data.max_response_length)
+
+
+def _micro_rows(cfg: Any, key: str, world: int) -> int:
+    from verl.trainer.config_check import micro_batch_rows
+
+    return max(1, micro_batch_rows(cfg, key) // max(world, 1))
+
+
+def _activations(shape: ModelShape, tokens: int, checkpointing: bool, backward: bool) -> int:
+    """Estimated activation bytes for `tokens` tokens (forward only keeps one layer's at a time)."""
+    per_layer = BF16 * tokens * (ACT_FACTOR_H * shape.hidden_size + ACT_FACTOR_I * shape.intermediate_size)
+    if not backward:
+        return per_layer
+    if checkpointing:
+        return BF16 * tokens * shape.hidden_size * shape.num_hidden_layers + per_layer
+    return per_layer * shape.num_hidden_layers
+
+
+def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[str, Any] | None = None,
+                critic_config: dict[str, Any] | None = None) -> MemoryPlan:
+    """The plan for the composed (resolved) trainer config `cfg` over `nnodes x n_gpus_per_node` GPUs.
+
+    `model_config` / `critic_config`: the config.json dicts (default: read from
+    actor_rollout_ref.model.path / critic.model.path). `device_gib`: the GPU's memory, for the vLLM
+    pool (gpu_memory_utilization x it); without it the rollout phases count the vLLM weights only.
+    """
+    from verl.trainer.config_check import need_critic, need_reference_policy, world_size
+
+    world = world_size(cfg)
+    arr = cfg.actor_rollout_ref
+    notes: list[str] = []
+    if model_config is None:
+        model_config, _ = read_model_config(str(arr.model.path))
+    shape = ModelShape.from_config(model_config, str(arr.model.path))
+    p, t = shape.causal_lm()
+    with_critic = need_critic(cfg)
+    if with_critic:
+        if critic_config is None:
+            critic_config, _ = read_model_config(str(cfg.critic.model.path))
+        cshape = ModelShape.from_config(critic_config, str(cfg.critic.model.path))
+        cp, ct = cshape.value_model()
+    with_ref = need_reference_policy(cfg)
+    seq = sequence_length(cfg)
+    vocab = shape.vocab_size
+    layer_bf16 = BF16 * shape.layer_params()        # one FSDP unit gathered for compute (bf16)
+
+    afs = arr.actor.fsdp_config
+    actor_params = _shard(FP32 * p, world)
+    actor_grads = _shard(FP32 * p, world)
+    actor_optim = _shard(adamw_state_bytes(p, t), world)
+    # What stays on the GPU between calls (offload moves it to the host).
+    resident: dict[str, int] = {}
+    if not afs.param_offload:
+        resident["actor params (fp32 shard)"] = actor_params
+    if not afs.optimizer_offload:
+        resident["actor AdamW state (shard)"] = actor_optim
+    if with_ref and not arr.ref.fsdp_config.param_offload:
+        resident["reference params (fp32 shard)"] = _shard(FP32 * p, world)
+    if with_critic:
+        cfs = cfg.critic.model.fsdp_config
+        critic_params = _shard(FP32 * cp, world)
+        critic_optim = _shard(adamw_state_bytes(cp, ct), world)
+        if not cfs.param_offload:
+            resident["critic params (fp32 shard)"] = critic_params
+        if not cfs.optimizer_offload:
+            resident["critic AdamW state (shard)"] = critic_optim
+
+    def others(*own: str) -> dict[str, int]:
+        return {k: v for k, v in resident.items() if not any(k.startswith(o) for o in own)}
+
+    phases: list[Phase] = []
+    dyn = bool(arr.actor.use_dynamic_bsz)
+    # actor update: its own params, grads and optimizer on the GPU, one micro-batch's head and activations
+    micro = _micro_rows(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size", world)
+    tokens = int(arr.actor.ppo_max_token_len_per_gpu) if dyn else micro * seq
+    ckpt = bool(arr.model.enable_gradient_checkpointing)
+    phases.append(Phase("actor_update", certain={
+        **others("actor"), "actor params (fp32 shard)": actor_params, "actor grads (fp32 shard)": actor_grads,
+        "actor AdamW state (shard)": actor_optim, "gathered layer (bf16)": layer_bf16,
+        "log-prob head (fp32 logits)": FP32 * tokens * vocab},
+        estimated={"activations": _activations(shape, tokens, ckpt, backward=True)}))
+    # log-prob passes (old policy, and the reference's)
+    lp_micro = _micro_rows(cfg, "actor_rollout_ref.rollout.log_prob_micro_batch_size", world)
+    lp_tokens = int(arr.rollout.log_prob_max_token_len_per_gpu) if dyn else lp_micro * seq
+    phases.append(Phase("actor_log_prob", certain={
+        **others("actor params"), "actor params (fp32 shard)": actor_params, "gathered layer (bf16)": layer_bf16,
+        "log-prob head (fp32 logits)": FP32 * lp_tokens * vocab},
+        estimated={"activations": _activations(shape, lp_tokens, ckpt, backward=False)}))
+    if with_ref:
+        ref_micro = _micro_rows(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size", world)
+        ref_tokens = int(arr.ref.log_prob_max_token_len_per_gpu) if dyn else ref_micro * seq
+        phases.append(Phase("reference_log_prob", certain={
+            **others("reference"), "reference params (fp32 shard)": _shard(FP32 * p, world),
+            "gathered layer (bf16)": layer_bf16, "log-prob head (fp32 logits)": FP32 * ref_tokens * vocab},
+            estimated={"activations": _activations(shape, ref_tokens, False, backward=False)}))
+    if with_critic:
+        c_micro = _micro_rows(cfg, "critic.ppo_micro_batch_size", world)
+        c_tokens = int(cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic.use_dynamic_bsz else c_micro * seq
+        c_ckpt = bool(cfg.critic.model.enable_gradient_checkpointing)
+        phases.append(Phase("critic_update", certain={
+            **others("critic"), "critic params (fp32 shard)": critic_params,
+            "critic grads (fp32 shard)": _shard(FP32 * cp, world), "critic AdamW state (shard)": critic_optim,
+            "gathered layer (bf16)": BF16 * cshape.layer_params()},
+            estimated={"activations": _activations(cshape, c_tokens, c_ckpt, backward=True)}))
+    # rollout: vLLM's budget (weights + KV pool) beside what the trainer keeps resident; the wake
+    # (free_cache_engine) runs after the training allocator's cache is emptied, so the same sum.
+    tp = int(arr.rollout.tensor_model_parallel_size)
+    util = float(arr.rollout.gpu_memory_utilization)
+    vllm_weights = _shard(BF16 * p, tp)
+    rollout_certain = dict(resident)
+    if device_gib:
+        rollout_certain[f"vLLM pool (gpu_memory_utilization={util:g} x {device_gib:g} GiB)"] = int(util * device_gib * GIB)
+    else:
+        rollout_certain["vLLM weights (bf16 / TP)"] = vllm_weights
+        notes.append("vLLM's KV pool is gpu_memory_utilization x the GPU's memory: unknown without "
+                     "trainer.gpu_memory_gib, so the rollout phase counts the vLLM weights only")
+    phases.append(Phase("rollout", certain=rollout_certain))
+    if device_gib and vllm_weights > util * device_gib * GIB:
+        notes.append(f"vLLM weights {vllm_weights / GIB:.1f} GiB per GPU exceed its pool "
+                     f"{util * device_gib:.1f} GiB: raise actor_rollout_ref.rollout.gpu_memory_utilization or "
+                     "tensor_model_parallel_size")
+    # checkpoint save: the actor's sharded state onloaded, plus the HF export's full bf16 copy
+    # gathered on rank 0 when trainer.save_hf_model.
+    save = {**others("actor"), "actor params (fp32 shard)": actor_params, "actor AdamW state (shard)": actor_optim}
+    if cfg.trainer.save_hf_model:
+        save["HF export staging (full bf16 copy, rank 0)"] = BF16 * p
+    phases.append(Phase("checkpoint_save", certain=save))
+    return MemoryPlan(world=world, actor_params=p, actor_tensors=t, critic_params=cp if with_critic else None,
+                      critic_tensors=ct if with_critic else None, phases=phases, notes=notes,
+                      device_gib=device_gib, sequence_length=seq)
