@@ -72,3 +72,14 @@ def test_rloo_group_of_one_keeps_its_score_and_group_of_two_subtracts_the_other(
     # solo: 3 (no baseline); pair: 1 - 0 = 1 and 0 - 1 = -1; the observation position of row 1 stays 0.
     assert adv.tolist() == [[3.0, 3.0], [0.0, 1.0], [-1.0, -1.0]]
     assert torch.equal(adv, ret)
+
+
+def test_kl_penalty_defaults_to_k1_and_reports_the_mean_of_per_row_means():
+    scores = torch.zeros(2, 4)
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-2.0, -1.0, -1.0, -1.0], [-1.5, -1.5, -1.5, -1.5]])   # k1: [1, 0, 0, 0], [0.5] * 4
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    rewards, metrics = core_algos.apply_kl_penalty(scores, old, ref, mask, core_algos.FixedKLController(0.1))
+    torch.testing.assert_close(rewards, torch.tensor([[-0.1, 0.0, 0.0, 0.0], [-0.05] * 4]))   # k1, not k2/k3/abs
+    # Each row's masked mean (1 and 0.5), then their mean: 0.75. A token mean over the batch would be 3/5.
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.75)
