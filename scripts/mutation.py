@@ -52,7 +52,7 @@ MODULES: dict[str, Module] = {
                           "tests/trainer/test_training_behaviours.py",
                           "tests/trainer/test_critic_loss_agg_mode.py")),
     "reward": Module(("verl/trainer/ppo/reward.py",),
-                     ("tests/trainer/test_reward.py", "tests/trainer/test_reward_search_r1_like.py",
+                     ("tests/trainer/test_reward.py", "tests/trainer/test_reward_edges.py", "tests/trainer/test_reward_search_r1_like.py",
                       "tests/trainer/test_training_behaviours.py")),
     "dp_critic": Module(("verl/workers/critic/dp_critic.py",),
                         ("tests/workers/test_dp_critic.py", "tests/trainer/test_critic_loss_agg_mode.py")),
