@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from verl.trainer.ppo import core_algos
 
@@ -83,3 +84,23 @@ def test_kl_penalty_defaults_to_k1_and_reports_the_mean_of_per_row_means():
     torch.testing.assert_close(rewards, torch.tensor([[-0.1, 0.0, 0.0, 0.0], [-0.05] * 4]))   # k1, not k2/k3/abs
     # Each row's masked mean (1 and 0.5), then their mean: 0.75. A token mean over the batch would be 3/5.
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.75)
+
+
+def test_kl_controller_type_defaults_to_fixed():
+    ctrl = core_algos.get_kl_controller(OmegaConf.create({"kl_coef": 0.02}))
+    assert isinstance(ctrl, core_algos.FixedKLController) and ctrl.value == 0.02
+
+
+def test_group_index_of_the_wrong_length_names_both_lengths():
+    with pytest.raises(ValueError) as err:
+        core_algos.compute_advantage("grpo", REWARDS, MASK, index=INDEX[:3])
+    assert str(err.value) == "non-tensor key 'uid' (GRPO/RLOO group index) has 3 rows, batch has 4"
+
+
+def test_grpo_epsilon_is_added_to_a_tiny_std():
+    # Scores 0 and 1e-6: std 7.07e-7 is below epsilon (1e-6); (x - mean) / (std + eps) keeps the sign.
+    rewards = torch.tensor([[0.0], [1e-6]])
+    adv, _ = core_algos.compute_grpo_outcome_advantage(rewards, torch.ones(2, 1), np.array(["g", "g"], dtype=object))
+    std = float(rewards.flatten().std())
+    expected = [-5e-7 / (std + 1e-6), 5e-7 / (std + 1e-6)]
+    assert adv.flatten().tolist() == pytest.approx(expected, rel=1e-4)
