@@ -128,7 +128,11 @@ node_ip() { on_node "$1" hostname --ip-address | awk '{print $1}'; }
 # --- 0. preflight: the command's own config check, before any node or server starts ----------
 if [ "${PREFLIGHT:-1}" != 0 ]; then
     log "preflight: $* +trainer.preflight=true"
-    "$@" +trainer.preflight=true || die "preflight failed (exit status $?): the config above would not start; no Ray node or retrieval server was started"
+    # Unless RETRIEVER_URL is set, this job starts the retrieval server after preflight (step 3):
+    # preflight then checks the index / corpus paths it will load instead of asking the server.
+    preflight_retriever=job
+    [ -n "${RETRIEVER_URL:-}" ] && preflight_retriever=url
+    SEARCH_R1_PREFLIGHT_RETRIEVER=$preflight_retriever "$@" +trainer.preflight=true || die "preflight failed (exit status $?): the config above would not start; no Ray node or retrieval server was started"
     log "preflight passed"
 fi
 

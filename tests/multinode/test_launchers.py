@@ -215,6 +215,15 @@ def test_the_sbatch_path_runs_the_real_preflight_before_any_ray_node_or_server(t
     assert "preflight FAILED" in bad.output and "critic.ppo_micro_batch_size=8" in bad.output, bad.output[-3000:]
     assert "no Ray node or retrieval server was started" in bad.output
     assert bad.srun_calls == []                 # no srun: no Ray head, no node, no retrieval server
-    good = run_recorded("scripts/slurm/train_ppo.sbatch", tmp_path / "good", slurm_env(2, 8), real_python=True)
+    # The real preflight reads the data files and the model's config.json and needs the GPUs' memory
+    # from here (a CPU machine); the job starts its own retrieval server after preflight. Saving is
+    # off: the recipe's 3 checkpoints of a 7B PPO run (178 GiB each) need more disk than a CI box has.
+    from tests.trainer._preflight_data import write_data
+
+    write_data(tmp_path / "data")
+    env = {**slurm_env(2, 8), "DATA_DIR": str(tmp_path / "data"), "BASE_MODEL": "example/model_configs/qwen2.5-7b"}
+    good = run_recorded("scripts/slurm/train_ppo.sbatch", tmp_path / "good", env, real_python=True,
+                        args=("trainer.gpu_memory_gib=80", "trainer.save_freq=-1",
+                              f"trainer.default_local_dir={tmp_path / 'ckpt'}"))
     assert "preflight OK" in good.output and "preflight passed" in good.output, good.output[-3000:]
     assert good.srun_calls                      # then on to the Ray head (where the stand-in srun stops it)

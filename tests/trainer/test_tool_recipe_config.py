@@ -143,12 +143,29 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_recipe_passes_preflight_through_main_ppos_command_line(tmp_path: Path) -> None:
+    # Preflight reads the data files and asks the tool config's retrieval server: give it both
+    # (tool-format rows, a real BM25 server behind a copy of the shipped tool config).
+    import yaml
+
+    from search_r1.search.retrieval_server import create_app
+    from search_r1.search.serving import serve_in_background
+    from tests.trainer._preflight_data import write_data
+    from tests.trainer._search_model import build_bm25_retriever, write_corpus
+
     config_dir, name, overrides = _recorded(tmp_path, "vllm")
-    run = _cli(f"--config-path={config_dir}", f"--config-name={name}", *overrides, "+trainer.preflight=true")
+    write_data(tmp_path, source="searchR1_nq")
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    tool_config = yaml.safe_load((RECIPE_DIR / "tool_config" / "search_tool_config.yaml").read_text())
+    with serve_in_background(create_app(build_bm25_retriever(corpus, tmp_path / "index"))) as url:
+        tool_config["tools"][0]["config"]["retrieval_service_url"] = f"{url}/retrieve"
+        (tmp_path / "tools.yaml").write_text(yaml.safe_dump(tool_config))
+        run = _cli(f"--config-path={config_dir}", f"--config-name={name}", *overrides, "+trainer.preflight=true",
+                   f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+                   f"trainer.default_local_dir={tmp_path / 'ckpt'}")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "preflight OK" in run.stdout
     assert "actor per worker: mini-batch 160 rows, micro-batch 8, log-prob micro-batch 8" in run.stdout
-    assert "retrieval_service_url=http://127.0.0.1:8000/retrieve" in run.stdout
+    assert f"retrieval_service_url={url}/retrieve answers: retriever=bm25" in run.stdout
 
 
 def test_val_before_train_composes_in_both_forms_on_the_command_line() -> None:

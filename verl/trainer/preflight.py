@@ -4,44 +4,102 @@
     bash train_grpo.sh <overrides...> +trainer.preflight=true        # through a launcher
 
 The same entry point and overrides as the run, so the config is composed exactly as the run
-would compose it. Checked: the cluster settings (`check_cluster_settings`), every
-`validate_config` rule (keys, batch sizes, TP, the optional packages the run imports), and the
-per-worker batch sizes the workers will compute (`normalize_actor_batch_sizes` /
-`normalize_critic_batch_sizes` from verl/workers/fsdp_workers.py, called on copies) for
-`trainer.nnodes x trainer.n_gpus_per_node` workers. Prints a short report; exit status 0 when
-the run would start, 1 otherwise. scripts/slurm/ray_on_slurm.sh runs it before it starts any
-Ray node or the retrieval server. Not checked yet: data files, the retriever, memory.
+would compose it. Every check runs and every failure is collected (each `{key, message}`):
+- the cluster settings and every `validate_config` rule (keys, batch sizes, TP, lengths, the
+  optional packages the run imports: loggers, vllm, flash-attn), and the per-worker batch sizes
+  the workers will compute (`normalize_actor_batch_sizes` / `normalize_critic_batch_sizes`, on copies);
+- the data files: readable, their columns, a scorer for every `data_source`, and (when the
+  tokenizer is on this machine) how many prompts exceed the prompt bound;
+- the retriever with `do_search`: `/health` within a few seconds, what it serves, one query's
+  latency (a URL that does not answer is an error); under ray_on_slurm.sh, which starts its own
+  server after this check (SEARCH_R1_PREFLIGHT_RETRIEVER=job), the index / corpus paths instead;
+- the checkpoint folder writable, with disk for `trainer.max_ckpt_to_keep` checkpoints;
+- a per-GPU memory plan per phase (verl/utils/memory_plan.py) against `trainer.gpu_memory_gib`
+  (null: this machine's GPU memory; required on a GPU run when this machine has none).
+Prints a one-screen report and writes JSON to `trainer.preflight_report` (null:
+`<trainer.default_local_dir>/preflight.json`). Exit status 0 when the checks pass and the plan
+fits (or the workers are CPU processes, where no GPU memory applies), else 1.
+scripts/slurm/ray_on_slurm.sh runs it before it starts any Ray node or the retrieval server.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import re
+import shutil
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer import config_check as cc
 
+RETRIEVER_PROBE_S = 5.0      # bounded wait for /health here (the run itself waits retriever.health_wait_s)
+JOB_RETRIEVER_ENV = "SEARCH_R1_PREFLIGHT_RETRIEVER"   # "job": the launcher starts the server after preflight
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
+_KEY = re.compile(r"[A-Za-z_][\w]*(?:\.[\w]+)+")
+
+
+def key_of(message: str) -> str:
+    """The first dotted config key a message names (the key to fix), else ''."""
+    match = _KEY.search(message)
+    return match.group(0) if match else ""
+
 
 @dataclass
 class PreflightReport:
-    """What preflight found: `lines` describe the run, `errors` say why it would not start."""
+    """What preflight found: `lines` describe the run, `errors` ({key, message}) say why it would not
+    start; `fits` is the memory verdict (None: not decided), `fit_message` why."""
 
     lines: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[dict[str, str]] = field(default_factory=list)
+    world_size: int = 0
+    fits: bool | None = None
+    fit_message: str = ""
+    gpu_run: bool = True
+    memory_plan_gib: dict[str, float] = field(default_factory=dict)
+    largest_phase: str | None = None
+    report_path: str | None = None
+
+    def error(self, message: str, key: str | None = None) -> None:
+        self.errors.append({"key": key if key is not None else key_of(message), "message": message})
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
+    @property
+    def passed(self) -> bool:
+        """Exit status 0: the checks pass and the plan fits (on CPU workers no GPU memory applies)."""
+        return self.ok and (self.fits is True or (self.fits is None and not self.gpu_run))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "fits": self.fits, "fit_message": self.fit_message, "world_size": self.world_size,
+                "errors": self.errors, "memory_plan_gib": self.memory_plan_gib, "largest_phase": self.largest_phase,
+                "lines": self.lines}
+
     def render(self) -> str:
         head = "preflight (no Ray, no workers, no weights):"
-        tail = ("preflight OK" if self.ok else
-                f"preflight FAILED ({len(self.errors)} problem(s)):\n  - " + "\n  - ".join(self.errors))
-        return "\n".join([head, *(f"  {line}" for line in self.lines), tail])
+        fit = {True: "fits", False: "DOES NOT FIT", None: "fit not decided"}[self.fits]
+        lines = [head, *(f"  {line}" for line in self.lines), f"  memory: {fit}: {self.fit_message}"]
+        if self.report_path:
+            lines.append(f"  report: {self.report_path}")
+        if self.passed:
+            lines.append("preflight OK")
+        else:
+            problems = [f"{e['key']}: {e['message']}" if e["key"] and not e["message"].startswith(e["key"])
+                        else e["message"] for e in self.errors]
+            if self.fits is False or (self.fits is None and self.gpu_run):
+                problems.append(f"memory: {self.fit_message}")
+            lines.append(f"preflight FAILED ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems))
+        return "\n".join(lines)
 
     def raise_if_failed(self) -> None:
-        if not self.ok:
+        if not self.passed:
             raise cc.ConfigError(self.render())
 
 
@@ -72,7 +130,7 @@ def _per_worker_sizes(cfg: DictConfig, world: int, report: PreflightReport) -> N
             f"{actor.actor.ppo_micro_batch_size}, log-prob micro-batch {actor.rollout.log_prob_micro_batch_size}; "
             f"{cc.optimizer_steps_per_training_step(cfg)} optimizer step(s) per training step")
     except ValueError as exc:
-        report.errors.append(f"actor worker batch sizes over {world} workers: {exc}")
+        report.error(f"actor worker batch sizes over {world} workers: {exc}", key_of(str(exc)))
     if cc.need_critic(cfg):
         critic = copy.deepcopy(cfg.critic)
         try:
@@ -82,11 +140,220 @@ def _per_worker_sizes(cfg: DictConfig, world: int, report: PreflightReport) -> N
                 f"{critic.ppo_micro_batch_size}, forward micro-batch {critic.forward_micro_batch_size}; "
                 f"{cc.optimizer_steps_per_training_step(cfg, 'critic')} optimizer step(s) per training step")
         except ValueError as exc:
-            report.errors.append(f"critic worker batch sizes over {world} workers: {exc}")
+            report.error(f"critic worker batch sizes over {world} workers: {exc}", key_of(str(exc)))
+
+
+def _files(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [str(value)] if isinstance(value, str) else [str(v) for v in value]
+
+
+def _local_tokenizer(path: str) -> Any:
+    """The model's tokenizer if it is on this machine (no download), else None. A folder without
+    tokenizer files (example/model_configs/*: config.json only) has none; transformers would build
+    an empty one from config.json alone."""
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:   # no tokenizer files (a config-only folder), or not in the local cache
+        return None
+
+
+def check_data(cfg: DictConfig, report: PreflightReport) -> None:
+    """Each data file readable with its columns, a scorer for every data_source; prompts over the bound
+    counted when the tokenizer is on this machine."""
+    import pyarrow.parquet as pq
+
+    from verl.utils.dataset.rl_dataset import REQUIRED_COLUMNS
+    from verl.utils.reward_score import SUPPORTED_DATA_SOURCES
+
+    prompt_key = str(cfg.data.prompt_key)
+    bound, bound_key = cc.prompt_bound(cfg)
+    tokenizer = _local_tokenizer(str(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path))
+    for key in ("data.train_files", "data.val_files"):
+        for path in _files(OmegaConf.select(cfg, key)):
+            if not Path(path).is_file():
+                report.error(f"{key}: {path} does not exist: build it (docs/data.md) or point {key} at it", key)
+                continue
+            try:
+                table = pq.read_table(path)
+            except Exception as exc:   # not parquet, unreadable: pyarrow's own message says which
+                report.error(f"{key}: {path} is not a readable parquet file ({type(exc).__name__}: {exc})", key)
+                continue
+            missing = [c for c in (prompt_key, *REQUIRED_COLUMNS) if c not in table.column_names]
+            if missing:
+                report.error(f"{key}: {path} has no column(s) {missing} (columns: {table.column_names}); "
+                              f"data.prompt_key={prompt_key}", key)
+                continue
+            sources = sorted({str(v) for v in table.column("data_source").to_pylist()})
+            unknown = [s for s in sources if s not in SUPPORTED_DATA_SOURCES]
+            if unknown:
+                report.error(f"{key}: {path} has data_source {unknown} with no reward scorer (supported: "
+                              f"{sorted(SUPPORTED_DATA_SOURCES)}): fix the rows' data_source or add a scorer in "
+                              "verl/utils/reward_score", key)
+            over = "not counted (no tokenizer on this machine for the model path)"
+            if tokenizer is not None:
+                from verl.utils.dataset.rl_dataset import prompt_to_text
+
+                try:
+                    lengths = [len(tokenizer(prompt_to_text(p, tokenizer), add_special_tokens=False)["input_ids"])
+                               for p in table.column(prompt_key).to_pylist()]
+                    over = f"{sum(n > bound for n in lengths)} over {bound_key}={bound} tokens"
+                except Exception as exc:   # a template this tokenizer cannot render: counted by the run
+                    over = f"not counted ({type(exc).__name__}: {exc})"
+            report.lines.append(f"data {key}: {path}: {table.num_rows} rows, sources {sources}; prompts {over}")
+
+
+def check_retriever(cfg: DictConfig, report: PreflightReport) -> None:
+    """With do_search: the server answers /health within RETRIEVER_PROBE_S, and one query; or, when the
+    launcher starts its own server after preflight, the index and corpus it will load exist."""
+    if not cfg.do_search:
+        return
+    try:
+        url, timeout, setting, where = cc.retrieval_endpoint(cfg)
+    except (OSError, ValueError, KeyError):   # a bad tool config: config_errors says what is wrong
+        return
+    if os.environ.get(JOB_RETRIEVER_ENV) == "job":
+        found = []
+        for var in ("index_file", "corpus_file", "file_path"):
+            value = os.environ.get(var)
+            if value:
+                if not Path(value).exists():
+                    report.error(f"{var}={value}: not found; the job's retrieval server (retrieval_launch.sh) "
+                                 "would fail to load it", var)
+                else:
+                    found.append(f"{var}={value} ({_size(Path(value))})")
+        report.lines.append("retriever: started by the job after preflight (retrieval_launch.sh); "
+                            + (", ".join(found) if found else "the example corpus or its own defaults"))
+        return
+    import requests
+
+    from search_r1.search.client import RetrievalClient
+
+    client = RetrievalClient(url, topk=1, timeout=min(timeout, RETRIEVER_PROBE_S), max_retries=0)
+    deadline = time.monotonic() + min(RETRIEVER_PROBE_S, float(cfg.retriever.health_wait_s))
+    last = ""
+    try:
+        while True:
+            try:
+                response = requests.get(client.health_url, timeout=max(0.5, deadline - time.monotonic()))
+                if response.status_code == 200:
+                    health = response.json()
+                    start = time.monotonic()
+                    client.retrieve(["preflight check"], topk=1)
+                    serves = ", ".join(f"{k}={health[k]}" for k in ("retriever", "corpus_size", "device")
+                                       if k in health)
+                    report.lines.append(f"retriever: {setting}={url} answers: {serves or health}; one query "
+                                        f"{(time.monotonic() - start) * 1000:.0f} ms")
+                    return
+                last = f"HTTP {response.status_code}"
+            except Exception as exc:   # connection refused, timeout, a bad answer: all mean "not ready"
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        client.close()
+    report.error(f"do_search=true but the retrieval server at {setting}={url} did not answer GET {client.health_url} "
+                 f"within {RETRIEVER_PROBE_S:g} s ({last[:200]}): start it (bash retrieval_launch.sh) or fix {where}",
+                 "retriever.url" if setting == "retriever.url" else where)
+
+
+def _size(path: Path) -> str:
+    total = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return f"{total / 1024 ** 3:.2f} GiB"
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def device_memory_gib(cfg: DictConfig) -> tuple[float | None, str]:
+    """(GiB per GPU, where it came from): trainer.gpu_memory_gib, else this machine's CUDA device."""
+    value = OmegaConf.select(cfg, "trainer.gpu_memory_gib", default=None)
+    if value is not None:
+        return float(value), "trainer.gpu_memory_gib"
+    from verl.utils.device import is_cuda_available
+
+    if is_cuda_available():
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / 1024 ** 3, "this machine's GPU 0"
+    return None, ""
+
+
+def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> None:
+    """The per-GPU plan against the GPU's memory (`fits`); the checkpoint folder and its disk."""
+    from verl.utils.memory_plan import GIB, plan_memory
+
+    ckpt_dir = Path(str(cfg.trainer.default_local_dir))
+    parent = _existing_parent(ckpt_dir)
+    if not os.access(parent, os.W_OK):
+        report.error(f"trainer.default_local_dir={ckpt_dir}: {parent} is not writable: point it at a folder you "
+                     "can write", "trainer.default_local_dir")
+    try:
+        gib, source = device_memory_gib(cfg)
+    except (TypeError, ValueError):
+        report.error(f"trainer.gpu_memory_gib={cfg.trainer.gpu_memory_gib!r} must be a number of GiB per GPU "
+                     "(e.g. 80) or null", "trainer.gpu_memory_gib")
+        gib, source = None, ""
+    if gib is not None and gib <= 0:
+        report.error(f"trainer.gpu_memory_gib={gib:g} must be > 0", "trainer.gpu_memory_gib")
+        gib = None
+    try:
+        plan = plan_memory(cfg, device_gib=gib)
+    except (OSError, ValueError, KeyError) as exc:
+        key = "critic.model.path" if "critic" in str(exc) else "actor_rollout_ref.model.path"
+        report.fits, report.fit_message = None, f"no memory plan: {key}: {exc}"
+        return
+    report.memory_plan_gib = plan.phase_gib()
+    name, largest = plan.largest()
+    report.largest_phase = name
+    report.lines.append(f"memory plan per GPU (model {plan.actor_params / 1e9:.2f} B params, {plan.world} GPUs, rows "
+                        f"of {plan.sequence_length} tokens): "
+                        + ", ".join(f"{k} {v:.1f}" for k, v in report.memory_plan_gib.items()) + " GiB")
+    for phase in plan.phases:
+        if phase.name == name:
+            parts = [f"{k} {v / GIB:.1f}" for k, v in phase.certain.items()]
+            parts += [f"{k} {v / GIB:.1f} (estimated)" for k, v in phase.estimated.items()]
+            report.lines.append(f"largest: {name} {largest:.1f} GiB = " + " + ".join(parts))
+    report.lines.extend(f"note: {n}" for n in plan.notes)
+    if gib is None:
+        report.fits = None
+        report.fit_message = ("set trainer.gpu_memory_gib (GiB per GPU, e.g. 80) for a fits verdict: this machine "
+                              "has no GPU to read it from" + ("" if report.gpu_run else
+                                                              "; CPU workers: no GPU memory applies"))
+    else:
+        report.fits = largest <= gib
+        report.fit_message = (f"largest phase {name} {largest:.1f} GiB {'<=' if report.fits else '>'} {gib:.1f} GiB "
+                              f"({source})")
+        if not report.fits:
+            report.fit_message += (": set actor_rollout_ref.actor.fsdp_config.param_offload / optimizer_offload, "
+                                   "more GPUs (trainer.n_gpus_per_node, trainer.nnodes), smaller micro-batches, "
+                                   "or enable_gradient_checkpointing")
+    if int(cfg.trainer.save_freq) > 0:
+        each = plan.checkpoint_bytes(bool(cfg.trainer.save_hf_model))
+        need = each * int(cfg.trainer.max_ckpt_to_keep)
+        free = shutil.disk_usage(parent).free
+        report.lines.append(f"checkpoints: {ckpt_dir}: {cfg.trainer.max_ckpt_to_keep} x {each / GIB:.1f} GiB = "
+                            f"{need / GIB:.1f} GiB needed, {free / GIB:.1f} GiB free")
+        if need > free:
+            report.error(f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep} checkpoints of {each / GIB:.1f} GiB "
+                         f"need {need / GIB:.1f} GiB but {parent} has {free / GIB:.1f} GiB free: lower it or point "
+                         "trainer.default_local_dir at a bigger disk", "trainer.max_ckpt_to_keep")
 
 
 def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightReport:
-    """Check `config` as the run would (on a resolved copy; `config` is not changed).
+    """Check `config` as the run would (on a resolved copy; `config` is not changed), every check
+    run and every failure collected.
 
     `has_gpu`: whether the workers have GPUs; by default `host_has_gpu(config)`.
     """
@@ -94,13 +361,14 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
     try:
         cc.check_cluster_settings(config)
     except ValueError as exc:
-        report.errors.append(str(exc))
+        report.error(str(exc))
     cfg = copy.deepcopy(config)
     OmegaConf.resolve(cfg)
     if has_gpu is None:
         has_gpu = host_has_gpu(cfg)
+    report.gpu_run = cc.runs_on_cuda(cfg, has_gpu) is not False
     trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
-    world = cc.world_size(cfg)
+    world = report.world_size = cc.world_size(cfg)
     host = {True: "GPU", False: "CPU", None: "unknown from here (GPU-dependent checks skipped)"}[has_gpu]
     report.lines.append(f"workers: trainer.nnodes={trainer.nnodes} x trainer.n_gpus_per_node={trainer.n_gpus_per_node}"
                         f" = {world}; trainer.device={trainer.device}, host {host}; "
@@ -115,27 +383,40 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
                         f"{cfg.data.train_batch_size} prompts x {cc.samples_per_prompt(cfg)} samples = "
                         f"{cc.rollouts_per_step(cfg)} rollouts per step ({cfg.algorithm.adv_estimator})")
     report.lines.append(f"loggers: {', '.join(cc.logger_backends(cfg))}")
-    if cfg.do_search:
-        try:
-            url, _, setting, _ = cc.retrieval_endpoint(cfg)
-        except (OSError, ValueError):   # a bad tool config: config_errors below says what is wrong
-            url, setting = "?", "retrieval_service_url"
-        report.lines.append(f"retriever: {setting}={url} (not contacted here; the run waits up to "
-                            f"retriever.health_wait_s={cfg.retriever.health_wait_s} s for its /health)")
     if cc.tool_protocol(cfg):
         mt = rollout.multi_turn
         report.lines.append(f"tool protocol: {mt.tool_config_path}; max_assistant_turns={mt.max_assistant_turns}, "
                             f"max_user_turns={mt.max_user_turns}; prompts <= data.max_prompt_length="
                             f"{cfg.data.max_prompt_length}, all turns <= data.max_response_length="
                             f"{cfg.data.max_response_length} tokens")
-    report.errors.extend(cc.config_errors(cfg, has_gpu))
+    for message in cc.config_errors(cfg, has_gpu):
+        report.error(message)
     if world >= 1:
         _per_worker_sizes(cfg, world, report)
+    check_data(cfg, report)
+    check_retriever(cfg, report)
+    if world >= 1:
+        check_memory_and_disk(cfg, report)
     return report
 
 
+def report_path(config: DictConfig) -> Path:
+    """trainer.preflight_report, else <trainer.default_local_dir>/preflight.json."""
+    value = OmegaConf.select(config, "trainer.preflight_report", default=None)
+    if value:
+        return Path(str(value))
+    return Path(str(OmegaConf.select(config, "trainer.default_local_dir"))) / "preflight.json"
+
+
 def preflight_main(config: DictConfig) -> int:
-    """`+trainer.preflight=true`: print the report; 0 when the run would start, else 1."""
+    """`+trainer.preflight=true`: print the report, write its JSON; 0 when the run would start and fit, else 1."""
     report = run_preflight(config)
+    path = report_path(config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        report.report_path = str(path)
+    except OSError as exc:
+        report.error(f"trainer.preflight_report: cannot write {path} ({exc})", "trainer.preflight_report")
     print(report.render(), flush=True)
-    return 0 if report.ok else 1
+    return 0 if report.passed else 1

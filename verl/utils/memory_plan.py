@@ -14,7 +14,8 @@ Two kinds of numbers, kept apart in every phase:
 - certain: parameters, gradients, optimizer states and their shards, the vLLM pool
   (gpu_memory_utilization x device memory: vLLM's own budget for weights + KV cache), the fp32
   logits of one log-prob micro-batch at the max lengths (micro x seq x vocab x 4 bytes), the HF
-  export's gathered bf16 copy; exact byte counts for the shapes the config gives.
+  export's staging (one gathered fp32 parameter at a time: the embeddings); exact byte counts for the
+  shapes the config gives.
 - estimated: activations (per-token per-layer factors, below), labelled `estimated` in each phase.
 """
 
@@ -311,11 +312,12 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         notes.append(f"vLLM weights {vllm_weights / GIB:.1f} GiB per GPU exceed its pool "
                      f"{util * device_gib:.1f} GiB: raise actor_rollout_ref.rollout.gpu_memory_utilization or "
                      "tensor_model_parallel_size")
-    # checkpoint save: the actor's sharded state onloaded, plus the HF export's full bf16 copy
-    # gathered on rank 0 when trainer.save_hf_model.
+    # checkpoint save: the actor's sharded state onloaded, plus (trainer.save_hf_model) the HF export's
+    # staging: hf_export.py gathers one full parameter at a time (`full_tensor()`, fp32) on every
+    # rank, so the largest tensor (the embeddings, vocab x hidden) is the GPU's extra.
     save = {**others("actor"), "actor params (fp32 shard)": actor_params, "actor AdamW state (shard)": actor_optim}
     if cfg.trainer.save_hf_model:
-        save["HF export staging (full bf16 copy, rank 0)"] = BF16 * p
+        save["HF export staging (largest full fp32 tensor)"] = FP32 * shape.vocab_size * shape.hidden_size
     phases.append(Phase("checkpoint_save", certain=save))
     return MemoryPlan(world=world, actor_params=p, actor_tensors=t, critic_params=cp if with_critic else None,
                       critic_tensors=ct if with_critic else None, phases=phases, notes=notes,
