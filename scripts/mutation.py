@@ -3,6 +3,8 @@
     nice -n 10 .venv/bin/python scripts/mutation.py                 # every module, smallest first
     nice -n 10 .venv/bin/python scripts/mutation.py core_algos reward  # some of them
     .venv/bin/python scripts/mutation.py --list                      # modules and their tests
+    nice -n 10 .venv/bin/python scripts/mutation.py reward --recheck tests/trainer/test_reward_edges.py
+                                                  # after a run: its survivors against new tests only
 
 Not part of CI: a full run takes about an hour of CPU on a 2-core machine. Each module runs against
 the test files that cover it (MODULES below), in its own scratch copy of the working tree
@@ -142,6 +144,35 @@ def run_module(name: str, module: Module, workdir: Path, python: str, max_childr
     return stats
 
 
+def survivors(root: Path, python: str) -> list[str]:
+    results = subprocess.run([python, "-m", "mutmut", "results"], cwd=root, capture_output=True, text=True).stdout
+    return [line.split(":")[0].strip() for line in results.splitlines() if line.strip().endswith(": survived")]
+
+
+def recheck(name: str, workdir: Path, python: str, tests: list[str]) -> dict:
+    """Run `tests` (copied from the checkout into the module's mutants/ tree) against each survivor
+    of the module's last run, one pytest per mutant (mutmut's trampolines read MUTANT_UNDER_TEST).
+    For tests written after the run: mutmut itself would re-collect and re-run the whole module."""
+    root = workdir / name
+    mutants = root / "mutants"
+    if not mutants.exists():
+        raise SystemExit(f"no mutmut run for {name} in {root}; run `scripts/mutation.py {name}` first")
+    for test in tests:
+        shutil.copy2(REPO / test, mutants / test)
+    base = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
+            "--rootdir=.", *tests]
+    env = {k: v for k, v in os.environ.items() if k != "MUTANT_UNDER_TEST"}
+    if subprocess.run(base, cwd=mutants, env=env, capture_output=True).returncode != 0:
+        raise SystemExit(f"{tests} fail without any mutant in {mutants}: fix them first")
+    killed, left = [], []
+    for mutant in survivors(root, python):
+        rc = subprocess.run(base, cwd=mutants, env={**env, "MUTANT_UNDER_TEST": mutant},
+                            capture_output=True).returncode
+        (killed if rc != 0 else left).append(mutant)
+        print(f"[mutation] {name}: {mutant}: {'killed' if rc != 0 else 'survived'}", flush=True)
+    return {"module": name, "killed_now": killed, "still_surviving": left}
+
+
 def report(stats: dict) -> str:
     total = stats.get("total", 0)
     killed = stats.get("killed", 0) + stats.get("timeout", 0)   # a timeout is a detected mutant too
@@ -162,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "search_r1_mutation")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel (default 1)")
     parser.add_argument("--list", action="store_true", help="print the modules and their tests, run nothing")
+    parser.add_argument("--recheck", nargs="+", metavar="TEST_FILE",
+                        help="re-run only the survivors of each module's last run against these (new) test files")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
@@ -173,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     python = sys.executable
     ensure_mutmut(python)
+    if args.recheck:
+        for name in names:
+            result = recheck(name, args.workdir, python, args.recheck)
+            print(f"[mutation] {name}: {len(result['killed_now'])} survivors killed by {args.recheck}, "
+                  f"{len(result['still_surviving'])} still surviving:", flush=True)
+            for mutant in result["still_surviving"]:
+                print(f"    {mutant}")
+        return 0
     summary = []
     for name in names:
         print(f"[mutation] {name}: running (log in {args.workdir / name / 'mutmut-run.log'})", flush=True)

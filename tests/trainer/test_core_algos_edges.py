@@ -3,6 +3,8 @@ passes every argument through to each estimator, its defaults and errors, and RL
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +106,27 @@ def test_grpo_epsilon_is_added_to_a_tiny_std():
     std = float(rewards.flatten().std())
     expected = [-5e-7 / (std + 1e-6), 5e-7 / (std + 1e-6)]
     assert adv.flatten().tolist() == pytest.approx(expected, rel=1e-4)
+
+
+def test_policy_loss_ratio_is_new_over_old_probability():
+    old = torch.log(torch.tensor([[0.5, 0.2]]))
+    new = torch.log(torch.tensor([[0.55, 0.2]]))              # ratios 1.1 and 1.0, both inside the clip
+    pg_loss, clipfrac, ppo_kl = core_algos.compute_policy_loss(old, new, torch.ones(1, 2), torch.ones(1, 2), 0.2)
+    assert pg_loss.item() == pytest.approx(-(1.1 + 1.0) / 2)
+    assert clipfrac.item() == 0.0
+    assert ppo_kl.item() == pytest.approx(-math.log(1.1) / 2)
+
+
+def test_value_loss_clips_a_prediction_far_below_the_old_value():
+    values, vpreds, returns = torch.tensor([[1.0]]), torch.tensor([[-3.0]]), torch.tensor([[-2.0]])
+    vf_loss, clipfrac = core_algos.compute_value_loss(vpreds, returns, values, torch.ones(1, 1), cliprange_value=0.5)
+    # clip(-3) to [0.5, 1.5] = 0.5: (0.5 + 2)^2 = 6.25 > (-3 + 2)^2 = 1 -> 0.5 * 6.25
+    assert vf_loss.item() == pytest.approx(3.125)
+    assert clipfrac.item() == 1.0
+
+
+def test_adaptive_kl_horizon_must_be_positive():
+    assert core_algos.AdaptiveKLController(init_kl_coef=0.1, target_kl=1.0, horizon=1).horizon == 1
+    with pytest.raises(ValueError) as err:
+        core_algos.AdaptiveKLController(init_kl_coef=0.1, target_kl=1.0, horizon=0)
+    assert str(err.value) == "algorithm.kl_ctrl.horizon must be > 0, got 0"
