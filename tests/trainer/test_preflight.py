@@ -169,29 +169,34 @@ def test_the_entry_point_exits_0_or_1_with_the_report_and_its_json(tmp_path: Pat
     assert report["ok"] is False and "critic.ppo_micro_batch_size" in [e["key"] for e in report["errors"]]
 
 
-def _train_ppo(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict, float]:
-    """`BASE_MODEL=example/model_configs/qwen2.5-7b N_GPUS=8 bash train_ppo.sh ... +trainer.preflight=true`
-    through the real script (no GPU here: BASE_MODEL set, so not the demo)."""
+def _launch(tmp_path: Path, script: str, model: str, *overrides: str, env: dict[str, str] | None = None
+            ) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """`BASE_MODEL=example/model_configs/<model> bash <script> ... +trainer.preflight=true` through the real
+    script (no GPU here: BASE_MODEL set, so not the demo)."""
     name = f"preflight-test-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "BASE_MODEL":
-           "example/model_configs/qwen2.5-7b", "N_GPUS": "8", "DATA_DIR": str(tmp_path / "data"),
-           "EXPERIMENT_NAME": name}
+    run_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               "BASE_MODEL": f"example/model_configs/{model}", "DATA_DIR": str(tmp_path / "data"),
+               "EXPERIMENT_NAME": name, **(env or {})}
     write_data(tmp_path / "data")
     report_file = tmp_path / "preflight.json"
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            ["bash", "train_ppo.sh", "+trainer.preflight=true", "trainer.gpu_memory_gib=80",
+            ["bash", script, "+trainer.preflight=true", "trainer.gpu_memory_gib=80",
              f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.preflight_report={report_file}",
-             # the recipe keeps 3 checkpoints of 178 GiB each (actor + critic with AdamW state): more disk
+             # the recipes keep 3 checkpoints of 100-180 GiB each (fp32 weights + AdamW state): more disk
              # than this test machine has, which preflight rightly reports; saving is not what is tested here
              "trainer.save_freq=-1", *overrides],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            cwd=REPO, env=run_env, capture_output=True, text=True, timeout=300)
     finally:
-        (REPO / f"{name}.log").unlink(missing_ok=True)     # the script tees its output into the repo root
+        (REPO / f"{name}.log").unlink(missing_ok=True)     # the scripts tee their output into the repo root
     seconds = time.monotonic() - start
     assert report_file.is_file(), proc.stdout + proc.stderr
     return proc, json.loads(report_file.read_text()), seconds
+
+
+def _train_ppo(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict, float]:
+    return _launch(tmp_path, "train_ppo.sh", "qwen2.5-7b", *overrides, env={"N_GPUS": "8"})
 
 
 def test_train_ppo_sh_with_the_7b_config_passes_preflight_without_search(tmp_path: Path) -> None:
@@ -239,3 +244,20 @@ def test_under_slurm_a_missing_index_path_of_the_jobs_own_server_is_an_error(
     assert keys(report) == ["index_file"], report.render()
     assert f"index_file={tmp_path / 'no_index'}: not found" in report.render()
     assert "retriever: started by the job after preflight" in report.render()
+
+
+# The other launch commands the docs give, with the shipped model configs (the 72B launcher's default is
+# the Instruct model: same architecture as the base config shipped).
+@pytest.mark.parametrize(("script", "model", "env"), [
+    ("train_grpo.sh", "qwen2.5-3b-instruct", {}),
+    ("example/train_grpo_2gpu.sh", "qwen2.5-3b-instruct", {}),
+    ("example/multinode/train_grpo_multinode_32b.sh", "qwen2.5-32b", {"RAY_ADDRESS": "auto"}),
+    ("example/multinode/train_ppo_multinode_32b.sh", "qwen2.5-32b", {"RAY_ADDRESS": "auto"}),
+    ("example/multinode/train_grpo_multinode_72b.sh", "qwen2.5-72b", {"RAY_ADDRESS": "auto"}),
+])
+def test_the_documented_launchers_pass_preflight_with_the_shipped_model_configs(
+        tmp_path: Path, script: str, model: str, env: dict[str, str]) -> None:
+    proc, report, _ = _launch(tmp_path, script, model, "do_search=false", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["ok"] is True and report["fits"] is True, report
+    assert report["memory_plan_gib"][report["largest_phase"]] <= 80
