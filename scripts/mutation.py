@@ -54,10 +54,11 @@ MODULES: dict[str, Module] = {
                           "tests/trainer/test_training_behaviours.py",
                           "tests/trainer/test_critic_loss_agg_mode.py")),
     "reward": Module(("verl/trainer/ppo/reward.py",),
-                     ("tests/trainer/test_reward.py", "tests/trainer/test_reward_edges.py", "tests/trainer/test_reward_search_r1_like.py",
-                      "tests/trainer/test_training_behaviours.py")),
+                     ("tests/trainer/test_reward.py", "tests/trainer/test_reward_edges.py",
+                      "tests/trainer/test_reward_search_r1_like.py", "tests/trainer/test_training_behaviours.py")),
     "dp_critic": Module(("verl/workers/critic/dp_critic.py",),
-                        ("tests/workers/test_dp_critic.py", "tests/trainer/test_critic_loss_agg_mode.py")),
+                        ("tests/workers/test_dp_critic.py", "tests/workers/test_dp_critic_edges.py",
+                         "tests/trainer/test_critic_loss_agg_mode.py")),
     "dp_actor": Module(("verl/workers/actor/dp_actor.py",),
                        ("tests/workers/test_dp_actor.py", "tests/trainer/test_training_behaviours.py")),
     "llm_agent": Module(("search_r1/llm_agent/*.py",),
@@ -149,28 +150,44 @@ def survivors(root: Path, python: str) -> list[str]:
     return [line.split(":")[0].strip() for line in results.splitlines() if line.strip().endswith(": survived")]
 
 
+# Runs in the module's mutants/ directory: one pytest.main per survivor in ONE process (mutmut's
+# trampolines read MUTANT_UNDER_TEST at every call), so imports and torch start-up are paid once.
+_RECHECK_RUNNER = """
+import json, os, sys
+import pytest
+names, args = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+os.environ.pop("MUTANT_UNDER_TEST", None)
+if pytest.main(args) != 0:
+    print("BASELINE-FAILED", flush=True)
+    sys.exit(1)
+for name in names:
+    os.environ["MUTANT_UNDER_TEST"] = name
+    rc = pytest.main(args)
+    print("RESULT", name, "killed" if rc != 0 else "survived", flush=True)
+"""
+
+
 def recheck(name: str, workdir: Path, python: str, tests: list[str]) -> dict:
     """Run `tests` (copied from the checkout into the module's mutants/ tree) against each survivor
-    of the module's last run, one pytest per mutant (mutmut's trampolines read MUTANT_UNDER_TEST).
-    For tests written after the run: mutmut itself would re-collect and re-run the whole module."""
+    of the module's last run. For tests written after the run: mutmut itself would re-collect and
+    re-run the whole module."""
     root = workdir / name
     mutants = root / "mutants"
     if not mutants.exists():
         raise SystemExit(f"no mutmut run for {name} in {root}; run `scripts/mutation.py {name}` first")
     for test in tests:
         shutil.copy2(REPO / test, mutants / test)
-    base = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-            "--rootdir=.", *tests]
-    env = {k: v for k, v in os.environ.items() if k != "MUTANT_UNDER_TEST"}
-    if subprocess.run(base, cwd=mutants, env=env, capture_output=True).returncode != 0:
+    args = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", "--rootdir=.", *tests]
+    names = survivors(root, python)
+    proc = subprocess.run([python, "-c", _RECHECK_RUNNER, json.dumps(names), json.dumps(args)], cwd=mutants,
+                          capture_output=True, text=True)
+    if "BASELINE-FAILED" in proc.stdout:
         raise SystemExit(f"{tests} fail without any mutant in {mutants}: fix them first")
-    killed, left = [], []
-    for mutant in survivors(root, python):
-        rc = subprocess.run(base, cwd=mutants, env={**env, "MUTANT_UNDER_TEST": mutant},
-                            capture_output=True).returncode
-        (killed if rc != 0 else left).append(mutant)
-        print(f"[mutation] {name}: {mutant}: {'killed' if rc != 0 else 'survived'}", flush=True)
-    return {"module": name, "killed_now": killed, "still_surviving": left}
+    verdicts = dict(line.split()[1:3] for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    if len(verdicts) != len(names):
+        raise SystemExit(f"recheck of {name} stopped early:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return {"module": name, "killed_now": [n for n in names if verdicts[n] == "killed"],
+            "still_surviving": [n for n in names if verdicts[n] == "survived"]}
 
 
 def report(stats: dict) -> str:

@@ -1,0 +1,76 @@
+"""DataParallelPPOCritic settings mutation testing found unpinned (docs/testing.md): the defaults of
+state_masking, ppo_epochs and shuffle, the per-update, per-epoch reproducible shuffle, the error text."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.workers._batches import make_ppo_batch
+from verl.utils.model import load_value_model
+from verl.workers.actor.dp_actor import shuffle_seed
+from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+torch.set_num_threads(1)
+
+
+def make_critic(model_dir: str, optimizer: bool = True, **settings) -> DataParallelPPOCritic:
+    cfg = OmegaConf.create({"ppo_mini_batch_size": 3, "ppo_micro_batch_size": 3, "cliprange_value": 0.5,
+                            "grad_clip": 1.0, **settings})   # state_masking, ppo_epochs, shuffle: defaults
+    torch.manual_seed(0)
+    module = load_value_model(model_dir)
+    return DataParallelPPOCritic(cfg, module, torch.optim.SGD(module.parameters(), lr=1e-3) if optimizer else None)
+
+
+@pytest.fixture
+def randperms(monkeypatch) -> list[list[int]]:
+    calls: list[list[int]] = []
+    real = torch.randperm
+
+    def recording(n, *args, **kwargs):
+        out = real(n, *args, **kwargs)
+        calls.append(out.tolist())
+        return out
+
+    monkeypatch.setattr(torch, "randperm", recording)
+    return calls
+
+
+def test_critic_defaults_mask_observations_one_epoch_no_shuffle(tiny_model_dir, randperms):
+    critic = make_critic(tiny_model_dir)
+    data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=6, seed=3)
+    mask = critic._loss_mask(data.batch)
+    assert torch.equal(mask, data.batch["response_mask"].float())          # state_masking defaults to true
+    assert not torch.equal(mask, data.batch["attention_mask"][:, -6:].float())
+    metrics = critic.update_critic(copy.copy(data))
+    assert len(metrics["critic/grad_norm"]) == 2                            # one epoch of 2 mini-batches
+    assert randperms == []                                                  # no shuffle unless asked
+
+
+def test_critic_shuffles_anew_every_update_and_epoch_and_reproducibly(tiny_model_dir, randperms):
+    def two_updates() -> list[list[int]]:
+        randperms.clear()
+        critic = make_critic(tiny_model_dir, shuffle=True, ppo_epochs=2, shuffle_seed=5)
+        data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=6, seed=3)
+        for _ in range(2):
+            critic.update_critic(copy.copy(data))
+        return list(randperms)
+
+    first = two_updates()
+    cfg = OmegaConf.create({"shuffle_seed": 5})
+    expected = [torch.randperm(6, generator=torch.Generator().manual_seed(shuffle_seed(cfg, call, epoch))).tolist()
+                for call in range(2) for epoch in range(2)]
+    assert first == expected                      # 2 updates x 2 epochs, seeded by (update call, epoch)
+    assert len({tuple(p) for p in expected}) == 4
+    assert two_updates() == first
+
+
+def test_update_without_optimizer_says_so(tiny_model_dir):
+    critic = make_critic(tiny_model_dir, optimizer=False)
+    data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=3, seed=3)
+    with pytest.raises(RuntimeError) as err:
+        critic.update_critic(data)
+    assert str(err.value) == "update_critic needs an optimizer"
