@@ -96,3 +96,15 @@ def test_reward_managers_read_num_examine_and_score_with_the_tokenizer(tok):
     assert train.num_examine == 0 and val.num_examine == 0
     data = _batch(tok, [_row(tok, SEARCH_THEN_ANSWER)], ["nq"], [["Beijing"]])
     assert train(data).sum().item() == 1.0 and val(data).sum().item() == 1.0
+
+
+def test_reward_metrics_and_examples_are_counted(tok, capsys):
+    manager = RewardManager(tok, num_examine=2)
+    assert manager.last_metrics == {}
+    no_policy = _row(tok, [("\n\n<information>Doc 1 Beijing</information>\n\n", False)], eos=False)
+    answered = _row(tok, SEARCH_THEN_ANSWER)
+    data = _batch(tok, [no_policy, no_policy, answered], ["nq"] * 3, [["Beijing"]] * 3)
+    manager(data)
+    assert manager.last_metrics["reward/rows_without_policy_token"] == 2.0
+    assert manager.last_metrics["reward/mean_score"] == pytest.approx(1 / 3)
+    assert capsys.readouterr().out.count("[reward nq]") == 2      # num_examine examples per source, not more
