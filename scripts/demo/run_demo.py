@@ -126,6 +126,7 @@ TOOL_RL_OVERRIDES = (
     "data.max_prompt_length=640",       # the initial prompt: tool schema, veRL's user prefix, the question
     "data.max_response_length=512",     # all turns and tool messages of a row together (veRL's meaning)
     "data.max_obs_length=192",          # one tool message with its framing (two passages: ~125 tokens)
+    "actor_rollout_ref.actor.optim.lr=2e-4",
 )
 TOOL_CONFIG_FILE = "search_tool_config.yaml"   # under demo.output_dir
 
@@ -137,8 +138,10 @@ PPO_STEP_TIME_FACTOR = 1.4
 SECONDS_PER_VALIDATION = 8.0
 SECONDS_START = 45.0          # world, index, retrieval server, Ray and workers, final save and plot
 SECONDS_PER_SFT_STEP = 1.0    # only when the warm start is (re)built here
-TOOL_SECONDS_PER_RL_STEP = 30.0   # demo.protocol=tool (longer prompts and turns)
-TOOL_SECONDS_PER_VALIDATION = 8.0
+# demo.protocol=tool (prompts of ~513 tokens, calls of ~73): 70-130 s/step and 44-114 s a
+# validation were measured at load 5-28 on 2 cores, not idle; these are guesses for idle.
+TOOL_SECONDS_PER_RL_STEP = 60.0
+TOOL_SECONDS_PER_VALIDATION = 30.0
 
 
 @dataclass
