@@ -248,3 +248,12 @@ def test_the_demo_shows_the_model_the_recipes_search_tool() -> None:
     assert recipe.schemas == [td.SEARCH_TOOL_SCHEMA]
     demo = tools.parse_tool_config(td.tool_config("http://127.0.0.1:1/retrieve", 2))
     assert demo.schemas == recipe.schemas and demo.search["topk"] == 2
+
+
+def test_the_start_line_names_the_tool_warmstart_and_protocol() -> None:
+    from scripts.demo.run_demo import start_line
+
+    line = start_line(split_args(["demo.protocol=tool"])[0], 12, 4, 180)
+    assert "shipped warm start (example/demo_warmstart_tool, 100 SFT steps)" in line
+    assert "12 GRPO steps with search (tool calls)" in line
+    assert "(tool calls)" not in start_line(split_args([])[0], 12, 4, 180)
