@@ -74,3 +74,29 @@ def test_update_without_optimizer_says_so(tiny_model_dir):
     with pytest.raises(RuntimeError) as err:
         critic.update_critic(data)
     assert str(err.value) == "update_critic needs an optimizer"
+
+
+def test_critic_reads_packing_and_dynamic_batching_from_its_config(tiny_model_dir):
+    assert make_critic(tiny_model_dir).use_remove_padding is False
+    assert make_critic(tiny_model_dir, model={"use_remove_padding": True}).use_remove_padding is True
+    data = make_ppo_batch(load_value_model(tiny_model_dir).config.vocab_size, batch_size=6, seed=3)
+    fixed = make_critic(tiny_model_dir).update_critic(copy.copy(data))
+    dynamic = make_critic(tiny_model_dir, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=14).update_critic(
+        copy.copy(data))
+    assert len(fixed["critic/vf_loss"]) == 2                   # one micro-batch of 3 rows per mini-batch
+    assert len(dynamic["critic/vf_loss"]) > 2                  # <= 14 tokens per micro-batch: more of them
+
+
+def test_critic_metrics_grad_clip_and_nonfinite_count(tiny_model_dir):
+    data = make_ppo_batch(load_value_model(tiny_model_dir).config.vocab_size, batch_size=6, seed=3)
+    critic = make_critic(tiny_model_dir, grad_clip=1e-3)
+    before = [p.detach().clone() for p in critic.critic_module.parameters()]
+    metrics = critic.update_critic(copy.copy(data))
+    for key in ("critic/vf_clipfrac", "critic/vpred_mean"):
+        assert len(metrics[key]) == 2 and all(isinstance(v, float) for v in metrics[key]), key
+    assert all(norm > 1e-3 for norm in metrics["critic/grad_norm"])      # the norm before clipping
+    step = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(critic.critic_module.parameters(), before)))
+    assert float(step) <= 2 * 1e-3 * 1e-3 * 1.01                         # lr x clip per step, 2 steps
+    poisoned = copy.copy(data)
+    poisoned.batch["returns"] = torch.full_like(data.batch["returns"], float("nan"))
+    assert make_critic(tiny_model_dir).update_critic(poisoned)["critic/grad_nonfinite"] == [2.0]
