@@ -55,16 +55,16 @@ def test_critic_shuffles_anew_every_update_and_epoch_and_reproducibly(tiny_model
         randperms.clear()
         critic = make_critic(tiny_model_dir, shuffle=True, ppo_epochs=2, shuffle_seed=5)
         data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=6, seed=3)
-        for _ in range(2):
+        for _ in range(3):
             critic.update_critic(copy.copy(data))
         return list(randperms)
 
     first = two_updates()
     cfg = OmegaConf.create({"shuffle_seed": 5})
     expected = [torch.randperm(6, generator=torch.Generator().manual_seed(shuffle_seed(cfg, call, epoch))).tolist()
-                for call in range(2) for epoch in range(2)]
-    assert first == expected                      # 2 updates x 2 epochs, seeded by (update call, epoch)
-    assert len({tuple(p) for p in expected}) == 4
+                for call in range(3) for epoch in range(2)]
+    assert first == expected                      # 3 updates x 2 epochs, seeded by (update call, epoch)
+    assert len({tuple(p) for p in expected}) == 6
     assert two_updates() == first
 
 
@@ -100,3 +100,21 @@ def test_critic_metrics_grad_clip_and_nonfinite_count(tiny_model_dir):
     poisoned = copy.copy(data)
     poisoned.batch["returns"] = torch.full_like(data.batch["returns"], float("nan"))
     assert make_critic(tiny_model_dir).update_critic(poisoned)["critic/grad_nonfinite"] == [2.0]
+
+
+def test_padded_values_equal_each_row_run_alone_without_padding(tiny_model_dir):
+    critic = make_critic(tiny_model_dir)
+    data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=4, seed=9)
+    data.meta_info["micro_batch_size"] = 4
+    values = critic.compute_values(copy.copy(data))
+    b = data.batch
+    response_length = b["responses"].shape[1]
+    for row in range(4):
+        real = b["attention_mask"][row].bool()
+        ids = b["input_ids"][row][real][None]
+        with torch.no_grad():
+            alone = critic.critic_module(input_ids=ids).logits.squeeze(-1)[0]
+        n_resp = int(b["attention_mask"][row, -response_length:].sum())
+        # Response token j is valued at the position before it.
+        expected = alone[-n_resp - 1:-1]
+        torch.testing.assert_close(values[row, :n_resp], expected, rtol=1e-4, atol=1e-5)
