@@ -15,7 +15,7 @@ group-normalised EM reward to teach "always search".
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS, Question, World, all_questions
@@ -95,8 +95,11 @@ def make_demonstrations(
     seed: int,
     guess_share: Mapping[str, float] = DEFAULT_GUESS_SHARE,
     kind_weights: Mapping[str, float] = DEFAULT_KIND_WEIGHTS,
+    searched: Callable[[Question, WorldSearch, int], list[Turn]] = searched_trajectory,
+    guessed: Callable[[Question, World, random.Random], list[Turn]] = guessed_trajectory,
 ) -> list[tuple[Question, list[Turn]]]:
-    """`n_total` (question, trajectory) pairs drawn over `worlds` and kinds."""
+    """`n_total` (question, trajectory) pairs drawn over `worlds` and kinds; `searched` / `guessed`
+    write a trajectory in one protocol (default: the tag protocol), the draws are the same for all."""
     rng = random.Random(seed)
     kinds = list(ONE_HOP_KINDS + TWO_HOP_KINDS)
     weights = [kind_weights[k] for k in kinds]
@@ -109,8 +112,8 @@ def make_demonstrations(
             kind = rng.choices(kinds, weights=weights)[0]
             question = rng.choice(by_kind[kind])
             if rng.random() < guess_share[kind]:
-                demos.append((question, guessed_trajectory(question, world, rng)))
+                demos.append((question, guessed(question, world, rng)))
             else:
-                demos.append((question, searched_trajectory(question, search, topk)))
+                demos.append((question, searched(question, search, topk)))
     rng.shuffle(demos)
     return demos[:n_total]

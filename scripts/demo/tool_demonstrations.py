@@ -29,8 +29,9 @@ from scripts.demo.demonstrations import (
     DEFAULT_KIND_WEIGHTS,
     Turn,
     WorldSearch,
+    make_demonstrations,
 )
-from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS, Question, World, all_questions
+from scripts.demo.world import Question, World
 from search_r1.llm_agent import tools
 
 # Qwen2.5's layout, shorter: a system turn listing the tools (after the system message, if
@@ -184,23 +185,10 @@ def make_tool_demonstrations(
 ) -> list[tuple[Question, list[Turn]]]:
     """`n_total` (question, trajectory) pairs in the tool protocol, drawn as the tag demo draws
     them (same kinds, weights and guess shares: the gap RL closes)."""
-    rng = random.Random(seed)
-    kinds = list(ONE_HOP_KINDS + TWO_HOP_KINDS)
-    weights = [kind_weights[k] for k in kinds]
-    per_world = -(-n_total // len(worlds))
-    demos: list[tuple[Question, list[Turn]]] = []
-    for world in worlds:
-        search = WorldSearch(world.passages())
-        by_kind = {k: all_questions(world, [k]) for k in kinds}
-        for _ in range(per_world):
-            kind = rng.choices(kinds, weights=weights)[0]
-            question = rng.choice(by_kind[kind])
-            if rng.random() < guess_share[kind]:
-                demos.append((question, guessed_trajectory(question, world, rng)))
-            else:
-                demos.append((question, searched_trajectory(question, search, topk, framing)))
-    rng.shuffle(demos)
-    return demos[:n_total]
+    return make_demonstrations(
+        worlds, n_total, topk, seed, guess_share, kind_weights,
+        searched=lambda question, search, k: searched_trajectory(question, search, k, framing),
+        guessed=guessed_trajectory)
 
 
 def framing_for(tokenizer: Any) -> tools.ChatFraming:
