@@ -141,9 +141,11 @@ def test_sbatch_train_grpo_runs_a_step_with_its_own_ray_and_retrieval_server(
 
 def test_a_job_failing_midway_leaves_no_ray_or_server_process(
         slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
-    # Ray and the retrieval server are up by the time the driver reads the (missing) training data.
-    rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path,
+    # Preflight would catch the missing training data before anything starts (the next test's case);
+    # with it off (PREFLIGHT=0), Ray and the retrieval server are up by the time the driver reads it.
+    rc, job_id, log = _sbatch(dict(slurm_env, PREFLIGHT="0"), search_world, tiny_index, tmp_path,
                               [f"data.train_files={tmp_path / 'missing.parquet'}"])
+    assert "preflight: " not in log, log[-4000:]
     assert rc != 0, log[-4000:]
     assert "Ray cluster up: 1 node(s) joined" in log and "retrieval server up on" in log, log[-4000:]
     assert "missing.parquet" in log
