@@ -114,6 +114,34 @@ def test_a_retriever_url_that_does_not_answer_is_an_error_naming_retriever_url(d
     assert f"retriever.url={url} did not answer" in report.render()
 
 
+@pytest.mark.parametrize("where", ["this machine", "planned elsewhere", "the slurm job"])
+def test_checkpoints_that_do_not_fit_the_disk_fail_where_the_run_writes_them(
+        data: list[str], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    import shutil
+
+    from verl.trainer import preflight
+    from verl.utils import device
+
+    monkeypatch.setattr(device, "is_cuda_available", lambda: False)
+    monkeypatch.setattr(preflight.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(100 * 2 ** 30, 99 * 2 ** 30, 2 ** 30))  # 1 GiB free
+    overrides = [*SMALL, *data, "trainer.save_freq=10", "trainer.max_ckpt_to_keep=2"]
+    if where != "this machine":     # a GPU run's memory verdict asked for: this CPU machine only plans it
+        overrides.append("trainer.gpu_memory_gib=200")   # 7B on 2 GPUs without offload fits 200 GiB
+    if where == "the slurm job":
+        monkeypatch.setenv(preflight.JOB_RETRIEVER_ENV, "job")
+    report = run_preflight(compose_config(overrides), has_gpu=where != "this machine")
+    assert "2 x " in report.render() and "GiB free" in report.render()
+    if where == "planned elsewhere":
+        assert report.errors == [] and report.passed, report.render()
+        assert [w["key"] for w in report.warnings] == ["trainer.max_ckpt_to_keep"]
+        assert "not where this GPU run writes them" in report.render()
+        assert report.to_json()["warnings"] == report.warnings
+    else:
+        assert keys(report) == ["trainer.max_ckpt_to_keep"] and not report.passed, report.render()
+        assert report.warnings == []
+
+
 def test_72b_on_one_80gb_gpu_without_offload_does_not_fit(data: list[str]) -> None:
     big = str(CONFIGS / "qwen2.5-72b")
     report = run_preflight(compose_config([
@@ -184,9 +212,7 @@ def _launch(tmp_path: Path, script: str, model: str, *overrides: str, env: dict[
         proc = subprocess.run(
             ["bash", script, "+trainer.preflight=true", "trainer.gpu_memory_gib=80",
              f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.preflight_report={report_file}",
-             # the recipes keep 3 checkpoints of 100-180 GiB each (fp32 weights + AdamW state): more disk
-             # than this test machine has, which preflight rightly reports; saving is not what is tested here
-             "trainer.save_freq=-1", *overrides],
+             *overrides],
             cwd=REPO, env=run_env, capture_output=True, text=True, timeout=300)
     finally:
         (REPO / f"{name}.log").unlink(missing_ok=True)     # the scripts tee their output into the repo root
@@ -205,6 +231,9 @@ def test_train_ppo_sh_with_the_7b_config_passes_preflight_without_search(tmp_pat
     assert "run_demo" not in proc.stdout and "preflight OK" in proc.stdout
     assert set(report) >= {"ok", "fits", "world_size", "errors", "memory_plan_gib", "largest_phase"}
     assert report["ok"] is True and report["fits"] is True and report["world_size"] == 8 and report["errors"] == []
+    # 3 checkpoints of 178 GiB: planned from this GPU-less machine, its disk is not the run's (a
+    # warning when it is too small, never the exit status)
+    assert "checkpoints: " in proc.stdout and "3 x 178.3 GiB = 535.0 GiB needed" in proc.stdout
     # PPO: in-reward KL (use_kl_in_reward null with gae) needs the reference policy
     assert set(report["memory_plan_gib"]) == {"actor_update", "actor_log_prob", "reference_log_prob", "critic_update", "rollout",
                                               "checkpoint_save"}

@@ -57,6 +57,7 @@ class PreflightReport:
 
     lines: list[str] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
+    warnings: list[dict[str, str]] = field(default_factory=list)   # {key, message}: shown, exit status unchanged
     world_size: int = 0
     fits: bool | None = None
     fit_message: str = ""
@@ -67,6 +68,9 @@ class PreflightReport:
 
     def error(self, message: str, key: str | None = None) -> None:
         self.errors.append({"key": key if key is not None else key_of(message), "message": message})
+
+    def warn(self, message: str, key: str | None = None) -> None:
+        self.warnings.append({"key": key if key is not None else key_of(message), "message": message})
 
     @property
     def ok(self) -> bool:
@@ -79,7 +83,7 @@ class PreflightReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "fits": self.fits, "fit_message": self.fit_message, "world_size": self.world_size,
-                "errors": self.errors, "memory_plan_gib": self.memory_plan_gib, "largest_phase": self.largest_phase,
+                "errors": self.errors, "warnings": self.warnings, "memory_plan_gib": self.memory_plan_gib, "largest_phase": self.largest_phase,
                 "lines": self.lines}
 
     def render(self) -> str:
@@ -88,6 +92,7 @@ class PreflightReport:
         lines = [head, *(f"  {line}" for line in self.lines), f"  memory: {fit}: {self.fit_message}"]
         if self.report_path:
             lines.append(f"  report: {self.report_path}")
+        lines.extend(f"  warning: {w['message']}" for w in self.warnings)
         if self.passed:
             lines.append("preflight OK")
         else:
@@ -290,8 +295,21 @@ def device_memory_gib(cfg: DictConfig) -> tuple[float | None, str]:
     return None, ""
 
 
+def planned_elsewhere(cfg: DictConfig) -> bool:
+    """Whether this check plans a GPU run on other machines: this one has no GPU, and the config says
+    the workers will (`trainer.device=cuda`, or `trainer.gpu_memory_gib` given for the fits verdict).
+    Outside the launcher's own job (ray_on_slurm.sh runs preflight on the job's first node)."""
+    from verl.utils.device import is_cuda_available
+
+    if os.environ.get(JOB_RETRIEVER_ENV) == "job" or is_cuda_available():
+        return False
+    return cfg.trainer.device == "cuda" or OmegaConf.select(cfg, "trainer.gpu_memory_gib", default=None) is not None
+
+
 def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> None:
-    """The per-GPU plan against the GPU's memory (`fits`); the checkpoint folder and its disk."""
+    """The per-GPU plan against the GPU's memory (`fits`); the checkpoint folder and its disk (an
+    error where the run writes its checkpoints, a warning when planning a GPU run from a machine
+    without GPUs: its disk is not the run's)."""
     from verl.utils.memory_plan import GIB, plan_memory
 
     ckpt_dir = Path(str(cfg.trainer.default_local_dir))
@@ -346,9 +364,15 @@ def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> None:
         report.lines.append(f"checkpoints: {ckpt_dir}: {cfg.trainer.max_ckpt_to_keep} x {each / GIB:.1f} GiB = "
                             f"{need / GIB:.1f} GiB needed, {free / GIB:.1f} GiB free")
         if need > free:
-            report.error(f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep} checkpoints of {each / GIB:.1f} GiB "
-                         f"need {need / GIB:.1f} GiB but {parent} has {free / GIB:.1f} GiB free: lower it or point "
-                         "trainer.default_local_dir at a bigger disk", "trainer.max_ckpt_to_keep")
+            message = (f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep} checkpoints of {each / GIB:.1f} GiB "
+                       f"need {need / GIB:.1f} GiB but {parent} has {free / GIB:.1f} GiB free")
+            if planned_elsewhere(cfg):
+                report.warn(f"{message} on this machine, which has no GPU and so is not where this GPU run writes "
+                            f"them: give trainer.default_local_dir {need / GIB:.0f} GiB on the run's disk",
+                            "trainer.max_ckpt_to_keep")
+            else:
+                report.error(f"{message}: lower it or point trainer.default_local_dir at a bigger disk",
+                             "trainer.max_ckpt_to_keep")
 
 
 def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightReport:
