@@ -113,23 +113,19 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     common = dict(
         max_turns=int(config.max_turns), max_obs_length=int(data.max_obs_length), num_gpus=world_size,
         no_think_rl=bool(config.algorithm.no_think_rl), retrieval_max_retries=int(config.retriever.max_retries),
+        topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
         mode=str(rollout.get("mode", "sync")))
     if not config_check.tool_protocol(config):
         return GenerationConfig(
             max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),
             max_response_length=int(data.max_response_length), search_url=config.retriever.url,
-            topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
             stop=tuple(rollout.stop), **common)
     multi_turn = rollout.multi_turn
-    tools = config_check.load_tool_config(config)
-    search = tools.search or {}
     prompt, budget = int(data.max_prompt_length), int(data.max_response_length)
+    # The search tool's url, topk and timeout replace retriever.*'s in GenerationConfig.__post_init__.
     return GenerationConfig(
         max_start_length=prompt, max_prompt_length=prompt + budget, max_response_length=budget,
-        max_total_response_length=budget, search_url=search.get("retrieval_service_url"),
-        topk=int(search.get("topk", config.retriever.topk)),
-        retrieval_timeout=float(search.get("timeout", config.retriever.timeout)),
-        protocol="tool", tool_config=tools.to_dict(),
+        max_total_response_length=budget, protocol="tool", tool_config=config_check.load_tool_config(config).to_dict(),
         max_assistant_turns=multi_turn.max_assistant_turns, max_user_turns=multi_turn.max_user_turns,
         max_parallel_calls=int(multi_turn.max_parallel_calls),
         max_tool_response_length=multi_turn.max_tool_response_length,
