@@ -82,7 +82,7 @@ class DemoSettings:
     # determine) on tool-call demonstrations, with the same tokenizer and a tool chat template.
     protocol: str = "tags"            # tags | tool
     tool_n_demos: int = 1600
-    tool_sft_steps: tuple[int, ...] = (100,)
+    tool_sft_steps: tuple[int, ...] = (200,)
     tool_sft_lr: float = 2e-3
     tool_sft_batch_size: int = 16
     tool_warmstart_dir: str = "example/demo_warmstart_tool"

@@ -134,10 +134,20 @@ def render_prompt(tokenizer: Any, question: str) -> str:
                                          add_generation_prompt=True)
 
 
-def search_call(query: str) -> str:
-    """A policy turn that calls the search tool; it ends where the engine stops (`</tool_call>`)."""
-    call = json.dumps({"name": "search", "arguments": {"query_list": [query]}}, ensure_ascii=False)
-    return f"<think> I need to search {query}. </think>\n{tools.TOOL_CALL_OPEN}\n{call}\n{tools.TOOL_CALL_CLOSE}"
+def tool_query(hop: str) -> str:
+    """The query a demonstration sends for the entity `hop`: "about <hop>".
+
+    The leading word keeps the name's tokenization: byte-level BPE splits `"Eldriqui` into `"`,
+    `El`, `dri`, … but ` Eldriqui` (after a space, as in the question and in the passages) into
+    `ĠEl`, `dri`, …, so after "about " the model copies the pieces it read, the skill the tag warm
+    start already has. "about" is an English stop word, so BM25 finds what the bare name finds."""
+    return f"about {hop}"
+
+
+def search_call(hop: str) -> str:
+    """A policy turn that calls the search tool for `hop`; it ends where the engine stops (`</tool_call>`)."""
+    call = json.dumps({"name": "search", "arguments": {"query_list": [tool_query(hop)]}}, ensure_ascii=False)
+    return f"<think> I need to search {hop}. </think>\n{tools.TOOL_CALL_OPEN}\n{call}\n{tools.TOOL_CALL_CLOSE}"
 
 
 def answer_text(answer: str, searched: bool) -> str:
@@ -160,10 +170,10 @@ def tool_response(hits: Sequence) -> str:
 
 def searched_trajectory(question: Question, search: WorldSearch, topk: int, framing: tools.ChatFraming) -> list[Turn]:
     turns = []
-    for query in question.hops:
-        turns.append(Turn("policy", search_call(query)))
+    for hop in question.hops:
+        turns.append(Turn("policy", search_call(hop)))
         # The engine stopped at </tool_call>, so the turn did not end with EOS.
-        turns.append(Turn("observation", framing.observation([tool_response(search.search([query], topk)[0])],
+        turns.append(Turn("observation", framing.observation([tool_response(search.search([tool_query(hop)], topk)[0])],
                                                              ended_with_eos=False)))
     turns.append(Turn("policy", answer_text(question.answer, searched=True)))
     return turns

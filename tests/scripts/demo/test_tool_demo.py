@@ -88,6 +88,33 @@ def test_a_demonstration_is_the_conversation_the_chat_template_renders(tool_toke
     assert json.loads(messages[3]["content"])["result"].startswith(f'Doc 1 (Title: "{question.hops[0]}")')
 
 
+def test_a_demonstrations_query_spells_each_name_in_the_pieces_the_model_read(tool_tokenizer) -> None:
+    """Byte-level BPE gives a name right after `"` other pieces than after a space; the query
+    ("about <name>") keeps the pieces of the question (hop 1) and of the passage (hop 2), so the
+    model copies what it read. The bare name inside the JSON string would not."""
+    tok = tool_tokenizer
+    world = make_world(101)
+    search = WorldSearch(world.passages())
+    framing = td.framing_for(tok)
+
+    def pieces(text: str) -> list[str]:
+        return tok.convert_ids_to_tokens(tok(text, add_special_tokens=False)["input_ids"])
+
+    def contains(seq: list[str], sub: list[str]) -> bool:
+        return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+    for kind in ("birth_country", "employer_founder", "country", "founder"):
+        question = all_questions(world, [kind])[0]
+        turns = td.searched_trajectory(question, search, 2, framing)
+        calls = [t.text for t in turns if t.role == "policy"][:-1]
+        read = [td.user_content(question.text), turns[1].text]   # the prompt, then the first answer
+        for hop, call, source in zip(question.hops, calls, read, strict=False):
+            name = pieces(f" {hop}")
+            assert contains(pieces(source), name), (hop, source)
+            assert contains(pieces(call.split("<tool_call>", 1)[1]), name), (hop, call)
+            assert not contains(pieces(json.dumps({"query_list": [hop]})), name), hop   # why the prefix
+
+
 def test_tool_demonstrations_are_token_for_token_what_a_rollout_builds(tool_tokenizer, tmp_path: Path) -> None:
     """The rollout (the generation manager in tool mode, a real retrieval server over the same
     world) fed the demonstrations' policy tokens builds exactly the SFT row's ids, and its loss
@@ -254,6 +281,6 @@ def test_the_start_line_names_the_tool_warmstart_and_protocol() -> None:
     from scripts.demo.run_demo import start_line
 
     line = start_line(split_args(["demo.protocol=tool"])[0], 12, 4, 180)
-    assert "shipped warm start (example/demo_warmstart_tool, 100 SFT steps)" in line
+    assert "shipped warm start (example/demo_warmstart_tool, 200 SFT steps)" in line
     assert "12 GRPO steps with search (tool calls)" in line
     assert "(tool calls)" not in start_line(split_args([])[0], 12, 4, 180)
