@@ -195,6 +195,22 @@ def test_protocol_tool_composes_the_recipes_trainer_keys_and_its_own_folders() -
         split_args(["demo.protocol=xml"])
 
 
+def test_train_grpo_sh_with_protocol_tool_runs_the_full_size_tool_demo(tmp_path: Path) -> None:
+    """README's `bash train_grpo.sh demo.protocol=tool` on a machine with no GPU: the demo, at the
+    size docs/demo.md measures (12 GRPO steps, 32 prompts x 5, 180 validation questions), from the
+    shipped tool warm start."""
+    from tests.scripts.demo.test_ppo_demo import composed, demo_argv
+
+    argv = demo_argv("train_grpo.sh", tmp_path, "demo.protocol=tool")
+    algorithm, cfg = composed(argv)
+    settings, _ = split_args([a for a in argv if a.startswith("demo.")])
+    assert algorithm == "grpo" and settings.protocol == "tool"
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable is True
+    assert cfg.trainer.total_training_steps == 12
+    assert cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n_agent == 160
+    assert resolve_warmstart(settings) == SHIPPED_TOOL and settings.tool_sft_steps == (200,)
+
+
 def test_tool_questions_are_verl_preprocess_rows_scored_by_search_r1_like(tmp_path: Path) -> None:
     from verl.utils.reward_score import get_scorer
 
