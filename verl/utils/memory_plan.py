@@ -36,6 +36,8 @@ ADAM_STATES_PER_PARAM, ADAM_STEP_BYTES = 2, 4
 # MLP's (~4 intermediate), times 2 bytes; with checkpointing only each layer's input (h x 2 bytes)
 # is kept, plus one layer's full set during its recompute.
 ACT_FACTOR_H, ACT_FACTOR_I = 10, 4
+# vLLM pads the vocabulary of its embeddings and LM head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE).
+VLLM_VOCAB_PADDING = 64
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,14 @@ class ModelShape:
         if not self.tie_word_embeddings:
             params, tensors = params + self.vocab_size * self.hidden_size, tensors + 1
         return params, tensors
+
+    def vllm_params(self) -> int:
+        """Parameters a vLLM engine holds for the policy (tests/utils/test_memory_plan_vllm.py): the causal
+        LM's, fused (qkv_proj, gate_up_proj: the same elements; a tied head held once), but the embeddings
+        and an untied head have the vocabulary padded to a multiple of VLLM_VOCAB_PADDING rows."""
+        padded = -(-self.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.causal_lm()[0] + heads * (padded - self.vocab_size) * self.hidden_size
 
     def value_model(self) -> tuple[int, int]:
         """(parameters, tensors) of the critic (XForTokenClassification: backbone + Linear(h, 1) with bias)."""
@@ -299,7 +309,9 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     # (free_cache_engine) runs after the training allocator's cache is emptied, so the same sum.
     tp = int(arr.rollout.tensor_model_parallel_size)
     util = float(arr.rollout.gpu_memory_utilization)
-    vllm_weights = _shard(BF16 * p, tp)
+    # The engine's parameters in bf16 (vocabulary padded; exact at TP=1). Not counted: its buffers (the rotary
+    # table, max_position_embeddings x head_dim in bf16, and 4 fp32 attention scales per layer).
+    vllm_weights = _shard(BF16 * shape.vllm_params(), tp)
     rollout_certain = dict(resident)
     if device_gib:
         rollout_certain[f"vLLM pool (gpu_memory_utilization={util:g} x {device_gib:g} GiB)"] = int(util * device_gib * GIB)
