@@ -12,7 +12,8 @@ would compose it. Every check runs and every failure is collected (each `{key, m
   tokenizer is on this machine) how many prompts exceed the prompt bound;
 - the retriever with `do_search`: `/health` within a few seconds, what it serves, one query's
   latency (a URL that does not answer is an error); under ray_on_slurm.sh, which starts its own
-  server after this check (SEARCH_R1_PREFLIGHT_RETRIEVER=job), the index / corpus paths instead;
+  server after this check (SEARCH_R1_PREFLIGHT_RETRIEVER=job), the index / corpus paths instead, and
+  FAISS with GPU support when that server searches a dense index on GPU (`faiss_device`);
 - the checkpoint folder writable, with disk for `trainer.max_ckpt_to_keep` checkpoints;
 - a per-GPU memory plan per phase (verl/utils/memory_plan.py) against `trainer.gpu_memory_gib`
   (null: this machine's GPU memory; required on a GPU run when this machine has none).
@@ -30,6 +31,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,8 @@ from verl.trainer import config_check as cc
 
 RETRIEVER_PROBE_S = 5.0      # bounded wait for /health here (the run itself waits retriever.health_wait_s)
 JOB_RETRIEVER_ENV = "SEARCH_R1_PREFLIGHT_RETRIEVER"   # "job": the launcher starts the server after preflight
+# The launcher's retriever variables (example/retriever/_common.sh): any set means its own index, not the example.
+RETRIEVER_VARS = ("file_path", "index_file", "corpus_file", "retriever_name", "retriever_path")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
 _KEY = re.compile(r"[A-Za-z_][\w]*(?:\.[\w]+)+")
 
@@ -235,6 +239,7 @@ def check_retriever(cfg: DictConfig, report: PreflightReport) -> None:
                     found.append(f"{var}={value} ({_size(Path(value))})")
         report.lines.append("retriever: started by the job after preflight (retrieval_launch.sh); "
                             + (", ".join(found) if found else "the example corpus or its own defaults"))
+        check_job_faiss(report)
         return
     import requests
 
@@ -267,6 +272,52 @@ def check_retriever(cfg: DictConfig, report: PreflightReport) -> None:
     report.error(f"do_search=true but the retrieval server at {setting}={url} did not answer GET {client.health_url} "
                  f"within {RETRIEVER_PROBE_S:g} s ({last[:200]}): start it (bash retrieval_launch.sh) or fix {where}",
                  "retriever.url" if setting == "retriever.url" else where)
+
+
+def job_server_is_dense(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the job's retrieval server (retrieval_launch.sh) will search a dense FAISS index: as the
+    launcher decides, a retriever variable set (example/retriever/_common.sh `retriever_vars_set`; none:
+    the example BM25 index) and retriever_name, default e5, not bm25. The trainer never imports FAISS."""
+    if not any(env.get(var) for var in RETRIEVER_VARS):
+        return False
+    return (env.get("retriever_name") or "e5") != "bm25"
+
+
+def check_job_faiss(report: PreflightReport) -> None:
+    """The job's dense server searches on GPU when `faiss_device` is gpu, or auto on a GPU host: then FAISS
+    must import with GPU support (`StandardGpuResources`, GPUs seen by `faiss.get_num_gpus()`), or
+    retrieval_launch.sh would stop after the cluster started. The decision is the launcher's own
+    (search_r1/search/faiss_device.py)."""
+    if not job_server_is_dense():
+        return
+    from search_r1.search import faiss_device as fd
+
+    requested = os.environ.get("faiss_device") or "auto"
+    if requested not in fd.FAISS_DEVICES:
+        report.error(f"faiss_device={requested!r}: must be one of {', '.join(fd.FAISS_DEVICES)} (the job's dense "
+                     "retrieval server, retrieval_launch.sh, would stop)", "faiss_device")
+        return
+    wants_gpu = requested == "gpu" or (requested == "auto" and fd.is_gpu_host())
+    try:
+        import faiss
+    except ImportError as err:
+        hint = fd.INSTALL_HINT if wants_gpu else "pip install faiss-cpu"
+        report.error(f"faiss_device={requested}: the job's dense retrieval server (retrieval_launch.sh, "
+                     f"retriever_name={os.environ.get('retriever_name') or 'e5'}) needs FAISS, which does not "
+                     f"import ({err}); {hint}", "faiss_device")
+        return
+    if not wants_gpu:
+        return
+    gpus = int(getattr(faiss, "get_num_gpus", lambda: 0)()) if hasattr(faiss, "StandardGpuResources") else 0
+    if gpus > 0:
+        report.lines.append(f"retriever: FAISS searches the dense index on GPU (faiss_device={requested}, "
+                            f"{gpus} GPU(s) seen by FAISS)")
+        return
+    why = ("the installed FAISS is the CPU-only build" if not hasattr(faiss, "StandardGpuResources")
+           else "the installed FAISS sees no GPU (faiss.get_num_gpus() = 0)")
+    where = "faiss_device=gpu" if requested == "gpu" else "faiss_device=auto on this GPU host"
+    report.error(f"{where}: the job's dense retrieval server (retrieval_launch.sh) searches the index with FAISS "
+                 f"on GPU, but {why}; {fd.INSTALL_HINT}, or set faiss_device=cpu to search on CPU", "faiss_device")
 
 
 def _size(path: Path) -> str:
