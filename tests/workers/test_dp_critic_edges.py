@@ -1,5 +1,6 @@
-"""DataParallelPPOCritic settings mutation testing found unpinned (docs/testing.md): the defaults of
-state_masking, ppo_epochs and shuffle, the per-update, per-epoch reproducible shuffle, the error text."""
+"""DataParallelPPOCritic behaviour mutation testing found unpinned (docs/testing.md): the defaults of
+state_masking, ppo_epochs and shuffle, the per-update, per-epoch reproducible shuffle, the error text,
+the packing check, and the padded forward's attention_mask and position_ids."""
 
 from __future__ import annotations
 
@@ -118,3 +119,100 @@ def test_padded_values_equal_each_row_run_alone_without_padding(tiny_model_dir):
         # Response token j is valued at the position before it.
         expected = alone[-n_resp - 1:-1]
         torch.testing.assert_close(values[row, :n_resp], expected, rtol=1e-4, atol=1e-5)
+
+
+class _IgnoresPositions(torch.nn.Module):
+    """A value model that reads no sequence boundaries from position_ids: packed, every token
+    attends to every earlier one, whichever sequence it belongs to."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False):
+        return self.inner(input_ids=input_ids, use_cache=False)   # a plain causal mask over the whole pack
+
+
+def test_packing_critic_refuses_a_model_that_mixes_packed_sequences_and_accepts_one_that_does_not(tiny_model_dir):
+    data = make_ppo_batch(load_value_model(tiny_model_dir).config.vocab_size, batch_size=4, seed=9)
+    data.meta_info["micro_batch_size"] = 4
+    leaky = make_critic(tiny_model_dir, model={"use_remove_padding": True})
+    leaky.critic_module = _IgnoresPositions(leaky.critic_module)
+    with pytest.raises(ValueError, match="attends across packed sequences.*use_remove_padding=False"):
+        leaky.compute_values(copy.copy(data))
+    packed = make_critic(tiny_model_dir, model={"use_remove_padding": True})
+    values = packed.compute_values(copy.copy(data))   # the check passes: Qwen2 isolates packed sequences
+    torch.testing.assert_close(values, make_critic(tiny_model_dir).compute_values(copy.copy(data)),
+                               atol=1e-5, rtol=0)
+
+
+# Why the padded forward must pass both attention_mask and position_ids, although Qwen2 under
+# transformers 5 gives the same values without either one (docs/testing.md, dp_critic survivors):
+# with attention_mask=None, transformers 5 cuts sequences where position_ids do not step by 1, and the
+# trainer's position_ids (cumsum(mask) - 1, clamped at 0) repeat on every pad, so the real tokens form
+# one segment of their own; without position_ids every row counts from 0 at its first pad, a shift of
+# all real positions that RoPE attention does not see. Neither holds for every model the padded path
+# is for (it is the fallback for models that fail the packing check): one whose positions are learned
+# embeddings, one that takes a missing mask as "no padding" (transformers 4, most non-HF models).
+
+
+class _MissingMaskMeansNoPadding(torch.nn.Module):
+    """The inner model, but a missing attention_mask means every token is real (Hugging Face's
+    documented meaning), not boundaries guessed from position_ids."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
+
+
+def _tiny_gpt2_value_model(vocab_size: int) -> torch.nn.Module:
+    """A token-classification value model whose positions are learned absolute embeddings."""
+    from transformers import GPT2Config, GPT2ForTokenClassification
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2, num_labels=1,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, classifier_dropout=0.0,
+                     bos_token_id=None, eos_token_id=None)
+    return GPT2ForTokenClassification(cfg)
+
+
+def _assert_padded_values_equal_each_row_alone(critic: DataParallelPPOCritic, vocab_size: int) -> None:
+    """Left-padded prompts and right-padded responses, position_ids counting from 0 at the first real
+    token, as the rollout builds them (position_ids_from_mask)."""
+    data = make_ppo_batch(vocab_size, batch_size=4, seed=9)
+    b = data.batch
+    assert int((b["attention_mask"][:, 0] == 0).sum()) >= 2, "rows must start with left padding"
+    data.meta_info["micro_batch_size"] = 4
+    values = critic.compute_values(copy.copy(data))
+    response_length = b["responses"].shape[1]
+    for row in range(4):
+        real = b["attention_mask"][row].bool()
+        with torch.no_grad():
+            alone = critic.critic_module(input_ids=b["input_ids"][row][real][None],
+                                         attention_mask=torch.ones(1, int(real.sum()), dtype=torch.long),
+                                         position_ids=torch.arange(int(real.sum()))[None],
+                                         use_cache=False).logits.squeeze(-1)[0]
+        n_resp = int(b["attention_mask"][row, -response_length:].sum())
+        torch.testing.assert_close(values[row, :n_resp], alone[-n_resp - 1:-1], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, r=row: f"row {r}: {m}")
+
+
+def test_padded_values_of_a_model_with_learned_positions_equal_each_row_run_alone(tiny_model_dir):
+    vocab_size = load_value_model(tiny_model_dir).config.vocab_size
+    critic = make_critic(tiny_model_dir, optimizer=False)
+    critic.critic_module = _tiny_gpt2_value_model(vocab_size)
+    _assert_padded_values_equal_each_row_alone(critic, vocab_size)
+
+
+def test_padded_values_of_a_model_that_takes_no_mask_as_no_padding_equal_each_row_run_alone(tiny_model_dir):
+    critic = make_critic(tiny_model_dir, optimizer=False)
+    critic.critic_module = _MissingMaskMeansNoPadding(critic.critic_module)
+    _assert_padded_values_equal_each_row_alone(critic, critic.critic_module.config.vocab_size)

@@ -1,4 +1,4 @@
-"""Data-parallel loss scaling: a 2-rank FSDP update computes the single-process gradient.
+"""Data-parallel loss scaling: a 2-rank FSDP update computes the single-process gradient (actor, critic).
 
 FSDP averages gradients over the ranks, so each rank's micro-batch loss must be weighted by its
 share of the GLOBAL mini-batch times the number of ranks (`tf.micro_batch_share`). Compared here
@@ -23,7 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tests.workers._batches import free_port, make_ppo_batch
 from verl.utils import batch_keys as K
 from verl.utils.fsdp_utils import apply_fsdp2
+from verl.utils.model import load_value_model
 from verl.workers.actor.dp_actor import DataParallelPPOActor
+from verl.workers.critic.dp_critic import DataParallelPPOCritic
 
 ROWS = 6        # the global mini-batch; each of the 2 ranks holds 3 rows (uneven token counts)
 
@@ -64,15 +66,33 @@ def _batch(vocab: int) -> Any:
     return data
 
 
-def _update(module: torch.nn.Module, data: Any, mini_batch_size: int) -> tuple[dict[str, torch.Tensor], float]:
+def _critic_config(mini_batch_size: int) -> Any:
+    return OmegaConf.create({
+        "ppo_mini_batch_size": mini_batch_size, "ppo_micro_batch_size": 1, "use_dynamic_bsz": False,
+        "ppo_max_token_len_per_gpu": 64, "grad_clip": None, "cliprange_value": 0.5,
+        "loss_agg_mode": "token-mean", "ppo_epochs": 1, "shuffle": False,
+    })
+
+
+def _load(role: str, model_dir: str) -> torch.nn.Module:
+    if role == "actor":
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)   # the value head is freshly initialised: the same one in every process
+    return load_value_model(model_dir)
+
+
+def _update(module: torch.nn.Module, data: Any, mini_batch_size: int,
+            role: str = "actor") -> tuple[dict[str, torch.Tensor], float]:
     optimizer = _GradientRecorder(module)
-    actor = DataParallelPPOActor(_config(mini_batch_size), module, optimizer)
-    metrics = actor.update_policy(data)
+    if role == "actor":
+        metrics = DataParallelPPOActor(_config(mini_batch_size), module, optimizer).update_policy(data)
+    else:
+        metrics = DataParallelPPOCritic(_critic_config(mini_batch_size), module, optimizer).update_critic(data)
     assert len(optimizer.grads) == 1, "one mini-batch, one optimizer step"
-    return optimizer.grads[0], metrics["actor/grad_norm"][0]
+    return optimizer.grads[0], metrics[f"{role}/grad_norm"][0]
 
 
-def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str) -> None:
+def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str, role: str = "actor") -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
@@ -80,9 +100,8 @@ def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str) -> N
         data = _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
         half = ROWS // 2
         shard = data[rank * half: (rank + 1) * half]
-        module = apply_fsdp2(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                             init_device_mesh("cpu", (2,)))
-        grads, norm = _update(module, shard, mini_batch_size=half)
+        module = apply_fsdp2(_load(role, model_dir), init_device_mesh("cpu", (2,)))
+        grads, norm = _update(module, shard, mini_batch_size=half, role=role)
         if rank == 0:
             tokens = [float(data.batch[K.RESPONSE_MASK][r * half:(r + 1) * half].sum()) for r in range(2)]
             torch.save({"grads": grads, "norm": norm, "tokens": tokens}, os.path.join(result_dir, "two_rank.pt"))
@@ -93,19 +112,17 @@ def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str) -> N
         raise
 
 
-@pytest.mark.slow   # two spawned ranks load torch and the model: ~100 s on a busy 2-core machine
-def test_two_rank_update_has_the_single_process_gradient(tiny_model_dir, tmp_path):
+def _assert_two_ranks_match_one_process(role: str, model_dir: str, tmp_path: Any) -> None:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_two_rank_update, args=(r, port, tiny_model_dir, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=_two_rank_update, args=(r, port, model_dir, str(tmp_path), role)) for r in range(2)]
     for p in procs:
         p.start()
 
     # Meanwhile the reference: the whole mini-batch in this process, no process group, no FSDP.
     torch.set_num_threads(1)
-    data = _batch(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
-    module = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    ref_grads, ref_norm = _update(module, data, mini_batch_size=ROWS)
+    data = _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
+    ref_grads, ref_norm = _update(_load(role, model_dir), data, mini_batch_size=ROWS, role=role)
 
     for p in procs:
         p.join(timeout=240)
@@ -123,3 +140,13 @@ def test_two_rank_update_has_the_single_process_gradient(tiny_model_dir, tmp_pat
         torch.testing.assert_close(got["grads"][name], expected, rtol=0,
                                    atol=1e-7 + 1e-4 * float(expected.abs().max()),
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow   # two spawned ranks load torch and the model: ~100 s on a busy 2-core machine
+def test_two_rank_update_has_the_single_process_gradient(tiny_model_dir, tmp_path):
+    _assert_two_ranks_match_one_process("actor", tiny_model_dir, tmp_path)
+
+
+@pytest.mark.slow   # as above
+def test_two_rank_critic_update_has_the_single_process_gradient(tiny_model_dir, tmp_path):
+    _assert_two_ranks_match_one_process("critic", tiny_model_dir, tmp_path)
