@@ -308,6 +308,75 @@ def test_the_ppo_override_file_takes_two_actor_and_two_critic_steps() -> None:
     assert (critic.ppo_mini_batch_size, critic.ppo_micro_batch_size, critic.forward_micro_batch_size) == (32, 1, 1)
 
 
+_MICRO_KEYS = ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+               "actor_rollout_ref.ref.log_prob_micro_batch_size", "critic.ppo_micro_batch_size")
+
+
+def _normalized(cfg, world: int):
+    """(actor, critic) config copies divided per worker as the workers divide them."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+
+    OmegaConf.resolve(cfg)
+    actor, critic = copy.deepcopy(cfg.actor_rollout_ref), copy.deepcopy(cfg.critic)
+    normalize_actor_batch_sizes(actor, "actor_rollout_ref", world)
+    normalize_critic_batch_sizes(critic, world)
+    return actor, critic
+
+
+_BATCH_24 = ["data.train_batch_size=768", "actor_rollout_ref.actor.ppo_mini_batch_size=192"]   # divides 24 workers
+
+
+@pytest.mark.parametrize(("nnodes", "extra", "per_worker"), [
+    (1, [], (1, 16, 16, 1)), (2, [], (1, 8, 8, 1)), (4, [], (1, 4, 4, 1)), (3, _BATCH_24, (1, 5, 5, 1))])
+def test_a_run_that_sets_no_micro_batch_passes_the_check_and_starts_workers_on_any_world(
+        nnodes: int, extra: list[str], per_worker: tuple[int, ...]) -> None:
+    # The PPO recipe at 8, 16, 32 and 24 GPUs with none of the four micro-batch keys: the defaults
+    # (8 / 128 / 128 / 8 rows in all) split over the workers, at least one row each. Before, 8 rows
+    # over 16 GPUs passed nothing and 128 over 24 failed in the workers.
+    overrides = [o for o in _fixture_overrides("seed_ppo_overrides.txt") if not o.startswith(_MICRO_KEYS)]
+    cfg = compose_config([*overrides, *extra, f"trainer.nnodes={nnodes}"])
+    validate_config(cfg)
+    actor, critic = _normalized(cfg, 8 * nnodes)
+    got = (actor.actor.ppo_micro_batch_size, actor.rollout.log_prob_micro_batch_size,
+           actor.ref.log_prob_micro_batch_size, critic.ppo_micro_batch_size)
+    assert got == per_worker
+    assert critic.forward_micro_batch_size == critic.ppo_micro_batch_size
+
+
+def test_dynamic_batch_sizes_check_the_micro_batch_keys_the_workers_divide() -> None:
+    # use_dynamic_bsz packs by tokens, so a micro-batch larger than the mini-batch is fine, but the
+    # workers still divide the keys by the world size: the check refuses what they would refuse.
+    base = [*_fixture_overrides("seed_ppo_overrides.txt"), "trainer.nnodes=2", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+    unset = [o for o in base if not o.startswith(_MICRO_KEYS)]
+    validate_config(compose_config(unset))
+    _normalized(compose_config(unset), 16)
+    large = compose_config([*unset, "actor_rollout_ref.actor.ppo_micro_batch_size=512"])
+    validate_config(large)
+    _normalized(large, 16)
+    bad = [*unset, "actor_rollout_ref.actor.ppo_micro_batch_size=24"]
+    with pytest.raises(ConfigError, match=r"ppo_micro_batch_size=24 is not divisible by trainer.nnodes\*trainer.n_gpus_per_node=16"):
+        validate_config(compose_config(bad))
+    with pytest.raises(ValueError, match="ppo_micro_batch_size=24 .* not divisible by the 16"):
+        _normalized(compose_config(bad), 16)
+
+
+def test_the_critic_forward_micro_batch_is_its_own_setting() -> None:
+    # A global update micro-batch with a per-GPU forward one (veRL's name) is not "both set";
+    # both of the forward pass's own names set is, and the check names them.
+    cfg = compose_config([*_fixture_overrides("seed_ppo_overrides.txt"), "critic.forward_micro_batch_size_per_gpu=4"])
+    validate_config(cfg)
+    _, critic = _normalized(cfg, 8)
+    assert (critic.ppo_micro_batch_size, critic.forward_micro_batch_size) == (1, 4)
+    both = compose_config([*_fixture_overrides("seed_ppo_overrides.txt"), "critic.forward_micro_batch_size=16",
+                           "critic.forward_micro_batch_size_per_gpu=4"])
+    with pytest.raises(ConfigError, match="critic.forward_micro_batch_size=16 and critic.forward_micro_batch_size_per_gpu=4"):
+        validate_config(both)
+
+
 def test_critic_loss_agg_mode_follows_the_actor_unless_set() -> None:
     cfg = compose_config(["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"])
     validate_config(cfg)

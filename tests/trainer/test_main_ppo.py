@@ -75,13 +75,13 @@ def test_run_ppo_resolves_the_config_so_the_critic_mini_batch_is_divided_once(
 
     paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=3)
     # 4 prompts x 2 samples = 8 rollouts, mini-batches of 4 rollouts: 2 optimizer steps per update,
-    # i.e. 2 rows per worker per step on 2 workers. The critic's sizes stay interpolations
-    # (critic.ppo_mini_batch_size -> the actor's, forward_micro_batch_size -> its micro-batch).
+    # i.e. 2 rows per worker per step on 2 workers. The critic's mini-batch stays an interpolation
+    # (critic.ppo_mini_batch_size -> the actor's); its forward micro-batch is null (= its update's).
     cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="gae") + [
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
         "critic.ppo_micro_batch_size=2"])
     assert OmegaConf.is_interpolation(cfg.critic, "ppo_mini_batch_size")
-    assert OmegaConf.is_interpolation(cfg.critic, "forward_micro_batch_size")
+    assert cfg.critic.forward_micro_batch_size is None
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     (step,) = run_ppo(cfg, reward_fn=ContainsTokenReward(tok))
     # Divided twice, the critic's per-worker mini-batch would be 1 row: 4 steps (or a start-up error).

@@ -142,6 +142,26 @@ def test_checkpoints_that_do_not_fit_the_disk_fail_where_the_run_writes_them(
         assert report.warnings == []
 
 
+def test_a_vllm_context_longer_than_the_models_positions_is_an_error(data: list[str]) -> None:
+    # Qwen2.5-3B's config.json: max_position_embeddings=32768; vLLM refuses a longer max_model_len.
+    qwen_3b = str(CONFIGS / "qwen2.5-3b")
+    vllm = [*SMALL, *data, "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={qwen_3b}",
+            f"critic.model.path={qwen_3b}"]
+    report = run_preflight(compose_config([*vllm, "actor_rollout_ref.rollout.max_model_len=40000"]), has_gpu=True)
+    assert "actor_rollout_ref.rollout.max_model_len" in keys(report)
+    assert "max_position_embeddings=32768 = 32768" in report.render()
+    report = run_preflight(compose_config([*vllm, "data.max_prompt_length=30000", "data.max_response_length=4000"]),
+                           has_gpu=True)
+    assert "data.max_prompt_length" in keys(report)
+    assert "data.max_prompt_length+data.max_response_length=34000 tokens" in report.render()
+    # within the model's positions, or the HF rollout (no such limit): no such error
+    report = run_preflight(compose_config([*vllm, "actor_rollout_ref.rollout.max_model_len=32768"]), has_gpu=True)
+    assert "actor_rollout_ref.rollout.max_model_len" not in keys(report)
+    report = run_preflight(compose_config([*vllm, "actor_rollout_ref.rollout.name=hf",
+                                           "actor_rollout_ref.rollout.max_model_len=40000"]), has_gpu=False)
+    assert "actor_rollout_ref.rollout.max_model_len" not in keys(report)
+
+
 def test_72b_on_one_80gb_gpu_without_offload_does_not_fit(data: list[str]) -> None:
     big = str(CONFIGS / "qwen2.5-72b")
     report = run_preflight(compose_config([

@@ -35,7 +35,8 @@ TRUNCATIONS = ("error", "left", "right", "middle")
 SCHEMA_PATH = Path(__file__).parent / "config" / "ppo_trainer.yaml"
 
 # One setting, two names: Search-R1's global micro-batch (rows over all workers) and veRL's
-# `<key>_per_gpu` (rows per worker). Both default to null; set one. Both null: this many rows in all.
+# `<key>_per_gpu` (rows per worker). Both default to null; set one. Both null: this many rows in all,
+# split over the workers and rounded down, at least one per worker (default_micro_per_worker).
 MICRO_BATCH_DEFAULTS: dict[str, int] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size": 8,
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": 128,
@@ -111,6 +112,12 @@ def shuffle_train(cfg: DictConfig) -> bool:
     return True
 
 
+def default_micro_per_worker(key: str, workers: int) -> int:
+    """Rows per worker of a MICRO_BATCH_DEFAULTS key when neither of its names is set: the default
+    rows in all, split over the workers (rounded down, at least one), so any world size works."""
+    return max(1, MICRO_BATCH_DEFAULTS[key] // max(workers, 1))
+
+
 def micro_batch_rows(cfg: DictConfig, key: str) -> int:
     """Rows of one micro-batch over all workers for a MICRO_BATCH_DEFAULTS key (or
     `critic.forward_micro_batch_size`): `<key>_per_gpu` x workers when that is set, else `<key>`,
@@ -123,7 +130,7 @@ def micro_batch_rows(cfg: DictConfig, key: str) -> int:
         return int(value)
     if key == "critic.forward_micro_batch_size":
         return micro_batch_rows(cfg, "critic.ppo_micro_batch_size")
-    return MICRO_BATCH_DEFAULTS[key]
+    return default_micro_per_worker(key, world_size(cfg)) * world_size(cfg)
 
 
 def micro_batch_key(cfg: DictConfig, key: str) -> str:
@@ -225,25 +232,25 @@ def _check_batch_sizes(cfg: DictConfig, errors: list[str]) -> None:
     actor = cfg.actor_rollout_ref.actor
     _check_mini_batch(errors, "actor", "actor_rollout_ref.actor", int(actor.ppo_mini_batch_size),
                       "actor_rollout_ref.rollout.n", int(rollout.get("n", 1)), rollouts, rollouts_key, ws, ws_key)
-    if not actor.use_dynamic_bsz:
-        key = "actor_rollout_ref.actor.ppo_micro_batch_size"
-        _check_micro_batch(errors, "actor", micro_batch_key(cfg, key), mini_batch_rollouts(cfg, "actor"),
-                           micro_batch_rows(cfg, key), ws, ws_key)
-        for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size"):
-            _divides(errors, "log-prob micro-batch per worker", micro_batch_rows(cfg, key), micro_batch_key(cfg, key),
-                     ws, ws_key)
+    # The workers divide every micro-batch key by the world size, also under use_dynamic_bsz (which
+    # then packs by tokens instead), so each must divide it; only the micro-in-mini rules are skipped.
+    key = "actor_rollout_ref.actor.ppo_micro_batch_size"
+    _check_micro_batch(errors, "actor", micro_batch_key(cfg, key), mini_batch_rollouts(cfg, "actor"),
+                       micro_batch_rows(cfg, key), ws, ws_key, bool(actor.use_dynamic_bsz))
+    for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size"):
+        _divides(errors, "log-prob micro-batch per worker", micro_batch_rows(cfg, key), micro_batch_key(cfg, key),
+                 ws, ws_key)
 
     if need_critic(cfg):
         critic = cfg.critic
         _check_mini_batch(errors, "critic", "critic", int(critic.ppo_mini_batch_size),
                           "critic.rollout_n", int(critic.get("rollout_n", 1)), rollouts, rollouts_key, ws, ws_key)
-        if not critic.use_dynamic_bsz:
-            key = "critic.ppo_micro_batch_size"
-            _check_micro_batch(errors, "critic", micro_batch_key(cfg, key), mini_batch_rollouts(cfg, "critic"),
-                               micro_batch_rows(cfg, key), ws, ws_key)
-            key = "critic.forward_micro_batch_size"
-            _divides(errors, "critic forward micro-batch per worker", micro_batch_rows(cfg, key),
-                     micro_batch_key(cfg, key), ws, ws_key)
+        key = "critic.ppo_micro_batch_size"
+        _check_micro_batch(errors, "critic", micro_batch_key(cfg, key), mini_batch_rollouts(cfg, "critic"),
+                           micro_batch_rows(cfg, key), ws, ws_key, bool(critic.use_dynamic_bsz))
+        key = "critic.forward_micro_batch_size"
+        _divides(errors, "critic forward micro-batch per worker", micro_batch_rows(cfg, key),
+                 micro_batch_key(cfg, key), ws, ws_key)
 
 
 def _check_mini_batch(errors: list[str], who: str, prefix: str, size: int, n_key: str, n: int, rollouts: int,
@@ -257,12 +264,14 @@ def _check_mini_batch(errors: list[str], who: str, prefix: str, size: int, n_key
 
 
 def _check_micro_batch(errors: list[str], who: str, micro_key: str, mini_rollouts: int, micro: int,
-                       ws: int, ws_key: str) -> None:
-    """The micro-batch (`micro` rows in all, set by `micro_key`) fits in the mini-batch and splits evenly
-    over the workers."""
+                       ws: int, ws_key: str, dynamic_bsz: bool = False) -> None:
+    """The micro-batch (`micro` rows in all, set by `micro_key`) splits evenly over the workers and,
+    unless batches are packed by tokens (`dynamic_bsz`), fits in and divides the mini-batch."""
+    _divides(errors, f"{who} micro-batch per worker", micro, micro_key, ws, ws_key)
+    if dynamic_bsz:
+        return
     if micro > mini_rollouts:
         errors.append(f"{micro_key}={micro} is larger than the mini-batch of {mini_rollouts} rollouts")
-    _divides(errors, f"{who} micro-batch per worker", micro, micro_key, ws, ws_key)
     if micro <= mini_rollouts and micro % ws == 0 and mini_rollouts % ws == 0:
         _divides(errors, f"{who} mini-batch per worker", mini_rollouts // ws,
                  f"{who} mini-batch rollouts/world_size", micro // ws, f"{micro_key}/world_size")
@@ -416,7 +425,7 @@ def _check_data(cfg: DictConfig, errors: list[str]) -> None:
     if None not in both.values() and bool(both["shuffle"]) != bool(both["shuffle_train_dataloader"]):
         errors.append(f"data.shuffle={both['shuffle']} and data.shuffle_train_dataloader={both['shuffle_train_dataloader']} "
                       "are one setting (veRL's and Search-R1's names) with two values: set one of them")
-    for key in MICRO_BATCH_DEFAULTS:
+    for key in (*MICRO_BATCH_DEFAULTS, "critic.forward_micro_batch_size"):
         value, per_gpu = OmegaConf.select(cfg, key), OmegaConf.select(cfg, f"{key}_per_gpu")
         if value is not None and per_gpu is not None:
             errors.append(f"{key}={value} and {key}_per_gpu={per_gpu} are both set: {key} counts rows over all "

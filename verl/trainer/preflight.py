@@ -426,6 +426,34 @@ def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> None:
                              "trainer.max_ckpt_to_keep")
 
 
+def check_context_length(cfg: DictConfig, report: PreflightReport) -> None:
+    """vLLM refuses at engine start a context (`rollout.max_model_len`, or prompt + response length)
+    longer than the model's `max_position_embeddings` (times a `rope_scaling` factor): say so now."""
+    from verl.utils.memory_plan import read_model_config
+
+    rollout = cfg.actor_rollout_ref.rollout
+    if not (rollout.name == "vllm" or (rollout.name == "auto" and report.gpu_run)):
+        return
+    try:
+        model, source = read_model_config(str(cfg.actor_rollout_ref.model.path))
+    except (OSError, ValueError):
+        return                                   # check_memory_and_disk reports the missing config.json
+    positions = model.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        return
+    factor = (model.get("rope_scaling") or {}).get("factor") or 1
+    limit = int(positions * factor)
+    given = rollout.get("max_model_len")
+    context = int(given) if given else int(rollout.prompt_length) + int(rollout.response_length)
+    key = ("actor_rollout_ref.rollout.max_model_len" if given else
+           "data.max_prompt_length+data.max_response_length")
+    if context > limit:
+        report.error(f"{key}={context} tokens is longer than the model's context: {source} has "
+                     f"max_position_embeddings={positions}" + (f" x rope_scaling factor {factor}" if factor != 1 else "")
+                     + f" = {limit}; vLLM would refuse it at engine start: lower it to <= {limit}",
+                     key.split("+")[0])
+
+
 def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightReport:
     """Check `config` as the run would (on a resolved copy; `config` is not changed), every check
     run and every failure collected.
@@ -470,6 +498,7 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
         _per_worker_sizes(cfg, world, report)
     check_data(cfg, report)
     check_retriever(cfg, report)
+    check_context_length(cfg, report)
     if world >= 1:
         check_memory_and_disk(cfg, report)
     return report

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, MeshRank, register
-from verl.trainer.config_check import MICRO_BATCH_DEFAULTS
+from verl.trainer.config_check import default_micro_per_worker
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
 from verl.utils import fsdp_utils
@@ -70,7 +70,7 @@ def _per_rank(node: Any, key: str, world_size: int, where: str, multiplier: int 
 
 def _micro_per_rank(node: Any, key: str, world_size: int, where: str, default: int) -> None:
     """A micro-batch size, given over all workers (`key`, Search-R1) or per worker (`key`_per_gpu, veRL),
-    becomes rows per worker in both keys (in place). Both null: `default` rows over all workers."""
+    becomes rows per worker in both keys (in place). Both null: `default` rows per worker."""
     per_gpu_key = f"{key}_per_gpu"
     total, per_gpu = node.get(key), node.get(per_gpu_key)
     if total is not None and per_gpu is not None:
@@ -80,9 +80,9 @@ def _micro_per_rank(node: Any, key: str, world_size: int, where: str, default: i
         if isinstance(per_gpu, bool) or not isinstance(per_gpu, int) or per_gpu < 1:
             raise ValueError(f"{where}.{per_gpu_key}={per_gpu!r} must be an int >= 1")
         rows = per_gpu
+    elif total is None:
+        rows = default
     else:
-        with open_dict(node):
-            node[key] = default if total is None else total
         _per_rank(node, key, world_size, where)
         rows = int(node[key])
     with open_dict(node):
@@ -104,22 +104,22 @@ def normalize_actor_batch_sizes(config: Any, role: str, world_size: int) -> None
     `ppo_mini_batch_size` counts rollouts (rows after the driver's n_agent repetition), times
     `rollout.n` (veRL's key, default 1), as in the original Search-R1; `rollout.n_agent` does
     not scale it. Micro-batch sizes count rows: `<key>` over all workers, or veRL's `<key>_per_gpu`
-    per worker (one of the two; both null: MICRO_BATCH_DEFAULTS); afterwards both hold the rows per
-    worker. Call once per config copy: it divides in place.
+    per worker (one of the two; both null: config_check.default_micro_per_worker); afterwards both
+    hold the rows per worker. Call once per config copy: it divides in place.
     """
     if role in ("actor", "actor_rollout", "actor_rollout_ref"):
         actor = config.actor
         n = int(config.rollout.get("n", 1))
         _per_rank(actor, "ppo_mini_batch_size", world_size, "actor_rollout_ref.actor", multiplier=n)
         _micro_per_rank(actor, "ppo_micro_batch_size", world_size, "actor_rollout_ref.actor",
-                        MICRO_BATCH_DEFAULTS["actor_rollout_ref.actor.ppo_micro_batch_size"])
+                        default_micro_per_worker("actor_rollout_ref.actor.ppo_micro_batch_size", world_size))
         _check_micro_divides_mini(actor, "ppo_mini_batch_size", "ppo_micro_batch_size", "actor_rollout_ref.actor")
     if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
         _micro_per_rank(config.rollout, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.rollout",
-                        MICRO_BATCH_DEFAULTS["actor_rollout_ref.rollout.log_prob_micro_batch_size"])
+                        default_micro_per_worker("actor_rollout_ref.rollout.log_prob_micro_batch_size", world_size))
     if role in ("ref", "actor_rollout_ref"):
         _micro_per_rank(config.ref, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.ref",
-                        MICRO_BATCH_DEFAULTS["actor_rollout_ref.ref.log_prob_micro_batch_size"])
+                        default_micro_per_worker("actor_rollout_ref.ref.log_prob_micro_batch_size", world_size))
 
 
 def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
@@ -131,7 +131,7 @@ def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
     """
     n = int(config.get("rollout_n", 1))
     _per_rank(config, "ppo_mini_batch_size", world_size, "critic", multiplier=n)
-    default = MICRO_BATCH_DEFAULTS["critic.ppo_micro_batch_size"]
+    default = default_micro_per_worker("critic.ppo_micro_batch_size", world_size)
     _micro_per_rank(config, "ppo_micro_batch_size", world_size, "critic", default)
     if config.get("forward_micro_batch_size") is None and config.get("forward_micro_batch_size_per_gpu") is None:
         # Neither given (the YAML ties them to the update's pair): the update's micro-batch per worker.
