@@ -1,0 +1,352 @@
+"""The preflight memory plan (verl/utils/memory_plan.py) against what the GPU really allocates.
+
+Builds a Qwen2 policy from a config.json alone (default: Qwen2.5-0.5B's public shape; random weights,
+nothing downloaded), wraps it as the actor worker does (the worker's own `_wrap`, `_onload`,
+`_offload`: FSDP2 over one rank, bf16 compute on CUDA, fp32 master weights, AdamW), and runs, on a
+random full-length batch of the configured shape:
+
+1. a log-prob pass, unmeasured: the old log-probs the update needs (the trainer's order);
+2. one actor update (one optimizer step), measured: phase `actor_update`;
+3. a log-prob pass, measured: phase `actor_log_prob`, with AdamW's state now resident, as in every
+   step after the first (the plan counts it resident).
+
+Each measured call is bracketed by `torch.cuda.reset_peak_memory_stats()` / `max_memory_allocated()`.
+Prints ONE JSON object: per phase the plan's certain and estimated bytes (by entry and in total),
+the measured peak and measured / plan; the bytes the actor really holds (parameter shards, AdamW
+state) beside the plan's entries for them; what the passes computed; device, torch and transformers.
+Measures the actor alone: a config whose actor phases also count a critic or a reference is refused.
+Not part of any test suite on a GPU; `--device cpu --tiny` runs the same path on CPU with measured
+values null (tests/utils/test_memory_plan_gpu_check.py).
+
+    python scripts/gpu_checks/memory_plan_vs_allocated.py                  # on a GPU: 8 rows, micro 4, 1024 + 512
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --micro 8 actor_rollout_ref.model.enable_gradient_checkpointing=true
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen2.5-3b/config.json
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --device cpu --tiny --prompt-length 16 --response-length 8
+
+(from the repository root with the project installed, `pip install -e .`; or
+`python -m scripts.gpu_checks.memory_plan_vs_allocated ...`). Trailing `key=value` arguments are
+trainer-config overrides, applied after the ones the flags make.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import transformers
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM
+
+from verl.protocol import DataProto
+from verl.trainer.main_ppo import compose_config
+from verl.utils import batch_keys as K
+from verl.utils import fsdp_utils
+from verl.utils.attention import attn_implementation
+from verl.utils.memory_plan import MemoryPlan, Phase, plan_memory, sequence_length
+from verl.utils.model import load_model_config
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+from verl.workers.fsdp_workers import _FSDPWorkerBase, normalize_actor_batch_sizes
+
+T = TypeVar("T")
+
+# Qwen/Qwen2.5-0.5B's config.json (public numbers).
+QWEN2_5_0_5B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 24, "attention_dropout": 0.0,
+    "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
+}
+# The same architecture, small enough for a CPU test.
+TINY: dict[str, Any] = {**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+                        "max_position_embeddings": 4096, "sliding_window": 4096, "max_window_layers": 2,
+                        "bos_token_id": 511, "eos_token_id": 511}
+MEASURED_PHASES = ("actor_update", "actor_log_prob")
+# Entries of an actor phase that belong to the actor (the rest would be another model's resident state).
+_ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "log-prob head")
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The batch one update trains on: `rows` rows (one mini-batch, one optimizer step) at the max lengths."""
+
+    rows: int
+    micro: int              # rows per micro-batch, in the update and in the log-prob pass
+    prompt_length: int
+    response_length: int
+
+
+@dataclass(frozen=True)
+class Peak:
+    """CUDA allocator statistics of one measured call."""
+
+    allocated_before: int
+    peak_allocated: int
+    peak_reserved: int
+
+
+@dataclass
+class Actor:
+    """What the actor worker holds after init_model: the wrapped module, its optimizer and schedule."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ppo: DataParallelPPOActor
+    worker: Any             # the worker-shaped view (device, device_mesh) the worker's methods run on
+    config: DictConfig      # actor_rollout_ref, batch sizes per rank
+
+
+def trainer_overrides(model_path: str, shape: BatchShape, device: str, extra: list[str]) -> list[str]:
+    """One GPU, the actor alone (GRPO: no critic; no KL loss or in-reward KL: no reference), no search,
+    rows x (prompt + response) tokens, micro-batches of `shape.micro` rows; then `extra`."""
+    arr = "actor_rollout_ref"
+    return [
+        "trainer.nnodes=1", "trainer.n_gpus_per_node=1", f"trainer.device={device}", "trainer.logger=[console]",
+        "do_search=false", "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        f"{arr}.actor.use_kl_loss=false", f"{arr}.model.path={model_path}", f"critic.model.path={model_path}",
+        f"data.train_batch_size={shape.rows}", f"data.max_start_length={shape.prompt_length}",
+        f"data.max_prompt_length={shape.prompt_length}", f"data.max_response_length={shape.response_length}",
+        f"{arr}.actor.ppo_mini_batch_size={shape.rows}", f"{arr}.actor.ppo_micro_batch_size_per_gpu={shape.micro}",
+        f"{arr}.rollout.log_prob_micro_batch_size_per_gpu={shape.micro}", *extra,
+    ]
+
+
+def check_actor_only(plan: MemoryPlan) -> None:
+    """Refuse a plan whose measured phases count another model's state: only the actor is built here."""
+    for phase in plan.phases:
+        if phase.name not in MEASURED_PHASES:
+            continue
+        others = [k for k in phase.certain if not k.startswith(_ACTOR_ENTRY_PREFIXES)]
+        if others:
+            raise ValueError(f"plan phase {phase.name} counts {others}: this check builds the actor alone; keep "
+                             "algorithm.adv_estimator=grpo, actor_rollout_ref.actor.use_kl_loss=false and "
+                             "algorithm.use_kl_in_reward=false")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_rank(device: str) -> Any:
+    """A one-rank process group (NCCL on CUDA, gloo on CPU) and the worker's 1-D FSDP mesh."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            rank=0, world_size=1)
+    return init_device_mesh(device, (1,), mesh_dim_names=("fsdp",))
+
+
+def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
+    """The actor as ActorRolloutRefWorker.init_model builds it, from config.json alone (random weights):
+    fp32 model, the worker's `_wrap` (checkpointing, FSDP2, bf16 mixed precision on CUDA), AdamW and
+    its schedule, DataParallelPPOActor, then the worker's `_offload` (a no-op unless offload is set)."""
+    model_cfg = arr.model
+    use_rmpad = bool(model_cfg.get("use_remove_padding", False))
+    attn = attn_implementation(device, use_rmpad)
+    config = load_model_config(model_cfg.path, model_cfg.get("override_config"))
+    torch.manual_seed(0)
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if attn:
+        kwargs["attn_implementation"] = attn
+    module = AutoModelForCausalLM.from_config(config, **kwargs)
+    # The worker's own methods (not a copy), on a view holding the two attributes they read.
+    worker = SimpleNamespace(device=device, device_mesh=mesh)
+    module = _FSDPWorkerBase._wrap(worker, module, model_cfg, trainable=True)
+    optimizer, scheduler = fsdp_utils.build_optimizer(module, arr.actor.optim)
+    ppo = DataParallelPPOActor(arr.actor, module, optimizer, use_remove_padding=use_rmpad)
+    _FSDPWorkerBase._offload(worker, module, optimizer, arr.actor.fsdp_config)
+    return Actor(module, optimizer, scheduler, ppo, worker, arr)
+
+
+def random_batch(vocab_size: int, shape: BatchShape, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Host tensors of full-length rows (no padding: the plan's max lengths), random token ids and
+    advantages. Each call below builds its own DataProto from them, as each worker call gets its own."""
+    g = torch.Generator().manual_seed(seed)
+    seq = shape.prompt_length + shape.response_length
+    input_ids_BT = torch.randint(0, vocab_size, (shape.rows, seq), generator=g)
+    responses_BR = input_ids_BT[:, shape.prompt_length:].clone()
+    return {
+        K.INPUT_IDS: input_ids_BT,
+        K.ATTENTION_MASK: torch.ones_like(input_ids_BT),
+        K.POSITION_IDS: torch.arange(seq).expand(shape.rows, seq).clone(),
+        K.RESPONSES: responses_BR,
+        K.RESPONSE_MASK: torch.ones_like(responses_BR),
+        K.ADVANTAGES: torch.randn(shape.rows, shape.response_length, generator=g),
+    }
+
+
+def compute_log_prob(actor: Actor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ActorRolloutRefWorker.compute_log_prob's body: log-probs (B, R) of the responses, on the host."""
+    rollout = actor.config.rollout
+    data = DataProto.from_dict(tensors=tensors).to(actor.worker.device)
+    data.meta_info.update({
+        K.META_MICRO_BATCH_SIZE: rollout.log_prob_micro_batch_size,
+        K.META_MAX_TOKEN_LEN: rollout.log_prob_max_token_len_per_gpu,
+        K.META_USE_DYNAMIC_BSZ: rollout.log_prob_use_dynamic_bsz,
+        K.META_TEMPERATURE: rollout.temperature,
+    })
+    fsdp_cfg = actor.config.actor.fsdp_config
+    _FSDPWorkerBase._onload(actor.worker, actor.module, None, fsdp_cfg)
+    log_probs_BR, _ = actor.ppo.compute_log_prob(data)
+    _FSDPWorkerBase._offload(actor.worker, actor.module, None, fsdp_cfg)
+    return log_probs_BR.cpu()
+
+
+def update_actor(actor: Actor, tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """ActorRolloutRefWorker.update_actor's body: one update_policy call, the schedule stepped."""
+    fsdp_cfg = actor.config.actor.fsdp_config
+    data = DataProto.from_dict(tensors=tensors).to(actor.worker.device)
+    data.meta_info[K.META_TEMPERATURE] = actor.config.rollout.temperature
+    _FSDPWorkerBase._onload(actor.worker, actor.module, actor.optimizer, fsdp_cfg)
+    metrics = actor.ppo.update_policy(data)
+    actor.scheduler.step()
+    _FSDPWorkerBase._offload(actor.worker, actor.module, actor.optimizer, fsdp_cfg)
+    return metrics
+
+
+def run_measured(device: str, fn: Callable[[], T]) -> tuple[T, Peak | None]:
+    """fn(), and on CUDA the allocator's peak during it (None on CPU: no allocator statistics)."""
+    if device != "cuda":
+        return fn(), None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, Peak(before, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def fingerprint(module: nn.Module) -> dict[str, float]:
+    """Sum of each parameter (float64): tells which parameter tensors an update changed."""
+    return {name: float(_local(p.detach()).double().sum()) for name, p in module.named_parameters()}
+
+
+def held_bytes(actor: Actor) -> dict[str, int]:
+    """Bytes the actor holds on this rank: parameter shards, AdamW state (all of it, and the part on
+    the training device: torch keeps AdamW's `step` on the host unless capturable/fused)."""
+    state = [v for s in actor.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    on_device = [v for v in state if _local(v).device.type == actor.worker.device]
+    return {"actor params (fp32 shard)": sum(_nbytes(p) for p in actor.module.parameters()),
+            "actor AdamW state (shard)": sum(_nbytes(v) for v in state),
+            "actor AdamW state on the training device": sum(_nbytes(v) for v in on_device)}
+
+
+def phase_report(phase: Phase, peak: Peak | None) -> dict[str, Any]:
+    certain, estimated = sum(phase.certain.values()), sum(phase.estimated.values())
+    report: dict[str, Any] = {
+        "plan_certain": dict(phase.certain), "plan_estimated": dict(phase.estimated),
+        "plan_certain_bytes": certain, "plan_estimated_bytes": estimated, "plan_bytes": phase.total,
+        "measured_peak_bytes": None, "measured_over_plan": None, "measured_minus_certain_bytes": None,
+        "allocated_before_bytes": None, "peak_reserved_bytes": None,
+    }
+    if peak is not None:
+        report.update(measured_peak_bytes=peak.peak_allocated,
+                      measured_over_plan=round(peak.peak_allocated / phase.total, 4),
+                      measured_minus_certain_bytes=peak.peak_allocated - certain,
+                      allocated_before_bytes=peak.allocated_before, peak_reserved_bytes=peak.peak_reserved)
+    return report
+
+
+def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extra: list[str]) -> dict[str, Any]:
+    """Plan, build, run and measure; the report as a JSON-ready dict."""
+    with tempfile.TemporaryDirectory(prefix="memory_plan_check_") as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(model_config))
+        overrides = trainer_overrides(folder, shape, device, extra)
+        cfg = compose_config(overrides)
+        OmegaConf.resolve(cfg)
+        plan = plan_memory(cfg, model_config=model_config)
+        check_actor_only(plan)
+        arr = cfg.actor_rollout_ref
+        normalize_actor_batch_sizes(arr, "actor_rollout_ref", world_size=1)
+        mesh = init_single_rank(device)
+        try:
+            actor = build_actor(arr, device, mesh)
+            tensors = random_batch(int(model_config["vocab_size"]), shape)
+            tensors[K.OLD_LOG_PROBS] = compute_log_prob(actor, tensors)
+            before = fingerprint(actor.module)
+            metrics, update_peak = run_measured(device, lambda: update_actor(actor, tensors))
+            after = fingerprint(actor.module)
+            log_probs_BR, log_prob_peak = run_measured(device, lambda: compute_log_prob(actor, tensors))
+            held = held_bytes(actor)
+            parameters = fsdp_utils.count_parameters(actor.module)
+            parameter_tensors = len(list(actor.module.parameters()))
+        finally:
+            dist.destroy_process_group()
+    phases = {p.name: p for p in plan.phases}
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "model": {"config": model_config, "parameters": parameters, "parameter_tensors": parameter_tensors,
+                  "plan_parameters": plan.actor_params, "plan_parameter_tensors": plan.actor_tensors},
+        "shape": {**asdict(shape), "sequence_length": sequence_length(cfg)},
+        "overrides": overrides,   # the model path in them named a temporary folder, gone now
+        "plan_phases": [p.name for p in plan.phases], "plan_gib": plan.phase_gib(), "plan_notes": plan.notes,
+        "phases": {"actor_update": phase_report(phases["actor_update"], update_peak),
+                   "actor_log_prob": phase_report(phases["actor_log_prob"], log_prob_peak)},
+        "held_bytes": held,
+        "update": {"pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
+                   "grad_nonfinite": metrics["actor/grad_nonfinite"],
+                   "response_tokens": int(tensors[K.RESPONSE_MASK].sum()),
+                   "parameter_tensors_changed": sum(before[k] != after[k] for k in before),
+                   "parameter_tensors": len(before)},
+        "log_prob": {"shape": list(log_probs_BR.shape), "mean": float(log_probs_BR.mean()),
+                     "finite": bool(torch.isfinite(log_probs_BR).all())},
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="hidden 64, 2 layers, vocab 512 (for the CPU test)")
+    parser.add_argument("--model-config", help="a config.json to use instead of Qwen2.5-0.5B's shape")
+    parser.add_argument("--rows", type=int, default=8, help="rows of the update (one mini-batch, one step)")
+    parser.add_argument("--micro", type=int, default=4, help="rows per micro-batch (update and log-prob pass)")
+    parser.add_argument("--prompt-length", type=int, default=1024)
+    parser.add_argument("--response-length", type=int, default=512)
+    parser.add_argument("overrides", nargs="*", help="trainer-config overrides, key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: run on a GPU machine, or pass --device cpu --tiny")
+    if args.model_config and args.tiny:
+        raise SystemExit("--tiny and --model-config choose the model both; pass one")
+    model_config = json.loads(Path(args.model_config).read_text()) if args.model_config else (
+        TINY if args.tiny else QWEN2_5_0_5B)
+    shape = BatchShape(args.rows, args.micro, args.prompt_length, args.response_length)
+    report = run_check(model_config, shape, args.device, list(args.overrides))
+    print(json.dumps(report, indent=1, allow_nan=True))
+    return report
+
+
+if __name__ == "__main__":
+    main()
