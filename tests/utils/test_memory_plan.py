@@ -89,3 +89,24 @@ def test_72b_on_one_80gb_gpu_without_offload_does_not_fit_and_7b_on_eight_does()
 def test_a_folder_without_config_json_says_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="example/model_configs"):
         read_model_config(str(tmp_path / "nothing"))
+
+
+def test_the_log_prob_head_is_planned_as_the_fused_chunked_head_runs() -> None:
+    # Qwen2.5-7B, 16 rows of 4548 tokens of which 4500 are response positions: the fused head keeps
+    # per-token state only; its vocabulary-wide tensors are one 1024-row chunk's.
+    from verl.utils.memory_plan import head_bytes
+
+    shape = ModelShape(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+    kept = 16 * 4500
+    log_prob = head_bytes(shape, kept, backward=False)
+    assert log_prob == {"log-prob head chunk (1024 rows x vocab)": 2 * 4 * 1024 * 152064,
+                        "log-prob head per response token": 16 * kept}
+    update = head_bytes(shape, kept, backward=True)
+    assert update["log-prob head chunk (1024 rows x vocab)"] == max(8 * 1024 * 152064, 2 * 1024 * 152064 + 2 * 152064 * 3584)
+    assert update["log-prob head per response token"] == kept * (16 + 4 * 3584)
+    assert update["log-prob head lm_head grad"] == 4 * 152064 * 3584            # several chunks: fp32 sum
+    one_chunk = head_bytes(shape, 512, backward=True)
+    assert one_chunk["log-prob head chunk (512 rows x vocab)"] == 8 * 512 * 152064
+    assert one_chunk["log-prob head lm_head grad"] == 2 * 152064 * 3584           # bf16, as the weight
+    assert sum(log_prob.values()) < 1.5 * 1024 ** 3      # the unfused (16 x 4548 x vocab fp32) logits: 41 GiB

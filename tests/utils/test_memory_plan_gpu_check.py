@@ -44,8 +44,10 @@ def test_reported_plan_is_plan_memory_of_the_composed_config(report: dict[str, A
             assert got["plan_bytes"] == phase.total == got["plan_certain_bytes"] + got["plan_estimated_bytes"]
     assert report["shape"]["sequence_length"] == PROMPT + RESPONSE
     vocab = report["model"]["config"]["vocab_size"]
-    head = report["phases"]["actor_log_prob"]["plan_certain"]["log-prob head (fp32 logits)"]
-    assert head == 4 * MICRO * (PROMPT + RESPONSE) * vocab
+    # the fused head runs on the response positions only: MICRO x RESPONSE of them, one chunk here
+    head = report["phases"]["actor_log_prob"]["plan_certain"]
+    assert head[f"log-prob head chunk ({MICRO * RESPONSE} rows x vocab)"] == 2 * 4 * MICRO * RESPONSE * vocab
+    assert head["log-prob head per response token"] == 16 * MICRO * RESPONSE
 
 
 def test_plan_parameter_and_adamw_bytes_equal_what_the_built_actor_holds(report: dict[str, Any]) -> None:

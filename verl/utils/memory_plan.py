@@ -12,9 +12,10 @@ GPU for its own phase (`_onload` / `_offload`): offload lowers what the *other* 
 
 Two kinds of numbers, kept apart in every phase:
 - certain: parameters, gradients, optimizer states and their shards, the vLLM pool
-  (gpu_memory_utilization x device memory: vLLM's own budget for weights + KV cache), the fp32
-  logits of one log-prob micro-batch at the max lengths (micro x seq x vocab x 4 bytes), the HF
-  export's staging (one gathered fp32 parameter at a time: the embeddings); exact byte counts for the
+  (gpu_memory_utilization x device memory: vLLM's own budget for weights + KV cache), the fused
+  log-prob head's bytes (`head_bytes`: one chunk's vocabulary-wide temporaries, what it keeps per
+  response token, and in the update the lm_head gradient's fp32 accumulator), the HF export's
+  staging (one gathered fp32 parameter at a time: the embeddings); exact byte counts for the
   shapes the config gives.
 - estimated: activations (per-token per-layer factors, below), labelled `estimated` in each phase.
 """
@@ -209,6 +210,33 @@ def _micro_rows(cfg: Any, key: str, world: int) -> int:
     return max(1, micro_batch_rows(cfg, key) // max(world, 1))
 
 
+def head_bytes(shape: ModelShape, kept: int, backward: bool, chunk_rows: int | None = None) -> dict[str, int]:
+    """The fused log-prob head's GPU bytes (verl/utils/logprob_head.py) for `kept` response
+    positions of one micro-batch, with bf16 compute (FSDP2 mixed precision).
+
+    - chunk: `chunk_rows` positions (HEAD_CHUNK_ROWS) at a time; at most two (c, V) fp32 tensors
+      live together (the logits and logsumexp's / softmax's temporary, forward and backward); in a
+      backward over several chunks, also the moment the chunk's bf16 logit gradient and its (V, H)
+      bf16 weight-gradient product exist together.
+    - per kept position: the output, logsumexp and E_p[z] (16 bytes); in the update also the bf16
+      hidden state autograd keeps and the backward's bf16 gradient for it.
+    - update: the lm_head weight's gradient buffer, bf16, or fp32 when several chunks add into it.
+    """
+    from verl.utils.logprob_head import HEAD_CHUNK_ROWS
+
+    rows = max(1, min(kept, chunk_rows or HEAD_CHUNK_ROWS))
+    vocab, hidden = shape.vocab_size, shape.hidden_size
+    chunk = 2 * FP32 * rows * vocab
+    several = backward and kept > rows
+    if several:
+        chunk = max(chunk, BF16 * rows * vocab + BF16 * vocab * hidden)
+    out = {f"log-prob head chunk ({rows} rows x vocab)": chunk,
+           "log-prob head per response token": kept * (16 + (2 * BF16 * hidden if backward else 0))}
+    if backward:
+        out["log-prob head lm_head grad"] = (FP32 if several else BF16) * vocab * hidden
+    return out
+
+
 def _activations(shape: ModelShape, tokens: int, checkpointing: bool, backward: bool) -> int:
     """Estimated activation bytes for `tokens` tokens (forward only keeps one layer's at a time)."""
     per_layer = BF16 * tokens * (ACT_FACTOR_H * shape.hidden_size + ACT_FACTOR_I * shape.intermediate_size)
@@ -227,7 +255,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     actor_rollout_ref.model.path / critic.model.path). `device_gib`: the GPU's memory, for the vLLM
     pool (gpu_memory_utilization x it); without it the rollout phases count the vLLM weights only.
     """
-    from verl.trainer.config_check import need_critic, need_reference_policy, world_size
+    from verl.trainer.config_check import need_critic, need_reference_policy, prompt_bound, world_size
 
     world = world_size(cfg)
     arr = cfg.actor_rollout_ref
@@ -244,7 +272,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         cp, ct = cshape.value_model()
     with_ref = need_reference_policy(cfg)
     seq = sequence_length(cfg)
-    vocab = shape.vocab_size
+    response = seq - prompt_bound(cfg)[0]       # positions the head runs on, per row
     layer_bf16 = BF16 * shape.layer_params()        # one FSDP unit gathered for compute (bf16)
 
     afs = arr.actor.fsdp_config
@@ -280,21 +308,21 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     phases.append(Phase("actor_update", certain={
         **others("actor"), "actor params (fp32 shard)": actor_params, "actor grads (fp32 shard)": actor_grads,
         "actor AdamW state (shard)": actor_optim, "gathered layer (bf16)": layer_bf16,
-        "log-prob head (fp32 logits)": FP32 * tokens * vocab},
+        **head_bytes(shape, tokens * response // seq, backward=True)},
         estimated={"activations": _activations(shape, tokens, ckpt, backward=True)}))
     # log-prob passes (old policy, and the reference's)
     lp_micro = _micro_rows(cfg, "actor_rollout_ref.rollout.log_prob_micro_batch_size", world)
     lp_tokens = int(arr.rollout.log_prob_max_token_len_per_gpu) if dyn else lp_micro * seq
     phases.append(Phase("actor_log_prob", certain={
         **others("actor params"), "actor params (fp32 shard)": actor_params, "gathered layer (bf16)": layer_bf16,
-        "log-prob head (fp32 logits)": FP32 * lp_tokens * vocab},
+        **head_bytes(shape, lp_tokens * response // seq, backward=False)},
         estimated={"activations": _activations(shape, lp_tokens, ckpt, backward=False)}))
     if with_ref:
         ref_micro = _micro_rows(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size", world)
         ref_tokens = int(arr.ref.log_prob_max_token_len_per_gpu) if dyn else ref_micro * seq
         phases.append(Phase("reference_log_prob", certain={
             **others("reference"), "reference params (fp32 shard)": _shard(FP32 * p, world),
-            "gathered layer (bf16)": layer_bf16, "log-prob head (fp32 logits)": FP32 * ref_tokens * vocab},
+            "gathered layer (bf16)": layer_bf16, **head_bytes(shape, ref_tokens * response // seq, backward=False)},
             estimated={"activations": _activations(shape, ref_tokens, False, backward=False)}))
     if with_critic:
         c_micro = _micro_rows(cfg, "critic.ppo_micro_batch_size", world)
