@@ -4,9 +4,10 @@ In the async rollout every trajectory is its own coroutine and searches when it 
 search, so retrieval is many small concurrent requests rather than one batch a turn. This
 client behaves as ``RetrievalClient`` does, on an ``httpx.AsyncClient``:
 
-- connection failures and HTTP 500/502/503/504 are retried with exponential backoff
-  (``backoff_factor * 2**(retry - 1)`` seconds before retry ``retry``), at most
-  ``max_retries`` times; other 5xx answers are not retried;
+- connection failures (refused, reset while sending or reading) and HTTP 500/502/503/504 are
+  retried with exponential backoff (``backoff_factor * 2**(retry - 1)`` seconds before retry
+  ``retry``), at most ``max_retries`` times; a 503's ``Retry-After`` (an overloaded server) is
+  waited instead when longer, up to ``timeout``; other 5xx answers are not retried;
 - 4xx answers are never retried (``RetrievalBadRequest``);
 - a read timeout is not retried (``RetrievalTimeout``): the server has the request;
 - a long query list goes out in chunks of ``max_batch_queries``, concurrently, and the
@@ -34,6 +35,7 @@ from search_r1.search.client import (
     _RetrieveEndpoint,
     parse_retrieve_response,
     raise_for_retrieve_status,
+    retry_after_s,
 )
 from search_r1.search.schema import Hit
 
@@ -101,7 +103,8 @@ class AsyncRetrievalClient(_RetrieveEndpoint):
                         self.url,
                     ) from exc
                 failure: BaseException | int = exc
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+            except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+                # refused, or reset while sending or reading: /retrieve is read-only, so resend
                 failure = exc
             except httpx.HTTPError as exc:
                 raise RetrievalError(f"retrieval request failed: {exc}", None, self.url) from exc
@@ -119,4 +122,7 @@ class AsyncRetrievalClient(_RetrieveEndpoint):
                     self.url,
                 ) from failure
             retry += 1
-            await asyncio.sleep(self.backoff_factor * 2 ** (retry - 1))
+            wait = self.backoff_factor * 2 ** (retry - 1)
+            if isinstance(failure, int):
+                wait = max(wait, retry_after_s(response, self.timeout))
+            await asyncio.sleep(wait)

@@ -9,9 +9,10 @@ Transport choices, and why:
 
 - one pooled ``requests.Session`` so that a rollout's hundreds of calls reuse TCP
   connections instead of opening one per turn;
-- retries are urllib3's ``Retry`` on the adapter: connection failures and 5xx answers
-  are retried with exponential backoff (POST included, since /retrieve is read-only);
-  4xx answers are never retried, as the same body will be refused again;
+- retries are urllib3's ``Retry`` on the adapter: connection failures (refused, or reset
+  while reading) and 5xx answers are retried with exponential backoff (POST included, since
+  /retrieve is read-only); a 503's ``Retry-After`` (an overloaded server) is waited instead,
+  up to ``timeout``; 4xx answers are never retried, as the same body will be refused again;
 - a read timeout is *not* retried: the server has the request and is slow, so sending
   it again only adds load to an overloaded server and multiplies the caller's wait;
 - a long query list is sent in chunks of ``max_batch_queries`` (servers cap the number
@@ -25,11 +26,44 @@ from typing import Any
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.exceptions import ReadTimeoutError
 from urllib3.util.retry import Retry
 
 from search_r1.search.schema import Hit
 
 RETRYABLE_STATUS = (500, 502, 503, 504)
+
+
+def retry_after_s(response: Any, cap: float) -> float:
+    """A 503 answer's ``Retry-After`` in seconds (delta-seconds form), at most `cap`; 0 when absent."""
+    if response.status_code != 503:
+        return 0.0
+    try:
+        return min(max(0.0, float(response.headers.get("Retry-After", 0))), cap)
+    except ValueError:        # an HTTP date: not sent by our servers; back off as usual
+        return 0.0
+
+
+class _Retry(Retry):
+    """urllib3's Retry, with a read timeout never retried (the server has the request) while a
+    connection reset during the read is, and a ``Retry-After`` honoured up to ``max_retry_after``."""
+
+    max_retry_after: float = 30.0
+
+    def new(self, **kw: Any) -> _Retry:
+        retry = super().new(**kw)
+        retry.max_retry_after = self.max_retry_after
+        return retry
+
+    def increment(self, method: str | None = None, url: str | None = None, response: Any = None,
+                  error: Exception | None = None, _pool: Any = None, _stacktrace: Any = None) -> Retry:
+        if isinstance(error, ReadTimeoutError):
+            raise error
+        return super().increment(method, url, response, error, _pool, _stacktrace)
+
+    def get_retry_after(self, response: Any) -> float | None:
+        after = super().get_retry_after(response)
+        return None if after is None else min(after, self.max_retry_after)
 
 
 class RetrievalError(RuntimeError):
@@ -141,11 +175,11 @@ class RetrievalClient(_RetrieveEndpoint):
         self._session = self._make_session()
 
     def _make_session(self) -> requests.Session:
-        retry = Retry(
+        retry = _Retry(
             total=self.max_retries,
             connect=self.max_retries,
             status=self.max_retries,
-            read=False,  # False re-raises the read error itself, so a timeout stays a timeout
+            read=self.max_retries,  # resets while reading; _Retry re-raises a read timeout as is
             other=0,
             redirect=0,
             allowed_methods=frozenset({"GET", "POST"}),
@@ -153,9 +187,10 @@ class RetrievalClient(_RetrieveEndpoint):
             backoff_factor=self.backoff_factor,
             # Hand the last 5xx back to us instead of raising, so its message is kept.
             raise_on_status=False,
-            # A Retry-After of minutes would stall a whole rollout; our own backoff decides.
-            respect_retry_after_header=False,
+            # An overloaded server's 503 says when to come back; capped at the request timeout.
+            respect_retry_after_header=True,
         )
+        retry.max_retry_after = self.timeout
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.pool_size, max_retries=retry)
         session = requests.Session()
         session.mount("http://", adapter)

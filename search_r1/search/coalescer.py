@@ -99,16 +99,25 @@ class Coalescer:
         loop = asyncio.get_running_loop()
         if not self.enabled:
             self._record_batch(len(queries))
+            started = loop.time()
             try:
-                return await loop.run_in_executor(self._executor, self.search_fn, queries, topk)
+                hits = await loop.run_in_executor(self._executor, self.search_fn, queries, topk)
             except Exception:
                 self.stats.errors += 1
                 raise
+            self._last_search_s = loop.time() - started
+            return hits
         if self._queue is None:
             raise RuntimeError("Coalescer.start() was not awaited before search()")
         pending = _Pending(queries=queries, topk=topk, future=loop.create_future())
         await self._queue.put(pending)
         return await pending.future
+
+    def drain_time_s(self, pending_queries: int) -> float:
+        """About how long `pending_queries` take to search: batches of ``max_batch_queries``
+        (one query each without coalescing), each as long as the last search took."""
+        per_batch = self.max_batch_queries if self.enabled else 1
+        return -(-pending_queries // per_batch) * self._last_search_s
 
     def _record_batch(self, n: int) -> None:
         self.stats.searches += 1

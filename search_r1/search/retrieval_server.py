@@ -9,7 +9,9 @@ search (``coalescer.Coalescer``; ``--no_coalesce`` turns it off), repeated
 (query, topk) pairs are answered from an LRU cache, every request is checked against
 ``ServerLimits`` (4xx with a message, never a crash; an over-long query is truncated, not
 refused: dense to ``--max_length`` tokens as the original's encoder did, BM25 to
-``--max_query_chars`` characters), and it binds 127.0.0.1 by default.
+``--max_query_chars`` characters), at most ``--max_pending_queries`` queries wait for a
+search (beyond it: 503 at once, with ``Retry-After``, which both clients honour), and it
+binds 127.0.0.1 by default.
 
     python -m search_r1.search.retrieval_server --index_path index/bm25 \\
         --corpus_path example/corpus.jsonl --retriever_name bm25 --topk 3
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections import OrderedDict
@@ -59,12 +62,26 @@ class ServerConfig:
     max_wait_ms: float = 5.0
     max_batch_queries: int = 512
     cache_size: int = 10_000
+    # Queries waiting for or in a search; a request that would pass it is answered 503 + Retry-After
+    # at once (0: no bound). A request alone on an idle server is always searched.
+    max_pending_queries: int = 16_384
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_topk <= self.limits.max_topk:
             raise ValueError(f"default_topk must be in [1, max_topk={self.limits.max_topk}], got {self.default_topk}")
         if self.cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {self.cache_size}")
+        if self.max_pending_queries < 0:
+            raise ValueError(f"max_pending_queries must be >= 0 (0: no bound), got {self.max_pending_queries}")
+
+
+class ServerOverloaded(Exception):
+    """More queries pending than ``max_pending_queries``: answered 503 with ``Retry-After``."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class HitCache:
@@ -110,16 +127,35 @@ class RetrievalService:
         )
         self.rejected = 0
         self.truncated_queries = 0
+        self.pending_queries = 0
+        self.overloaded = 0
 
     async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         results: list[list[Hit] | None] = [self.cache.get(q, topk) for q in queries]
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
-            found = await self.coalescer.search([queries[i] for i in missing], topk)
+            self._admit(len(missing))
+            self.pending_queries += len(missing)
+            try:
+                found = await self.coalescer.search([queries[i] for i in missing], topk)
+            finally:
+                self.pending_queries -= len(missing)
             for i, hits in zip(missing, found, strict=True):
                 results[i] = hits
                 self.cache.put(queries[i], topk, hits)
         return results  # type: ignore[return-value]
+
+    def _admit(self, n: int) -> None:
+        """Refuse `n` more queries when they would pass the bound (never on an idle server)."""
+        bound = self.config.max_pending_queries
+        if not bound or self.pending_queries == 0 or self.pending_queries + n <= bound:
+            return
+        self.overloaded += 1
+        wait = self.coalescer.drain_time_s(self.pending_queries)
+        retry_after = max(1, math.ceil(wait))
+        raise ServerOverloaded(
+            f"server overloaded: {self.pending_queries} queries pending, {n} more would pass "
+            f"max_pending_queries={bound}; retry after {retry_after} s", retry_after)
 
     def health(self) -> dict:
         return {
@@ -129,11 +165,14 @@ class RetrievalService:
             "default_topk": self.config.default_topk,
             "coalesce": self.config.coalesce,
             "limits": asdict(self.config.limits),
+            "max_pending_queries": self.config.max_pending_queries,
+            "pending_queries": self.pending_queries,
             "counters": {
                 **self.coalescer.stats.as_dict(),
                 "cache_hits": self.cache.hits,
                 "cache_misses": self.cache.misses,
                 "rejected": self.rejected,
+                "overloaded": self.overloaded,
                 "truncated_queries": self.truncated_queries,
             },
         }
@@ -157,6 +196,11 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
         service.rejected += 1
 
     install_request_errors(app, on_reject=_count_rejected)
+
+    @app.exception_handler(ServerOverloaded)
+    async def _overloaded(_: Request, err: ServerOverloaded) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": err.message},
+                            headers={"Retry-After": str(err.retry_after_s)})
 
     @app.exception_handler(Exception)
     async def _failed(_: Request, err: Exception) -> JSONResponse:
@@ -226,6 +270,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coalesce_wait_ms", type=float, default=5.0)
     p.add_argument("--coalesce_max_queries", type=int, default=512)
     p.add_argument("--cache_size", type=int, default=10_000, help="LRU entries; 0 disables the cache")
+    p.add_argument(
+        "--max_pending_queries", type=int, default=ServerConfig.max_pending_queries,
+        help="queries waiting for a search; beyond it a request answers 503 with Retry-After at once "
+             "(0: no bound)",
+    )
     return p.parse_args(argv)
 
 
@@ -252,6 +301,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_wait_ms=args.coalesce_wait_ms,
         max_batch_queries=args.coalesce_max_queries,
         cache_size=args.cache_size,
+        max_pending_queries=args.max_pending_queries,
     )
 
 

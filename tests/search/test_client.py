@@ -30,8 +30,10 @@ class ScriptedServer:
     fail_first: int = 0
     fail_status: int = 503
     delay_s: float = 0.0
+    retry_after: str | None = None          # the failures' Retry-After header
     calls: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    call_times: list[float] = field(default_factory=list)   # time.monotonic() of each request
 
 
 def make_scripted_app(script: ScriptedServer) -> FastAPI:
@@ -40,12 +42,14 @@ def make_scripted_app(script: ScriptedServer) -> FastAPI:
     @app.post("/retrieve")
     def retrieve(request: RetrieveRequest):
         script.calls += 1
+        script.call_times.append(time.monotonic())
         script.batch_sizes.append(len(request.queries))
         if script.delay_s:
             time.sleep(script.delay_s)
         if script.calls <= script.fail_first:
             return JSONResponse(
-                {"detail": f"scripted failure {script.calls}"}, status_code=script.fail_status
+                {"detail": f"scripted failure {script.calls}"}, status_code=script.fail_status,
+                headers={"Retry-After": script.retry_after} if script.retry_after is not None else None,
             )
         topk = request.topk or 1
         # Each hit echoes its query, so order and pairing can be checked on the client side.

@@ -1,0 +1,205 @@
+"""Backpressure: the retrieval server bounds the queries waiting for a search and answers
+503 + Retry-After at once beyond the bound; both clients wait what Retry-After says and
+resend after a connection reset, so every query is answered (docs/retriever.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from search_r1.search.async_client import AsyncRetrievalClient
+from search_r1.search.client import RetrievalClient, RetrievalUnavailable
+from search_r1.search.retrieval_server import ServerConfig, create_app
+from search_r1.search.schema import Hit
+from tests.search.test_client import ScriptedServer, make_scripted_app
+
+Serve = Callable[[FastAPI], AbstractContextManager[str]]
+
+
+class SlowRetriever:
+    """The real BM25 retriever, each search taking `delay_s` longer (a busy index)."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.kind, self.corpus = inner.kind, inner.corpus
+        self.searched: list[str] = []
+
+    def search_batch(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        time.sleep(self.delay_s)
+        self.searched.extend(queries)
+        return self.inner.search_batch(queries, topk)
+
+
+# Distinct queries: the server's cache would answer repeats without a search.
+QUERIES = [f"who wrote book number {i}" for i in range(40)]
+
+
+def _overloadable(bm25_retriever: Any) -> tuple[SlowRetriever, FastAPI]:
+    slow = SlowRetriever(bm25_retriever, delay_s=0.2)
+    return slow, create_app(slow, ServerConfig(max_pending_queries=4, max_batch_queries=2, cache_size=0))
+
+
+def test_past_the_bound_the_server_answers_503_with_retry_after_and_counts_it(
+        bm25_retriever: Any, serve: Serve) -> None:
+    slow, app = _overloadable(bm25_retriever)
+
+    async def fire(base: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(base + "/retrieve", json={"queries": [q], "topk": 2, "return_scores": True})
+                                          for q in QUERIES[:20]))
+
+    with serve(app) as base:
+        answers = asyncio.run(fire(base))
+        health = httpx.get(base + "/health").json()
+    refused = [r for r in answers if r.status_code == 503]
+    served = [r for r in answers if r.status_code == 200]
+    assert refused and served and len(refused) + len(served) == 20
+    for r in refused:
+        assert int(r.headers["Retry-After"]) >= 1
+        assert "max_pending_queries=4" in r.json()["detail"]
+    assert health["counters"]["overloaded"] == len(refused)
+    assert health["pending_queries"] == 0 and health["max_pending_queries"] == 4
+    # nothing refused was searched; everything served was, with the right hits
+    assert len(slow.searched) == len(served)
+    for q, r in zip(QUERIES[:20], answers, strict=True):
+        if r.status_code == 200:
+            expected = bm25_retriever.search_batch([q], 2)[0]
+            assert [h["document"]["id"] for h in r.json()["result"][0]] == [h.doc_id for h in expected]
+
+
+def test_a_request_alone_larger_than_the_bound_is_searched(bm25_retriever: Any, serve: Serve) -> None:
+    _, app = _overloadable(bm25_retriever)
+    with serve(app) as base:
+        answer = httpx.post(base + "/retrieve", json={"queries": QUERIES[:10], "topk": 1}, timeout=60)
+    assert answer.status_code == 200 and len(answer.json()["result"]) == 10
+
+
+def test_both_clients_answer_every_query_of_an_overloaded_server(bm25_retriever: Any, serve: Serve) -> None:
+    slow, app = _overloadable(bm25_retriever)
+    expected = [[h.doc_id for h in hits] for hits in bm25_retriever.search_batch(QUERIES, 2)]
+
+    async def many(url: str) -> list[list[Hit]]:
+        async with AsyncRetrievalClient(url, topk=2, max_retries=20, backoff_factor=0.01) as client:
+            return [hits for answer in await asyncio.gather(*(client.retrieve([q]) for q in QUERIES))
+                    for hits in answer]
+
+    with serve(app) as base:
+        got_async = asyncio.run(many(base + "/retrieve"))
+        after_async = httpx.get(base + "/health").json()["counters"]["overloaded"]
+        with RetrievalClient(base + "/retrieve", topk=2, max_retries=20, backoff_factor=0.01,
+                             pool_size=16) as client, ThreadPoolExecutor(16) as pool:
+            got_sync = [hits for answer in pool.map(lambda q: client.retrieve([q]), QUERIES) for hits in answer]
+        overloaded = httpx.get(base + "/health").json()["counters"]["overloaded"]
+    assert after_async > 0 and overloaded > after_async          # both clients were refused and came back
+    assert [[h.doc_id for h in hits] for hits in got_async] == expected
+    assert [[h.doc_id for h in hits] for hits in got_sync] == expected
+    assert sorted(slow.searched) == sorted(QUERIES * 2)          # each query searched once per client
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_a_503_is_retried_after_its_retry_after(client_kind: str, serve: Serve) -> None:
+    # backoff_factor alone would resend after 10 ms; Retry-After says 1 s
+    script = ScriptedServer(fail_first=1, fail_status=503, retry_after="1")
+    with serve(make_scripted_app(script)) as base:
+        hits = _retrieve(client_kind, base + "/retrieve", max_retries=2, backoff_factor=0.01)
+    assert [h.doc_id for h in hits[0]] == ["q#0"] and script.calls == 2
+    assert script.call_times[1] - script.call_times[0] >= 0.95
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_retry_after_is_capped_at_the_request_timeout(client_kind: str, serve: Serve) -> None:
+    script = ScriptedServer(fail_first=1, fail_status=503, retry_after="3600")
+    with serve(make_scripted_app(script)) as base:
+        started = time.monotonic()
+        hits = _retrieve(client_kind, base + "/retrieve", max_retries=2, backoff_factor=0.01, timeout=1.5)
+    assert [h.doc_id for h in hits[0]] == ["q#0"]
+    assert 1.4 <= script.call_times[1] - script.call_times[0] and time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_a_connection_reset_is_resent_and_answered(client_kind: str) -> None:
+    with _resetting_server(resets=2) as (server, url):
+        hits = _retrieve(client_kind, url, max_retries=3, backoff_factor=0.01)
+    assert [h.doc_id for h in hits[0]] == ["1"] and server.requests == 3
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_resets_past_the_retry_budget_are_unavailable(client_kind: str) -> None:
+    with _resetting_server(resets=10) as (server, url), pytest.raises(RetrievalUnavailable):
+        _retrieve(client_kind, url, max_retries=2, backoff_factor=0.01)
+    assert server.requests == 3
+
+
+def _retrieve(client_kind: str, url: str, **settings: Any) -> list[list[Hit]]:
+    if client_kind == "sync":
+        with RetrievalClient(url, topk=1, **settings) as client:
+            return client.retrieve(["q"])
+
+    async def run() -> list[list[Hit]]:
+        async with AsyncRetrievalClient(url, topk=1, **settings) as client:
+            return await client.retrieve(["q"])
+
+    return asyncio.run(run())
+
+
+class _ResettingServer(socketserver.ThreadingTCPServer):
+    """Reads each request whole, then resets the connection (RST) for the first `resets`
+    requests and answers one hit after that."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, resets: int) -> None:
+        self.resets, self.requests, self.lock = resets, 0, threading.Lock()
+        super().__init__(("127.0.0.1", 0), _ResettingHandler)
+
+
+class _ResettingHandler(socketserver.BaseRequestHandler):
+    server: _ResettingServer
+
+    def handle(self) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = self.request.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+        while len(body) < length:
+            body += self.request.recv(65536)
+        with self.server.lock:
+            self.server.requests += 1
+            reset = self.server.requests <= self.server.resets
+        if reset:
+            self.request.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.request.close()
+            return
+        payload = b'{"result": [[{"document": {"id": "1", "contents": "\\"T\\"\\nbody"}, "score": 1.0}]]}'
+        self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+
+@contextmanager
+def _resetting_server(resets: int) -> Iterator[tuple[_ResettingServer, str]]:
+    server = _ResettingServer(resets)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    finally:
+        server.shutdown()
+        server.server_close()
