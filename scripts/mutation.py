@@ -148,7 +148,9 @@ def run_module(name: str, module: Module, workdir: Path, python: str, max_childr
 
 def survivors(root: Path, python: str) -> list[str]:
     results = subprocess.run([python, "-m", "mutmut", "results"], cwd=root, capture_output=True, text=True).stdout
-    return [line.split(":")[0].strip() for line in results.splitlines() if line.strip().endswith(": survived")]
+    # "no tests": no selected test reached the mutated function; a new test may, so recheck those too.
+    return [line.split(":")[0].strip() for line in results.splitlines()
+            if line.strip().endswith((": survived", ": no tests"))]
 
 
 # Runs in the module's mutants/ directory: one pytest.main per survivor in ONE process (mutmut's
