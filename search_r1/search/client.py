@@ -21,6 +21,7 @@ Transport choices, and why:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,18 +36,22 @@ RETRYABLE_STATUS = (500, 502, 503, 504)
 
 
 def retry_after_s(response: Any, cap: float) -> float:
-    """A 503 answer's ``Retry-After`` in seconds (delta-seconds form), at most `cap`; 0 when absent."""
+    """How long to wait after a 503 answer: its ``Retry-After`` (delta-seconds) times a random
+    factor in [1, 2), so the clients an overloaded server turned away together do not all come
+    back in the same instant; at most `cap`; 0 without the header."""
     if response.status_code != 503:
         return 0.0
     try:
-        return min(max(0.0, float(response.headers.get("Retry-After", 0))), cap)
+        after = max(0.0, float(response.headers.get("Retry-After", 0)))
     except ValueError:        # an HTTP date: not sent by our servers; back off as usual
         return 0.0
+    return min(after * (1.0 + random.random()), cap)
 
 
 class _Retry(Retry):
     """urllib3's Retry, with a read timeout never retried (the server has the request) while a
-    connection reset during the read is, and a ``Retry-After`` honoured up to ``max_retry_after``."""
+    connection reset during the read is, and a ``Retry-After`` honoured (times a random factor in
+    [1, 2), as ``retry_after_s``) up to ``max_retry_after``."""
 
     max_retry_after: float = 30.0
 
@@ -63,7 +68,7 @@ class _Retry(Retry):
 
     def get_retry_after(self, response: Any) -> float | None:
         after = super().get_retry_after(response)
-        return None if after is None else min(after, self.max_retry_after)
+        return None if after is None else min(after * (1.0 + random.random()), self.max_retry_after)
 
 
 class RetrievalError(RuntimeError):

@@ -203,3 +203,21 @@ def _resetting_server(resets: int) -> Iterator[tuple[_ResettingServer, str]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [None, 8])
+def test_a_thousand_concurrent_clients_are_all_answered(bound: int | None, tmp_path: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # scripts/bench/retrieval_load.py as documented: `bash retrieval_launch.sh` (example BM25),
+    # 1,000 clients x 4 distinct single-query requests, with the default bound and a bound of 8.
+    from scripts.bench.retrieval_load import main
+
+    monkeypatch.setenv("SEARCH_R1_CACHE", str(tmp_path / "cache"))
+    args = ["--clients", "1000", "--queries", "4"] + ([] if bound is None else ["--max_pending_queries", str(bound)])
+    result = main(args)
+    assert result["answered"] == 4000 and result["failed"] == 0, result["failure_examples"]
+    assert result["server_alive_after"] and result["pending_after"] == 0
+    assert result["server_rss_mib"]["growth"] < 200
+    if bound is not None:
+        assert result["max_pending_queries"] == 8 and result["overloaded_503"] > 0
