@@ -65,7 +65,8 @@ MODULES: dict[str, Module] = {
     "llm_agent": Module(("search_r1/llm_agent/*.py",),
                         ("tests/llm_agent/test_generation.py", "tests/llm_agent/test_rollout_behaviours.py",
                          "tests/llm_agent/test_actions.py", "tests/llm_agent/test_tensor_helper.py",
-                         "tests/llm_agent/test_tool_protocol.py", "tests/llm_agent/test_tool_engines.py")),
+                         "tests/llm_agent/test_tool_protocol.py", "tests/llm_agent/test_tool_engines.py",
+                         "tests/llm_agent/test_run_async.py")),
 }
 
 
