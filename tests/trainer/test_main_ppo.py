@@ -531,3 +531,18 @@ def test_max_failure_fraction_1_trains_on_and_counts_the_failures(tiny_model_dir
     assert (metrics["env/search_failures"], metrics["env/search_failure_fraction"]) == (8.0, 1.0)
     assert metrics["env/number_of_valid_search"] == 1.0
     assert len(trainer.actor_rollout_wg.updates) == 1
+
+
+def test_one_grpo_step_with_rollout_correction_reports_weights_near_one(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    # The HF rollout samples from the policy the actor recomputes: pi_old / pi_rollout ~ 1, so token
+    # weights average ~1, none is truncated at 2, and a generous rejection band rejects nothing.
+    history, _ = _run(tiny_model_dir, tmp_path, "grpo", [
+        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=sequence",
+        "algorithm.rollout_correction.rollout_rs_threshold=100", "algorithm.rollout_correction.rollout_token_veto_threshold=1e-6"])
+    (step,) = history
+    _finite(step, "rollout_corr/")
+    assert step["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert step["rollout_corr/is_truncated_frac"] == 0.0 and step["rollout_corr/rejected_seq_frac"] == 0.0
+    assert step["rollout_corr/is_ess"] == pytest.approx(1.0, abs=1e-3)
+    _finite(step, "actor/pg_loss")

@@ -469,3 +469,21 @@ def test_fused_head_under_bf16_mixed_precision_stays_close_to_fp32(tiny_model_di
     for name, grad in grads32.items():
         error = float((grads16[name].float() - grad).norm() / grad.norm())
         assert error < 0.05, (name, error)
+
+
+def test_rollout_is_weights_in_the_batch_weight_the_policy_loss(tiny_model_dir, single_rank_group):
+    # algorithm.rollout_correction puts rollout_is_weights in the batch: the actor multiplies each
+    # token's policy loss by its weight (all 2: twice the loss; all 1: the loss without weights).
+    data = make_ppo_batch(make_actor(tiny_model_dir, single_rank_group).actor_module.config.vocab_size,
+                          batch_size=6, seed=11)
+    losses = {}
+    for name, scale in (("none", None), ("ones", 1.0), ("twos", 2.0)):
+        actor = make_actor(tiny_model_dir, single_rank_group)
+        batch = copy.deepcopy(data)
+        batch.batch[K.OLD_LOG_PROBS], _ = actor.compute_log_prob(with_meta(copy.copy(batch)))
+        if scale is not None:
+            batch.batch[K.ROLLOUT_IS_WEIGHTS] = torch.full_like(batch.batch[K.OLD_LOG_PROBS], scale)
+        losses[name] = actor.update_policy(with_meta(batch))["actor/pg_loss"][0]
+    assert losses["ones"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-7)
+    assert losses["twos"] == pytest.approx(2 * losses["none"], rel=1e-5, abs=1e-7)
+    assert abs(losses["none"]) > 1e-6

@@ -299,6 +299,9 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
             "actor_rollout_ref.actor.use_kl_loss=True and algorithm.use_kl_in_reward=True: "
             "the KL to the reference is applied twice (as a loss and as a reward penalty)"
         )
+    from verl.trainer.ppo.rollout_correction import config_errors as rollout_correction_errors
+
+    errors.extend(rollout_correction_errors(algo.get("rollout_correction")))
     if algo.no_think_rl:
         errors.append(
             "algorithm.no_think_rl=true is not supported: the generation manager keeps the model's "

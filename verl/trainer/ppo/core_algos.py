@@ -235,10 +235,13 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_probs: torch.Tens
 # --------------------------------------------------------------------------- losses
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, cliprange: float,
-                        loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        loss_agg_mode: str = "token-mean", is_weights: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate.  -> (pg_loss, pg_clipfrac, ppo_kl), all scalars.
 
     pg_clipfrac is the fraction of policy tokens whose clipped term was the active one.
+    `is_weights` (B, R): rollout correction's pi_old / pi_rollout weights, multiplying each token's
+    clipped loss (verl/trainer/ppo/rollout_correction.py); None: all 1.
     """
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
@@ -246,7 +249,10 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     ppo_kl = tf.masked_mean(-log_ratio, mask)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = tf.agg_loss(torch.max(unclipped, clipped), mask, loss_agg_mode)
+    per_token = torch.max(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.to(per_token.dtype)
+    pg_loss = tf.agg_loss(per_token, mask, loss_agg_mode)
     pg_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
     return pg_loss, pg_clipfrac, ppo_kl
 

@@ -414,6 +414,30 @@ class RayPPOTrainer:
         metrics["env/context_cut_masked_tokens"] = float((response_mask * cut_BR).sum())
         batch.batch[K.RESPONSE_MASK] = response_mask * (1 - cut_BR)
 
+    def _apply_rollout_correction(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """algorithm.rollout_correction: IS weights (pi_old / pi_rollout) for the actor's policy loss
+        and rejected tokens out of response_mask (so out of the losses), from the engine's log-probs
+        and the actor's recomputed ones. Advantages were computed before, as for cut contexts."""
+        from verl.trainer.ppo.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+
+        cfg = RolloutCorrectionConfig.from_config(self.config.algorithm.get("rollout_correction"))
+        if not cfg.enabled:
+            return
+        if K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
+            raise RuntimeError("algorithm.rollout_correction needs the engine's log-probs of the sampled tokens, "
+                               "and this rollout returned none")
+        if not batch.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True):
+            raise RuntimeError(
+                "algorithm.rollout_correction: vLLM returned log-probs renormalised over its top-p / top-k set "
+                "(actor_rollout_ref.rollout.top_p < 1 or top_k > 0 at a temperature other than 1), not the "
+                "distribution the actor recomputes; sample with top_p=1, top_k=-1 or turn the correction off")
+        corr = compute_rollout_correction(batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS],
+                                          batch.batch[K.RESPONSE_MASK], cfg)
+        batch.batch[K.RESPONSE_MASK] = corr.response_mask
+        if corr.weights is not None:
+            batch.batch[K.ROLLOUT_IS_WEIGHTS] = corr.weights
+        metrics.update(corr.metrics)
+
     def _mfu(self, batch: DataProto, seconds: float) -> dict[str, float]:
         if self._flops_counter is None or seconds <= 0 or not self._peak_flops:
             return {}
@@ -464,6 +488,7 @@ class RayPPOTrainer:
                 self._compute_reward(batch, metrics)
                 self._compute_advantage(batch)
                 self._mask_cut_context(batch, metrics)
+                self._apply_rollout_correction(batch, metrics)
             if self.use_critic:
                 with mu.timer("update_critic", timing):
                     critic_out = self.critic_wg.update_critic(batch)

@@ -173,8 +173,10 @@ class DataParallelPPOActor(BasePPOActor):
         loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         response_mask = micro[K.RESPONSE_MASK].float()
         entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=True)
+        is_weights = micro[K.ROLLOUT_IS_WEIGHTS] if K.ROLLOUT_IS_WEIGHTS in micro.keys() else None
         pg_loss, pg_clipfrac, ppo_kl = core_algos.compute_policy_loss(
-            micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask, cfg.clip_ratio, loss_agg_mode)
+            micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask, cfg.clip_ratio, loss_agg_mode,
+            is_weights)
         entropy_loss = tf.agg_loss(entropy, response_mask, loss_agg_mode)
         policy_loss = pg_loss - float(cfg.get("entropy_coeff", 0.0)) * entropy_loss
         if cfg.get("use_kl_loss", False):
@@ -193,7 +195,8 @@ class DataParallelPPOActor(BasePPOActor):
         """PPO epochs x mini-batches x micro-batches; one optimizer step per mini-batch.
 
         Reads responses, input_ids, attention_mask, position_ids, old_log_probs,
-        advantages, response_mask (+ ref_log_prob when use_kl_loss); meta_info temperature.
+        advantages, response_mask (+ ref_log_prob when use_kl_loss, + rollout_is_weights when
+        present); meta_info temperature.
         """
         if self.actor_optimizer is None:
             raise RuntimeError("update_policy needs an optimizer; this actor was built for inference only")
@@ -203,6 +206,8 @@ class DataParallelPPOActor(BasePPOActor):
         keys = _FORWARD_KEYS + [K.OLD_LOG_PROBS, K.ADVANTAGES, K.RESPONSE_MASK]
         if cfg.get("use_kl_loss", False):
             keys.append(K.REF_LOG_PROB)
+        if K.ROLLOUT_IS_WEIGHTS in data.batch.keys():          # algorithm.rollout_correction.rollout_is
+            keys.append(K.ROLLOUT_IS_WEIGHTS)
         batch = data.select(batch_keys=keys).batch
         metrics: dict[str, list[float]] = defaultdict(list)
         grad_nonfinite = 0

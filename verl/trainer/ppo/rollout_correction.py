@@ -1,0 +1,177 @@
+"""Rollout correction: importance-sampling weights and rejection masks between the policy the
+trainer recomputes (old log-probs, π_old) and the engine that sampled (rollout log-probs, π_rollout).
+
+The engine and the trainer's forward differ (bf16 kernels, vLLM's own implementation, later a stale
+policy), so the PPO ratio π_θ / π_old is not the importance ratio of the sampled tokens. veRL's
+`algorithm.rollout_correction` (its docs/algo/rollout_corr.md) corrects that in "decoupled" mode;
+the same keys and meanings here:
+
+- `rollout_is` (null | token | sequence): weights ρ = π_old / π_rollout, per token, or per row as
+  the product over its policy tokens (broadcast to them), truncated above at `rollout_is_threshold`
+  (default 2.0); `rollout_is_batch_normalize` rescales them to mean 1 (over the policy tokens, or over
+  the rows for sequence weights). The policy loss of each token is multiplied by its weight.
+- `rollout_rs` (null | token | sequence | geometric): rejection. A token (token), or a whole row
+  (sequence: the product of its ratios; geometric: their geometric mean), whose ratio is above
+  `rollout_rs_threshold` (null: `rollout_is_threshold`) or below `rollout_rs_threshold_lower` (null:
+  the reciprocal of the upper bound) leaves the loss: its response_mask is set to 0, so it is out of
+  the loss's denominator as well.
+- `rollout_token_veto_threshold` (null | float): a row with any token ratio below it is rejected.
+
+Every ratio (a token's, a row's product or geometric mean of the unbounded token ratios) is bounded
+to [exp(-20), exp(20)] (the veto reads the unbounded token ratio); weights are 0 outside the policy
+tokens. veRL's bypass and pure-IS modes (`bypass_old_logprob_for_rollout`,
+`use_pure_rollout_correction`) are not implemented and refused by the config check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+IS_LEVELS = (None, "token", "sequence")
+RS_LEVELS = (None, "token", "sequence", "geometric")
+LOG_RATIO_BOUND = 20.0          # ratios are bounded to [exp(-20), exp(20)]
+PREFIX = "algorithm.rollout_correction"
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | None = None
+    rollout_rs_threshold_lower: float | None = None
+    rollout_token_veto_threshold: float | None = None
+
+    @classmethod
+    def from_config(cls, node: Any) -> RolloutCorrectionConfig:
+        """From `algorithm.rollout_correction` (a mapping; None: everything off)."""
+        if node is None:
+            return cls()
+        get = node.get
+        return cls(rollout_is=get("rollout_is"), rollout_is_threshold=float(get("rollout_is_threshold", 2.0)),
+                   rollout_is_batch_normalize=bool(get("rollout_is_batch_normalize", False)),
+                   rollout_rs=get("rollout_rs"), rollout_rs_threshold=_opt_float(get("rollout_rs_threshold")),
+                   rollout_rs_threshold_lower=_opt_float(get("rollout_rs_threshold_lower")),
+                   rollout_token_veto_threshold=_opt_float(get("rollout_token_veto_threshold")))
+
+    @property
+    def enabled(self) -> bool:
+        return (self.rollout_is is not None or self.rollout_rs is not None
+                or self.rollout_token_veto_threshold is not None)
+
+    def rs_bounds(self) -> tuple[float, float]:
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
+        return lower, upper
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def config_errors(node: Any) -> list[str]:
+    """What is wrong with `algorithm.rollout_correction`, each message naming its key."""
+    if node is None:
+        return []
+    errors = []
+    for key, allowed in (("rollout_is", IS_LEVELS), ("rollout_rs", RS_LEVELS)):
+        if node.get(key) not in allowed:
+            errors.append(f"{PREFIX}.{key}={node.get(key)!r} is unknown; choose one of {list(allowed)}")
+    for key in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_rs_threshold_lower",
+                "rollout_token_veto_threshold"):
+        value = node.get(key)
+        if value is None:
+            if key == "rollout_is_threshold":
+                errors.append(f"{PREFIX}.{key} must be a number > 0 (default 2.0)")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            errors.append(f"{PREFIX}.{key}={value!r} must be a number > 0 or null")
+    if not errors:
+        lower, upper = RolloutCorrectionConfig.from_config(node).rs_bounds()
+        if node.get("rollout_rs") is not None and not lower < upper:
+            errors.append(f"{PREFIX}.rollout_rs_threshold_lower={lower:g} must be below the upper bound {upper:g} "
+                          "(rollout_rs_threshold, or rollout_is_threshold when that is null)")
+    for key, meaning in (("bypass_old_logprob_for_rollout", "bypass mode (the rollout log-probs as the PPO anchor)"),
+                         ("use_pure_rollout_correction", "the pure importance-sampling loss")):
+        if node.get(key):
+            errors.append(f"{PREFIX}.{key}=true: veRL's {meaning} is not implemented here; the decoupled mode "
+                          "(old log-probs recomputed, ratios against the engine's) is: set it to false")
+    return errors
+
+
+@dataclass
+class RolloutCorrection:
+    """What `compute_rollout_correction` returns: weights (B, R) or None (no `rollout_is`), the
+    response mask with rejected tokens set to 0, and metrics."""
+
+    weights: torch.Tensor | None
+    response_mask: torch.Tensor
+    metrics: dict[str, float]
+
+
+def compute_rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                               response_mask: torch.Tensor, cfg: RolloutCorrectionConfig) -> RolloutCorrection:
+    """IS weights and rejection for (B, R) log-probs over the policy tokens of `response_mask`."""
+    mask = response_mask.bool()
+    maskf = mask.to(torch.float32)
+    log_ratio = (old_log_probs.float() - rollout_log_probs.float()) * maskf
+    bounded = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    tokens_per_row = maskf.sum(-1)
+    rows = tokens_per_row > 0
+    # a row's product (and geometric mean) from the unbounded ratios, then bounded itself
+    seq_log_ratio = log_ratio.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    geo_log_ratio = (log_ratio.sum(-1) / tokens_per_row.clamp(min=1)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    metrics: dict[str, float] = {}
+
+    weights = None
+    if cfg.rollout_is is not None:
+        raw = torch.exp(bounded) if cfg.rollout_is == "token" else torch.exp(seq_log_ratio)[:, None].expand_as(bounded)
+        weights = raw.clamp(max=cfg.rollout_is_threshold) * maskf
+        truncated = (raw > cfg.rollout_is_threshold) & mask
+        if cfg.rollout_is_batch_normalize:
+            if cfg.rollout_is == "token":
+                mean = weights.sum() / maskf.sum().clamp(min=1)
+            else:
+                mean = weights[:, 0][rows].mean() if bool(rows.any()) else weights.new_tensor(1.0)
+            weights = weights / mean.clamp(min=1e-12)
+        valid = weights[mask]
+        metrics.update({
+            "rollout_corr/is_weight_mean": float(valid.mean()) if valid.numel() else 1.0,
+            "rollout_corr/is_weight_max": float(valid.max()) if valid.numel() else 1.0,
+            "rollout_corr/is_truncated_frac": float(truncated.sum() / maskf.sum().clamp(min=1)),
+            "rollout_corr/is_ess": _effective_sample_size(valid),
+        })
+
+    keep = mask.clone()
+    if cfg.rollout_rs is not None:
+        lower, upper = cfg.rs_bounds()
+        if cfg.rollout_rs == "token":
+            ratio = torch.exp(bounded)
+            keep &= (ratio <= upper) & (ratio >= lower)
+        else:
+            row_log = seq_log_ratio if cfg.rollout_rs == "sequence" else geo_log_ratio
+            ratio = torch.exp(row_log)
+            keep &= ((ratio <= upper) & (ratio >= lower))[:, None]
+    if cfg.rollout_token_veto_threshold is not None:
+        # the unbounded per-token ratio, over policy tokens only
+        vetoed = ((torch.exp(log_ratio) < cfg.rollout_token_veto_threshold) & mask).any(-1)
+        keep &= ~vetoed[:, None]
+        metrics["rollout_corr/veto_seq_frac"] = float(vetoed[rows].float().mean()) if bool(rows.any()) else 0.0
+    rejected = mask & ~keep
+    metrics["rollout_corr/rejected_token_frac"] = float(rejected.sum() / maskf.sum().clamp(min=1))
+    rejected_rows = (rejected.any(-1) & ~keep.any(-1))[rows]
+    metrics["rollout_corr/rejected_seq_frac"] = float(rejected_rows.float().mean()) if rejected_rows.numel() else 0.0
+    return RolloutCorrection(weights=weights, response_mask=keep.to(response_mask.dtype), metrics=metrics)
+
+
+def _effective_sample_size(weights: torch.Tensor) -> float:
+    """(Σw)² / (n Σw²) in (0, 1]: 1 when every weight is equal."""
+    if weights.numel() == 0:
+        return 1.0
+    total, squares = float(weights.sum()), float(weights.square().sum())
+    return total * total / (weights.numel() * squares) if squares > 0 and math.isfinite(squares) else 0.0
