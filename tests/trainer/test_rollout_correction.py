@@ -142,3 +142,25 @@ def test_off_by_default() -> None:
     assert not RolloutCorrectionConfig.from_config(cfg.algorithm.rollout_correction).enabled
     assert OmegaConf.to_container(cfg.algorithm.rollout_correction)["rollout_is"] is None
 
+
+
+def test_observation_tokens_in_the_loss_take_no_part_in_the_ratios() -> None:
+    # actor.state_masking=false: response_mask holds the observations too, but the engine never
+    # sampled them (rollout log-prob 0.0 placeholder there): ratios come from the policy tokens only.
+    response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    policy = torch.tensor([[1, 0, 0, 1], [1, 1, 0, 0]])                 # columns 1-2 of row 0, 2 of row 1: observation
+    old = torch.tensor([[math.log(0.6), -9.0, -9.0, math.log(0.5)], [math.log(0.3), math.log(0.6), -9.0, 0.0]])
+    rollout = torch.tensor([[math.log(0.4), 0.0, 0.0, math.log(0.5)], [math.log(0.2), math.log(0.5), 0.0, 0.0]])
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=5.0,
+                                  rollout_token_veto_threshold=1e-3, rollout_rs="token", rollout_rs_threshold=5.0)
+    out = compute_rollout_correction(old, rollout, response_mask, cfg, policy_mask=policy)
+    # row 0: 1.5 x 1 = 1.5 on its policy tokens; row 1: 1.5 x 1.2 = 1.8; observations weigh 1, padding 0
+    torch.testing.assert_close(out.weights, torch.tensor([[1.5, 1.0, 1.0, 1.5], [1.8, 1.8, 1.0, 0.0]]))
+    assert torch.equal(out.response_mask, response_mask)                 # e^-9 on observations vetoes nothing
+    # a row rejected as a whole leaves the loss with its observations
+    cfg = RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold=1.6)
+    out = compute_rollout_correction(old, rollout, response_mask, cfg, policy_mask=policy)
+    assert out.response_mask.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
+    # without the policy mask the placeholders would be ratios: e^-9 vetoes row 0
+    vetoing = RolloutCorrectionConfig(rollout_token_veto_threshold=1e-3)
+    assert compute_rollout_correction(old, rollout, response_mask, vetoing).response_mask[0].tolist() == [0, 0, 0, 0]

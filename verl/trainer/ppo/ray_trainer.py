@@ -431,8 +431,11 @@ class RayPPOTrainer:
                 "algorithm.rollout_correction: vLLM returned log-probs renormalised over its top-p / top-k set "
                 "(actor_rollout_ref.rollout.top_p < 1 or top_k > 0 at a temperature other than 1), not the "
                 "distribution the actor recomputes; sample with top_p=1, top_k=-1 or turn the correction off")
+        # ratios over the tokens the engine sampled (loss_mask), also when state_masking=false puts
+        # observations in response_mask
+        policy = batch.batch[K.LOSS_MASK] if K.LOSS_MASK in batch.batch.keys() else None
         corr = compute_rollout_correction(batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS],
-                                          batch.batch[K.RESPONSE_MASK], cfg)
+                                          batch.batch[K.RESPONSE_MASK], cfg, policy_mask=policy)
         batch.batch[K.RESPONSE_MASK] = corr.response_mask
         if corr.weights is not None:
             batch.batch[K.ROLLOUT_IS_WEIGHTS] = corr.weights

@@ -115,14 +115,22 @@ class RolloutCorrection:
 
 
 def compute_rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                               response_mask: torch.Tensor, cfg: RolloutCorrectionConfig) -> RolloutCorrection:
-    """IS weights and rejection for (B, R) log-probs over the policy tokens of `response_mask`."""
+                               response_mask: torch.Tensor, cfg: RolloutCorrectionConfig,
+                               policy_mask: torch.Tensor | None = None) -> RolloutCorrection:
+    """IS weights and rejection for (B, R) log-probs.
+
+    Ratios come from the policy tokens (`policy_mask`, the tokens the engine sampled; None: all of
+    `response_mask`), never from observation tokens, which the engine did not sample and has no
+    log-prob for (they are in `response_mask` under `actor.state_masking=false`): their weight is 1,
+    and they leave the loss only with their row (sequence / geometric rejection, the veto)."""
     mask = response_mask.bool()
-    maskf = mask.to(torch.float32)
-    log_ratio = (old_log_probs.float() - rollout_log_probs.float()) * maskf
+    policy = mask if policy_mask is None else mask & policy_mask.bool()
+    policyf = policy.to(torch.float32)
+    log_ratio = (old_log_probs.float() - rollout_log_probs.float()) * policyf
     bounded = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    tokens_per_row = maskf.sum(-1)
+    tokens_per_row = policyf.sum(-1)
     rows = tokens_per_row > 0
+    n_tokens = policyf.sum().clamp(min=1)
     # a row's product (and geometric mean) from the unbounded ratios, then bounded itself
     seq_log_ratio = log_ratio.sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     geo_log_ratio = (log_ratio.sum(-1) / tokens_per_row.clamp(min=1)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
@@ -130,42 +138,47 @@ def compute_rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: t
 
     weights = None
     if cfg.rollout_is is not None:
-        raw = torch.exp(bounded) if cfg.rollout_is == "token" else torch.exp(seq_log_ratio)[:, None].expand_as(bounded)
-        weights = raw.clamp(max=cfg.rollout_is_threshold) * maskf
-        truncated = (raw > cfg.rollout_is_threshold) & mask
-        if cfg.rollout_is_batch_normalize:
-            if cfg.rollout_is == "token":
-                mean = weights.sum() / maskf.sum().clamp(min=1)
-            else:
-                mean = weights[:, 0][rows].mean() if bool(rows.any()) else weights.new_tensor(1.0)
-            weights = weights / mean.clamp(min=1e-12)
-        valid = weights[mask]
+        if cfg.rollout_is == "token":
+            raw = torch.exp(bounded)
+            weights = raw.clamp(max=cfg.rollout_is_threshold) * policyf
+            truncated = (raw > cfg.rollout_is_threshold) & policy
+            if cfg.rollout_is_batch_normalize:
+                weights = weights / (weights.sum() / n_tokens).clamp(min=1e-12)
+        else:
+            raw_row = torch.exp(seq_log_ratio)
+            row_weights = raw_row.clamp(max=cfg.rollout_is_threshold)
+            if cfg.rollout_is_batch_normalize and bool(rows.any()):
+                row_weights = row_weights / row_weights[rows].mean().clamp(min=1e-12)
+            weights = row_weights[:, None] * policyf
+            truncated = (raw_row > cfg.rollout_is_threshold)[:, None] & policy
+        valid = weights[policy]
         metrics.update({
             "rollout_corr/is_weight_mean": float(valid.mean()) if valid.numel() else 1.0,
             "rollout_corr/is_weight_max": float(valid.max()) if valid.numel() else 1.0,
-            "rollout_corr/is_truncated_frac": float(truncated.sum() / maskf.sum().clamp(min=1)),
+            "rollout_corr/is_truncated_frac": float(truncated.sum() / n_tokens),
             "rollout_corr/is_ess": _effective_sample_size(valid),
         })
+        # tokens in the loss that the engine did not sample (observations without state masking): 1
+        weights = torch.where(mask & ~policy, torch.ones_like(weights), weights)
 
-    keep = mask.clone()
+    keep_token = torch.ones_like(mask)
+    keep_row = torch.ones_like(rows)
     if cfg.rollout_rs is not None:
         lower, upper = cfg.rs_bounds()
         if cfg.rollout_rs == "token":
             ratio = torch.exp(bounded)
-            keep &= (ratio <= upper) & (ratio >= lower)
+            keep_token = ~policy | ((ratio <= upper) & (ratio >= lower))
         else:
-            row_log = seq_log_ratio if cfg.rollout_rs == "sequence" else geo_log_ratio
-            ratio = torch.exp(row_log)
-            keep &= ((ratio <= upper) & (ratio >= lower))[:, None]
+            ratio = torch.exp(seq_log_ratio if cfg.rollout_rs == "sequence" else geo_log_ratio)
+            keep_row &= ~rows | ((ratio <= upper) & (ratio >= lower))
     if cfg.rollout_token_veto_threshold is not None:
         # the unbounded per-token ratio, over policy tokens only
-        vetoed = ((torch.exp(log_ratio) < cfg.rollout_token_veto_threshold) & mask).any(-1)
-        keep &= ~vetoed[:, None]
+        vetoed = ((torch.exp(log_ratio) < cfg.rollout_token_veto_threshold) & policy).any(-1)
+        keep_row &= ~vetoed
         metrics["rollout_corr/veto_seq_frac"] = float(vetoed[rows].float().mean()) if bool(rows.any()) else 0.0
-    rejected = mask & ~keep
-    metrics["rollout_corr/rejected_token_frac"] = float(rejected.sum() / maskf.sum().clamp(min=1))
-    rejected_rows = (rejected.any(-1) & ~keep.any(-1))[rows]
-    metrics["rollout_corr/rejected_seq_frac"] = float(rejected_rows.float().mean()) if rejected_rows.numel() else 0.0
+    keep = mask & keep_token & keep_row[:, None]
+    metrics["rollout_corr/rejected_token_frac"] = float((policy & ~keep).sum() / n_tokens)
+    metrics["rollout_corr/rejected_seq_frac"] = float((~keep_row)[rows].float().mean()) if bool(rows.any()) else 0.0
     return RolloutCorrection(weights=weights, response_mask=keep.to(response_mask.dtype), metrics=metrics)
 
 
