@@ -77,7 +77,7 @@ TINY: dict[str, Any] = {**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 
                         "bos_token_id": 511, "eos_token_id": 511}
 MEASURED_PHASES = ("actor_update", "actor_log_prob")
 # Entries of an actor phase that belong to the actor (the rest would be another model's resident state).
-_ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "log-prob head")
+_ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "gathered root unit", "reduce-scatter staging", "log-prob head")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ TWO_BY_EIGHT = ["trainer.ray_address=auto", "trainer.nnodes=2", "trainer.n_gpus_
                 "trainer.logger=[console]", "do_search=false", f"actor_rollout_ref.model.path={QWEN_7B}",
                 f"critic.model.path={QWEN_7B}", "trainer.gpu_memory_gib=80",
                 "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                "actor_rollout_ref.model.enable_gradient_checkpointing=true"]
 
 
 @pytest.fixture
@@ -255,8 +256,8 @@ def test_train_ppo_sh_with_the_7b_config_passes_preflight_without_search(tmp_pat
     # warning when it is too small, never the exit status)
     assert "checkpoints: " in proc.stdout and "3 x 178.3 GiB = 535.0 GiB needed" in proc.stdout
     # PPO: in-reward KL (use_kl_in_reward null with gae) needs the reference policy
-    assert set(report["memory_plan_gib"]) == {"actor_update", "actor_log_prob", "reference_log_prob", "critic_update", "rollout",
-                                              "checkpoint_save"}
+    assert set(report["memory_plan_gib"]) == {"actor_update", "actor_log_prob", "reference_log_prob", "critic_values",
+                                              "critic_update", "rollout", "checkpoint_save"}
     print(f"bash train_ppo.sh preflight (7B, 8 GPUs, no search): {seconds:.1f} s")
 
 

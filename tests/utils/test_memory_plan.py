@@ -110,3 +110,30 @@ def test_the_log_prob_head_is_planned_as_the_fused_chunked_head_runs() -> None:
     assert one_chunk["log-prob head chunk (512 rows x vocab)"] == 8 * 512 * 152064
     assert one_chunk["log-prob head lm_head grad"] == 2 * 152064 * 3584           # bf16, as the weight
     assert sum(log_prob.values()) < 1.5 * 1024 ** 3      # the unfused (16 x 4548 x vocab fp32) logits: 41 GiB
+
+
+def _seven_b(*extra: str):
+    cfg = compose_config([f"actor_rollout_ref.model.path={CONFIGS / 'qwen2.5-7b'}",
+                          f"critic.model.path={CONFIGS / 'qwen2.5-7b'}", "trainer.n_gpus_per_node=8", "do_search=false",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size=64", "critic.ppo_micro_batch_size=8", *extra])
+    OmegaConf.resolve(cfg)
+    return {p.name: p for p in plan_memory(cfg).phases}
+
+
+def test_the_root_unit_the_critics_value_pass_and_dynamic_batches_are_planned() -> None:
+    phases = _seven_b()
+    v, h = 152064, 3584
+    update = phases["actor_update"].certain
+    assert update["gathered root unit (bf16)"] == 2 * (2 * v * h + h)                 # untied: embeddings + lm_head
+    assert update["reduce-scatter staging (bf16 + fp32)"] == 6 * (2 * v * h + h)     # the root is the largest unit
+    assert phases["critic_values"].certain["gathered root unit (bf16)"] == 2 * (v * h + h)   # no lm_head
+    # the value pass has its own micro-batch: 4 rows per GPU instead of the update's 1
+    small = phases["critic_values"].estimated["activations"]
+    big = _seven_b("critic.forward_micro_batch_size_per_gpu=4")["critic_values"].estimated["activations"]
+    assert big == 4 * small and phases["critic_update"].estimated == _seven_b()["critic_update"].estimated
+    # packed by tokens: every one of ppo_max_token_len_per_gpu tokens may be a response position
+    dyn = _seven_b("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384")
+    assert dyn["actor_update"].certain["log-prob head per response token"] == 16384 * (16 + 4 * h)
+    # the log-prob pass reads its own key (log_prob_use_dynamic_bsz), not the actor's
+    lp = _seven_b("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false")
+    assert lp["actor_log_prob"].certain["log-prob head per response token"] == 16 * 16 * 500    # 128/8 rows x 500

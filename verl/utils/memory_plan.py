@@ -115,6 +115,12 @@ class ModelShape:
     def layer_params(self) -> int:
         return self._layer()[0]
 
+    def root_params(self) -> int:
+        """Parameters of the causal LM outside its decoder layers (FSDP2's root unit): the embeddings,
+        an untied lm_head, the final norm."""
+        heads = 1 if self.tie_word_embeddings else 2
+        return heads * self.vocab_size * self.hidden_size + self.hidden_size
+
 
 def read_model_config(path: str) -> tuple[dict[str, Any], str]:
     """config.json of a model folder (or of a hub id already in the local HF cache); no download.
@@ -273,7 +279,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     with_ref = need_reference_policy(cfg)
     seq = sequence_length(cfg)
     response = seq - prompt_bound(cfg)[0]       # positions the head runs on, per row
-    layer_bf16 = BF16 * shape.layer_params()        # one FSDP unit gathered for compute (bf16)
+    layer_bf16 = BF16 * shape.layer_params()        # one decoder layer's FSDP unit gathered for compute (bf16)
 
     afs = arr.actor.fsdp_config
     actor_params = _shard(FP32 * p, world)
@@ -300,38 +306,65 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         return {k: v for k, v in resident.items() if not any(k.startswith(o) for o in own)}
 
     phases: list[Phase] = []
-    dyn = bool(arr.actor.use_dynamic_bsz)
-    # actor update: its own params, grads and optimizer on the GPU, one micro-batch's head and activations
-    micro = _micro_rows(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size", world)
-    tokens = int(arr.actor.ppo_max_token_len_per_gpu) if dyn else micro * seq
     ckpt = bool(arr.model.enable_gradient_checkpointing)
+
+    def tokens_of(dynamic: bool, max_tokens: int, micro_key: str) -> tuple[int, int]:
+        """(tokens, response positions) of one micro-batch: packed by tokens (use_dynamic_bsz: up to
+        max_tokens, all of them possibly response positions), or micro rows at the max lengths."""
+        if dynamic:
+            return max_tokens, max_tokens
+        rows = _micro_rows(cfg, micro_key, world)
+        return rows * seq, rows * response
+
+    # FSDP2's root unit (embeddings, an untied lm_head, the final norm) stays gathered in bf16 through a
+    # forward and a backward; the update's reduce-scatter stages one unit's bf16 gradient and its fp32 copy.
+    root_bf16 = BF16 * shape.root_params()
+    staging = (BF16 + FP32) * max(shape.layer_params(), shape.root_params())
+    # actor update: its own params, grads and optimizer on the GPU, one micro-batch's head and activations
+    tokens, kept = tokens_of(bool(arr.actor.use_dynamic_bsz), int(arr.actor.ppo_max_token_len_per_gpu),
+                             "actor_rollout_ref.actor.ppo_micro_batch_size")
     phases.append(Phase("actor_update", certain={
         **others("actor"), "actor params (fp32 shard)": actor_params, "actor grads (fp32 shard)": actor_grads,
-        "actor AdamW state (shard)": actor_optim, "gathered layer (bf16)": layer_bf16,
-        **head_bytes(shape, tokens * response // seq, backward=True)},
+        "actor AdamW state (shard)": actor_optim, "gathered root unit (bf16)": root_bf16,
+        "gathered layer (bf16)": layer_bf16, "reduce-scatter staging (bf16 + fp32)": staging,
+        **head_bytes(shape, kept, backward=True)},
         estimated={"activations": _activations(shape, tokens, ckpt, backward=True)}))
-    # log-prob passes (old policy, and the reference's)
-    lp_micro = _micro_rows(cfg, "actor_rollout_ref.rollout.log_prob_micro_batch_size", world)
-    lp_tokens = int(arr.rollout.log_prob_max_token_len_per_gpu) if dyn else lp_micro * seq
+    # log-prob passes (old policy, and the reference's), each with its own dynamic-batching keys
+    lp_tokens, lp_kept = tokens_of(bool(arr.rollout.log_prob_use_dynamic_bsz),
+                                   int(arr.rollout.log_prob_max_token_len_per_gpu),
+                                   "actor_rollout_ref.rollout.log_prob_micro_batch_size")
     phases.append(Phase("actor_log_prob", certain={
-        **others("actor params"), "actor params (fp32 shard)": actor_params, "gathered layer (bf16)": layer_bf16,
-        **head_bytes(shape, lp_tokens * response // seq, backward=False)},
+        **others("actor params"), "actor params (fp32 shard)": actor_params, "gathered root unit (bf16)": root_bf16,
+        "gathered layer (bf16)": layer_bf16, **head_bytes(shape, lp_kept, backward=False)},
         estimated={"activations": _activations(shape, lp_tokens, ckpt, backward=False)}))
     if with_ref:
-        ref_micro = _micro_rows(cfg, "actor_rollout_ref.ref.log_prob_micro_batch_size", world)
-        ref_tokens = int(arr.ref.log_prob_max_token_len_per_gpu) if dyn else ref_micro * seq
+        ref_tokens, ref_kept = tokens_of(bool(arr.ref.log_prob_use_dynamic_bsz),
+                                         int(arr.ref.log_prob_max_token_len_per_gpu),
+                                         "actor_rollout_ref.ref.log_prob_micro_batch_size")
         phases.append(Phase("reference_log_prob", certain={
             **others("reference"), "reference params (fp32 shard)": _shard(FP32 * p, world),
-            "gathered layer (bf16)": layer_bf16, **head_bytes(shape, ref_tokens * response // seq, backward=False)},
+            "gathered root unit (bf16)": root_bf16, "gathered layer (bf16)": layer_bf16,
+            **head_bytes(shape, ref_kept, backward=False)},
             estimated={"activations": _activations(shape, ref_tokens, False, backward=False)}))
     if with_critic:
-        c_micro = _micro_rows(cfg, "critic.ppo_micro_batch_size", world)
-        c_tokens = int(cfg.critic.ppo_max_token_len_per_gpu) if cfg.critic.use_dynamic_bsz else c_micro * seq
-        c_ckpt = bool(cfg.critic.model.enable_gradient_checkpointing)
+        critic_cfg = cfg.critic
+        c_dyn = bool(critic_cfg.use_dynamic_bsz)
+        c_ckpt = bool(critic_cfg.model.enable_gradient_checkpointing)
+        c_root = BF16 * (cshape.root_params() - (0 if cshape.tie_word_embeddings else
+                                                  cshape.vocab_size * cshape.hidden_size))  # no lm_head
+        c_layer = BF16 * cshape.layer_params()
+        # the value pass (compute_values), with its own micro-batch keys
+        v_tokens, _ = tokens_of(c_dyn, int(critic_cfg.forward_max_token_len_per_gpu), "critic.forward_micro_batch_size")
+        phases.append(Phase("critic_values", certain={
+            **others("critic params"), "critic params (fp32 shard)": critic_params,
+            "gathered root unit (bf16)": c_root, "gathered layer (bf16)": c_layer},
+            estimated={"activations": _activations(cshape, v_tokens, False, backward=False)}))
+        c_tokens, _ = tokens_of(c_dyn, int(critic_cfg.ppo_max_token_len_per_gpu), "critic.ppo_micro_batch_size")
         phases.append(Phase("critic_update", certain={
             **others("critic"), "critic params (fp32 shard)": critic_params,
             "critic grads (fp32 shard)": _shard(FP32 * cp, world), "critic AdamW state (shard)": critic_optim,
-            "gathered layer (bf16)": BF16 * cshape.layer_params()},
+            "gathered root unit (bf16)": c_root, "gathered layer (bf16)": c_layer,
+            "reduce-scatter staging (bf16 + fp32)": (BF16 + FP32) * max(cshape.layer_params(), c_root // BF16)},
             estimated={"activations": _activations(cshape, c_tokens, c_ckpt, backward=True)}))
     # rollout: vLLM's budget (weights + KV pool) beside what the trainer keeps resident; the wake
     # (free_cache_engine) runs after the training allocator's cache is emptied, so the same sum.
