@@ -144,17 +144,9 @@ def test_log_probs_are_computed_in_eval_mode_after_an_update(single_rank_group, 
     assert torch.equal(first, second)
 
 
-def test_each_update_shuffles_its_mini_batches_anew_and_reproducibly(tiny_model_dir, single_rank_group, monkeypatch):
+def test_each_update_shuffles_its_mini_batches_anew_and_reproducibly(tiny_model_dir, single_rank_group, randperms):
     """Issue 13 item 6: the shuffle seed changes with every update call, and runs repeat it."""
-    perms: list[list[int]] = []
-    real_randperm = torch.randperm
-
-    def recording_randperm(n, *args, **kwargs):
-        out = real_randperm(n, *args, **kwargs)
-        perms.append(out.tolist())
-        return out
-
-    monkeypatch.setattr(torch, "randperm", recording_randperm)
+    perms = randperms
 
     def two_updates() -> list[list[int]]:
         perms.clear()

@@ -56,20 +56,6 @@ def step_norm(before: list[torch.Tensor], actor: DataParallelPPOActor) -> float:
                                 zip(actor.actor_module.parameters(), before, strict=True))))
 
 
-@pytest.fixture
-def randperms(monkeypatch) -> list[list[int]]:
-    calls: list[list[int]] = []
-    real = torch.randperm
-
-    def recording(n, *args, **kwargs):
-        out = real(n, *args, **kwargs)
-        calls.append(out.tolist())
-        return out
-
-    monkeypatch.setattr(torch, "randperm", recording)
-    return calls
-
-
 def _vocab(model_dir: str) -> int:
     return AutoConfig.from_pretrained(model_dir).vocab_size
 

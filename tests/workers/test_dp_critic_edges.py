@@ -26,20 +26,6 @@ def make_critic(model_dir: str, optimizer: bool = True, **settings) -> DataParal
     return DataParallelPPOCritic(cfg, module, torch.optim.SGD(module.parameters(), lr=1e-3) if optimizer else None)
 
 
-@pytest.fixture
-def randperms(monkeypatch) -> list[list[int]]:
-    calls: list[list[int]] = []
-    real = torch.randperm
-
-    def recording(n, *args, **kwargs):
-        out = real(n, *args, **kwargs)
-        calls.append(out.tolist())
-        return out
-
-    monkeypatch.setattr(torch, "randperm", recording)
-    return calls
-
-
 def test_critic_defaults_mask_observations_one_epoch_no_shuffle(tiny_model_dir, randperms):
     critic = make_critic(tiny_model_dir)
     data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=6, seed=3)
