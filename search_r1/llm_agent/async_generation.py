@@ -109,9 +109,9 @@ def run_shard(tokenizer: Any, config: Any, step_engine: Any, prompts: Sequence[l
         engine = AsyncEngine(step_engine)
         client = None
         if config.search_url:
-            from search_r1.search.async_client import AsyncRetrievalClient
+            from search_r1.search.serve_client import open_async_retrieval_client
 
-            client = AsyncRetrievalClient(config.search_url, topk=config.topk, timeout=config.retrieval_timeout,
+            client = open_async_retrieval_client(config.search_url, topk=config.topk, timeout=config.retrieval_timeout,
                                           max_retries=config.retrieval_max_retries,
                                           pool_size=config.retrieval_concurrency)
         try:

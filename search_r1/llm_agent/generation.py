@@ -87,12 +87,19 @@ class GenerationConfig:
     tool_response_truncate_side: str = "middle"
     # Requests in flight to the retrieval server per rollout worker in async mode (None: the client's default).
     retrieval_concurrency: int | None = None
+    # retriever.serve=ray: the Ray Serve application that answers searches (replaces search_url and the
+    # tool config's retrieval_service_url with ray-serve://<app>; search_r1/search/ray_serve.py).
+    serve_app: str | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tags", "tool"):
             raise ValueError(f"GenerationConfig.protocol must be 'tags' or 'tool', got {self.protocol!r}")
         if self.protocol == "tool":
             self._check_tool_settings()
+        if self.serve_app:
+            from search_r1.search.ray_serve import serve_url
+
+            self.search_url = serve_url(self.serve_app)
         if self.mode not in ("sync", "async"):
             raise ValueError(f"GenerationConfig.mode (actor_rollout_ref.rollout.mode) must be 'sync' or 'async', "
                              f"got {self.mode!r}")
@@ -315,13 +322,13 @@ class LLMGenerationManager:
 
     def _retriever(self) -> Any:
         if self._client is None:
-            from search_r1.search.client import RetrievalClient
+            from search_r1.search.serve_client import open_retrieval_client
 
             if not self.config.search_url:
                 raise ValueError("GenerationConfig.search_url (retriever.url) is required when the policy searches")
-            self._client = RetrievalClient(self.config.search_url, topk=self.config.topk,
-                                           timeout=self.config.retrieval_timeout,
-                                           max_retries=self.config.retrieval_max_retries)
+            self._client = open_retrieval_client(self.config.search_url, topk=self.config.topk,
+                                                 timeout=self.config.retrieval_timeout,
+                                                 max_retries=self.config.retrieval_max_retries)
         return self._client
 
     def _retrieve(self, queries: list[str]) -> tuple[list[list[Hit]] | None, str | None]:

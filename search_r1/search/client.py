@@ -118,6 +118,7 @@ class _RetrieveEndpoint:
     Subclasses open their transport in ``_open``."""
 
     default_pool_size = 16
+    schemes: tuple[str, ...] = ("http://", "https://")
 
     def __init__(
         self,
@@ -130,8 +131,8 @@ class _RetrieveEndpoint:
         pool_size: int | None = None,
     ) -> None:
         pool_size = self.default_pool_size if pool_size is None else pool_size
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
+        if not url.startswith(self.schemes):
+            raise ValueError(f"retriever url must start with {' or '.join(self.schemes)}, got {url!r}")
         for name, value in (
             ("topk", topk),
             ("max_batch_queries", max_batch_queries),

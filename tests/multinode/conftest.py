@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import free_port
+from tests.multinode._local_ray import LocalRayCluster
 from tests.trainer.test_search_e2e import SearchWorld, serve_search_world
 
 
@@ -15,3 +17,18 @@ from tests.trainer.test_search_e2e import SearchWorld, serve_search_world
 def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SearchWorld]:
     with serve_search_world(tmp_path_factory.mktemp("search_world"), tiny_model_dir) as world:
         yield world
+
+
+@pytest.fixture(scope="package")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
+    """A head and a second node, 2 CPUs each (test_two_ray_nodes.py, test_serve_retrieval.py)."""
+    cluster = LocalRayCluster(tmp_path_factory.mktemp("ray_nodes"), port=free_port(), client_port=free_port())
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes(1)
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes(2)
+        yield cluster
+    finally:
+        cluster.stop()
+    assert cluster.leftover_pids() == [], "a Ray process of the test cluster outlived its node"

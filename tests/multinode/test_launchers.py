@@ -149,6 +149,22 @@ def test_train_grpo_sh_ships_the_papers_grpo_recipe_on_8_gpus(tmp_path: Path) ->
     assert "VLLM_ATTENTION_BACKEND" not in run.env                # a vLLM 0.6 workaround, not set any more
 
 
+def test_the_documented_serve_command_is_valid_on_2_nodes_of_8(tmp_path: Path) -> None:
+    # docs/multinode.md "Retrieval that scales with the cluster": train_grpo.sh with retriever.serve=ray
+    args = ("trainer.ray_address=auto", "trainer.nnodes=2", "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.rollout.mode=async", "retriever.serve=ray",
+            "+retriever.server_args.index_path=/shared/wiki/e5_Flat.index",
+            "+retriever.server_args.corpus_path=/shared/wiki/wiki-18.jsonl",
+            "+retriever.server_args.retriever_name=e5", "+retriever.server_args.retriever_model=intfloat/e5-base-v2")
+    run = run_recorded("train_grpo.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-7B-Instruct"}, args)
+    assert run.returncode == 0, run.output
+    cfg = _composed(run.overrides)
+    assert world_size(cfg) == 16 and cfg.retriever.serve == "ray" and cfg.retriever.replicas is None
+    from verl.trainer.ppo.ray_trainer import generation_config
+
+    assert generation_config(cfg, world_size(cfg)).search_url == "ray-serve://search_r1_retrieval"
+
+
 def test_train_ppo_sh_ships_the_papers_ppo_recipe_on_8_gpus(tmp_path: Path) -> None:
     run = run_recorded("train_ppo.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-3B"})
     assert run.returncode == 0, run.output
@@ -192,6 +208,7 @@ SBATCH_COMMANDS = [
     ("train_ppo.sbatch", 4, {"BASE_MODEL": "Qwen/Qwen2.5-7B"}, ()),
     ("train_grpo.sbatch", 8, {"TRAIN_SCRIPT": "example/multinode/train_grpo_multinode_72b.sh"}, ()),
     ("train_ppo.sbatch", 4, {"TRAIN_SCRIPT": "example/multinode/train_ppo_multinode_32b.sh"}, ()),
+    ("train_grpo.sbatch", 2, {"RETRIEVER_SERVE": "ray", "file_path": "/shared/wiki"}, ()),
 ]
 
 
@@ -205,6 +222,13 @@ def test_documented_sbatch_commands_compose_a_config_that_holds_on_their_nodes(
     cfg = _composed(run.overrides)
     assert (cfg.trainer.ray_address, cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == ("auto", nnodes, 8)
     assert cfg.algorithm.adv_estimator == ("gae" if "ppo" in sbatch else "grpo")
+    if env.get("RETRIEVER_SERVE") == "ray":   # the retriever on Ray Serve, over the retriever's variables
+        assert cfg.retriever.serve == "ray"
+        assert dict(cfg.retriever.server_args) == {
+            "index_path": "/shared/wiki/e5_Flat.index", "corpus_path": "/shared/wiki/wiki-18.jsonl",
+            "retriever_name": "e5", "retriever_model": "intfloat/e5-base-v2"}
+    else:
+        assert cfg.retriever.serve is None
 
 
 def test_the_sbatch_path_runs_the_real_preflight_before_any_ray_node_or_server(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ def tiny_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], out: Path,
-            extra: list[str], time_limit: str = "00:20:00") -> tuple[int, str, str]:
+            extra: list[str], time_limit: str = "00:20:00", **job_vars: str) -> tuple[int, str, str]:
     """Submit train_grpo.sbatch (one node, 2 CPUs, 1 CPU worker), wait for it; (exit code, job id, log)."""
     corpus, index_dir = index
     overrides = [o for o in toy_overrides(world.model_dir, world.data, str(out / "ckpt"), adv_estimator="grpo",
@@ -72,7 +72,7 @@ def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], o
     job_env = dict(env, BASE_MODEL=world.model_dir, WORKERS_PER_NODE="1", SEARCH_R1_VENV=str(REPO / ".venv"),
                    EXPERIMENT_NAME=str(out / "grpo-slurm"),      # train_grpo.sh tees its log to $EXPERIMENT_NAME.log
                    RAY_PORT=str(free_port()), RETRIEVER_PORT=str(free_port()),
-                   retriever_name="bm25", index_file=str(index_dir), corpus_file=str(corpus))
+                   retriever_name="bm25", index_file=str(index_dir), corpus_file=str(corpus), **job_vars)
     log = out / "job.out"
     proc = subprocess.run(
         ["sbatch", "--parsable", "--wait", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
@@ -137,6 +137,21 @@ def test_sbatch_train_grpo_runs_a_step_with_its_own_ray_and_retrieval_server(
     assert "stopped" in log
     assert _final_state(slurm_env, job_id) == "COMPLETED"
     assert _leftovers(job_id, _port_in_log(log)) == []
+
+
+def test_sbatch_with_retriever_serve_ray_searches_a_serve_replica_instead_of_a_server(
+        slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
+    rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path, [], RETRIEVER_SERVE="ray")
+    assert rc == 0, log[-6000:]
+    assert "the trainer starts it on Ray Serve (retriever.serve=ray" in log
+    assert "retrieval server up on" not in log            # no standalone server was started
+    step = json.loads((tmp_path / "ckpt" / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["env/number_of_valid_search"] > 0 and step["env/search_failures"] == 0
+    # the replica on the job's one node answered every search
+    (replica,) = json.loads((tmp_path / "ckpt" / "logs" / "retrieval_replicas.json").read_text()).values()
+    assert replica["counters"]["cache_hits"] + replica["counters"]["cache_misses"] > 0
+    assert _final_state(slurm_env, job_id) == "COMPLETED"
+    assert _leftovers(job_id) == []
 
 
 def test_a_job_failing_midway_leaves_no_ray_or_server_process(

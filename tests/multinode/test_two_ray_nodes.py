@@ -14,13 +14,11 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from scripts.bench.toy_task import toy_overrides
-from tests.conftest import free_port
 from tests.multinode._local_ray import REPO, LocalRayCluster, ray_env
 from tests.trainer._search_model import TOPK
 from tests.trainer.test_search_e2e import BATCH_SIZE, N_AGENT, ROLLOUTS, SearchWorld, _queries_answered
@@ -29,20 +27,6 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 # Metrics that measure the machine, not the math: wall-clock times, throughput, memory.
 MACHINE_METRICS = ("timing_s/", "timing_per_token_ms/", "perf/")
-
-
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
-    cluster = LocalRayCluster(tmp_path_factory.mktemp("ray_nodes"), port=free_port(), client_port=free_port())
-    try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes(1)
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes(2)
-        yield cluster
-    finally:
-        cluster.stop()
-    assert cluster.leftover_pids() == [], "a Ray process of the test cluster outlived its node"
 
 
 def _overrides(world: SearchWorld, out: Path, nnodes: int, workers_per_node: int, n_agent: int = N_AGENT

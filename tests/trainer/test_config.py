@@ -101,6 +101,15 @@ SMALL = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_
     (["+trainer.preflight=soon"], "trainer.preflight='soon' must be a bool"),
     (["retriever.max_failure_fraction=1.5"], "retriever.max_failure_fraction=1.5 must be a number in [0, 1]"),
     (["retriever.health_wait_s=-1"], "retriever.health_wait_s=-1 must be a number of seconds >= 0"),
+    # retriever.serve=ray (the small baseline has do_search=true)
+    (["retriever.serve=k8s"], "retriever.serve='k8s' is unknown; choose null"),
+    (["retriever.serve=ray"], "retriever.serve=ray needs retriever.server_args.index_path"),
+    (["retriever.serve=ray", "+retriever.server_args.index_path=i", "+retriever.server_args.port_range=3"],
+     "retriever.server_args: retrieval_server.py refuses"),
+    (["retriever.serve=ray", "+retriever.server_args.index_path=i", "retriever.replicas=0"],
+     "retriever.replicas=0 must be an int >= 1 or null"),
+    (["retriever.serve=ray", "+retriever.server_args.index_path=i", "do_search=false"],
+     "retriever.serve=ray with do_search=false"),
     # vLLM tensor parallelism (SMALL: 1 node x 2 workers)
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=0"],
      "actor_rollout_ref.rollout.tensor_model_parallel_size=0 must be an int >= 1"),
@@ -384,3 +393,26 @@ def test_critic_loss_agg_mode_follows_the_actor_unless_set() -> None:
     cfg = compose_config(["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "critic.loss_agg_mode=token-mean"])
     validate_config(cfg)
     assert cfg.critic.loss_agg_mode == "token-mean"
+
+
+def test_a_serve_run_is_valid_and_its_rollouts_search_the_serve_application(tmp_path: Path) -> None:
+    import dataclasses
+
+    from search_r1.llm_agent.generation import GenerationConfig
+    from verl.trainer.ppo.ray_trainer import generation_config
+    from verl.trainer.preflight import PreflightReport, check_retriever
+
+    cfg = compose_config(SMALL + ["do_search=true", "retriever.serve=ray", "retriever.url=null",
+                                  f"+retriever.server_args.index_path={tmp_path}",
+                                  f"+retriever.server_args.corpus_path={tmp_path / 'missing.jsonl'}",
+                                  "+retriever.server_args.retriever_name=bm25"])
+    validate_config(cfg)
+    gen = generation_config(cfg, world_size=2)
+    assert gen.search_url == "ray-serve://search_r1_retrieval"
+    # the workers rebuild it from its fields (meta_info): the same url
+    assert GenerationConfig(**dataclasses.asdict(gen)).search_url == gen.search_url
+    # preflight checks the files the replicas will load instead of probing a url
+    report = PreflightReport()
+    check_retriever(cfg, report)
+    assert any("Ray Serve application 'search_r1_retrieval', one replica per node" in line for line in report.lines)
+    assert [e for e in report.errors if e["key"] == "retriever.server_args.corpus_path" and "not found" in e["message"]]

@@ -38,6 +38,8 @@ class SearchWorld:
     server_url: str
     model_dir: str
     data: ToyPaths
+    corpus_path: str = ""     # what the server loads, for a run that starts its own (retriever.serve=ray)
+    index_path: str = ""
 
 
 @contextmanager
@@ -53,7 +55,8 @@ def serve_search_world(root: Path, base_model_dir: str) -> Iterator[SearchWorld]
     model_dir = warm_up_searching_model(base_model_dir, retriever, root / "model", steps=200)
     data = write_question_parquets(root / "data")
     with serve_in_background(create_app(retriever)) as url:
-        yield SearchWorld(server_url=url, model_dir=str(model_dir), data=data)
+        yield SearchWorld(server_url=url, model_dir=str(model_dir), data=data, corpus_path=str(corpus),
+                          index_path=str(retriever.index_path))
 
 
 @pytest.fixture(scope="module")

@@ -333,7 +333,7 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
         logger.info("actor_rollout_ref.actor.state_masking=True with do_search=False: no observations to mask")
     _check_max_model_len(cfg, errors)
     if cfg.do_search and not tool_protocol(cfg):
-        if not cfg.retriever.url:
+        if not cfg.retriever.url and not serve_retriever(cfg):
             errors.append("do_search=true needs retriever.url")
         if int(cfg.max_turns) < 0:
             errors.append(f"max_turns={cfg.max_turns} must be >= 0")
@@ -343,6 +343,38 @@ def _check_rollout(cfg: DictConfig, errors: list[str]) -> None:
                 f"data.max_prompt_length={cfg.data.max_prompt_length} (the rolling context keeps the prompt "
                 "plus recent turns)"
             )
+
+
+def serve_retriever(cfg: DictConfig) -> bool:
+    """Whether the driver runs the retrieval server as a Ray Serve application (`retriever.serve=ray`)."""
+    return cfg.retriever.get("serve") == "ray"
+
+
+def _check_retriever_serve(cfg: DictConfig, errors: list[str]) -> None:
+    """`retriever.serve` and its settings (the server's own flags are checked by parsing them as it will)."""
+    retriever = cfg.retriever
+    serve = retriever.get("serve")
+    if serve not in (None, "ray"):
+        errors.append(f"retriever.serve={serve!r} is unknown; choose null (a server you run at retriever.url) or ray")
+        return
+    if serve is None:
+        return
+    if not cfg.do_search:
+        errors.append("retriever.serve=ray with do_search=false: nothing would call the retrieval application")
+    if not retriever.server_args or not retriever.server_args.get("index_path"):
+        errors.append("retriever.serve=ray needs retriever.server_args.index_path and .corpus_path (the replicas load "
+                      "them on every node), e.g. +retriever.server_args.index_path=index/bm25")
+    replicas = retriever.get("replicas")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        errors.append(f"retriever.replicas={replicas!r} must be an int >= 1 or null (one per node)")
+    if int(retriever.replica_max_ongoing_requests) < 1:
+        errors.append(f"retriever.replica_max_ongoing_requests={retriever.replica_max_ongoing_requests} must be >= 1")
+    from search_r1.search.ray_serve import check_server_args
+
+    try:
+        check_server_args(OmegaConf.to_container(retriever.server_args, resolve=True) or {})
+    except ValueError as err:
+        errors.append(str(err))
 
 
 def _check_max_model_len(cfg: DictConfig, errors: list[str]) -> None:
@@ -561,6 +593,7 @@ def _check_retriever(cfg: DictConfig, errors: list[str]) -> None:
     wait = retriever.health_wait_s
     if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
         errors.append(f"retriever.health_wait_s={wait!r} must be a number of seconds >= 0")
+    _check_retriever_serve(cfg, errors)
 
 
 def logger_backends(cfg: DictConfig) -> list[str]:

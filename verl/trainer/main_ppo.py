@@ -15,7 +15,9 @@ importable and testable: `run_ppo(config)`.
 Before Ray starts: the config is validated (keys, batch sizes, the optional packages the run
 imports), and with `do_search=true` the retrieval server's /health must answer within
 `retriever.health_wait_s` (in the tool protocol, the server of the tool config's
-`retrieval_service_url`). `+trainer.preflight=true` stops after the checks (verl/trainer/preflight.py):
+`retrieval_service_url`). With `retriever.serve=ray` the driver instead starts the server as a Ray
+Serve application on the cluster once Ray is up (one replica per node), before any worker, and
+deletes it at the end (search_r1/search/ray_serve.py). `+trainer.preflight=true` stops after the checks (verl/trainer/preflight.py):
 exit status 0/1 in seconds, with no Ray, worker or weights.
 
 veRL's recipes compose too (example/tool_recipe/): `--config-path <dir> --config-name <recipe>`
@@ -26,6 +28,7 @@ without `+` (`normalize_overrides`). A key ppo_trainer.yaml does not declare is 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -44,6 +47,7 @@ from verl.trainer.config_check import (
     need_critic,
     normalize_overrides,
     retrieval_endpoint,
+    serve_retriever,
     trainer_flag,
     validate_config,
     world_size,
@@ -141,6 +145,47 @@ def wait_for_retriever(config: DictConfig) -> str:
         f"Start it (bash retrieval_launch.sh, docs/retriever.md) or fix {where}. No worker was started.")
 
 
+def deploy_retriever(config: DictConfig) -> str:
+    """`retriever.serve=ray`: start the retrieval server as a Ray Serve application on the cluster, one
+    replica per node by default, and wait (at most `retriever.health_wait_s`) until every replica serves;
+    returns the application's name (search_r1/search/ray_serve.py)."""
+    from search_r1.search.ray_serve import ServeSettings, deploy
+
+    settings = ServeSettings.from_config(config.retriever)
+    deploy(settings)
+    return settings.app_name
+
+
+REPLICAS_FILE = "retrieval_replicas.json"
+
+
+def record_replicas(config: DictConfig, app_name: str) -> None:
+    """Write each live replica's /health (node, counters, callers by node) to `<log dir>/retrieval_replicas.json`
+    before the application is deleted: what served the run's searches, from where."""
+    import json
+
+    from search_r1.search.ray_serve import replica_health
+
+    trainer = config.trainer
+    path = Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs") / REPLICAS_FILE
+    try:
+        health = replica_health(app_name, timeout_s=30.0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(health, indent=1, sort_keys=True))
+        logger.info("retrieval replicas at the end of the run (%s): %s", path, {
+            node[:8]: h["counters"]["queries"] for node, h in health.items()})
+    except Exception as err:   # a summary; the run's outcome must not depend on it
+        logger.warning("could not record the retrieval replicas' counters: %s", err)
+
+
+def local_serve_cpus(config: DictConfig) -> int:
+    """CPUs a local Ray needs beyond the workers for the retrieval replica (`retriever.serve=ray`)."""
+    if not serve_retriever(config):
+        return 0
+    replicas = config.retriever.replicas
+    return math.ceil(float(config.retriever.replica_resources.num_cpus) * (1 if replicas is None else int(replicas)))
+
+
 def per_node_need(config: DictConfig, nodes: list[dict[str, Any]]) -> dict[str, float]:
     """Resources one node must have for its `trainer.n_gpus_per_node` workers: GPUs (and a CPU each)
     on a GPU cluster or with trainer.device=cuda, CPUs only with trainer.device=cpu or when no live
@@ -191,7 +236,7 @@ def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
         # RAY_AUTH_MODE (e.g. token) still wins; joining a cluster (above) keeps the cluster's mode.
         os.environ.setdefault(RAY_AUTH_MODE, "disabled")
         # One CPU per worker process plus one for the driver's own tasks.
-        ray.init(num_cpus=world_size(config) + 1, num_gpus=None if use_gpu else 0,
+        ray.init(num_cpus=world_size(config) + 1 + local_serve_cpus(config), num_gpus=None if use_gpu else 0,
                  include_dashboard=False, runtime_env=runtime_env)
     return True
 
@@ -254,9 +299,10 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
     # in build_trainer, once the workers' host is known).
     OmegaConf.resolve(config)
     validate_config(config)
-    if config.do_search:
+    serving = serve_retriever(config)
+    if config.do_search and not serving:
         wait_for_retriever(config)
-    trainer, started_ray = None, False
+    trainer, started_ray, served_app = None, False, None
     try:
         if cluster_address(config):
             # Joining a cluster: its resources, not this node's, say whether the workers have GPUs.
@@ -266,11 +312,18 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
             # Config, data and reward checks run before a local Ray starts: a bad run fails in seconds.
             trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)
             started_ray = _init_ray(config, use_gpu=_has_gpu(config))
+        if serving:
+            served_app = deploy_retriever(config)
         trainer.init_workers()
         return trainer.fit()
     finally:
         if trainer is not None:
             trainer.shutdown()
+        if served_app is not None:
+            from search_r1.search.ray_serve import undeploy
+
+            record_replicas(config, served_app)
+            undeploy(served_app)
         if started_ray:
             import ray
 

@@ -218,10 +218,33 @@ def check_data(cfg: DictConfig, report: PreflightReport) -> None:
             report.lines.append(f"data {key}: {path}: {table.num_rows} rows, sources {sources}; prompts {over}")
 
 
+def check_serve_files(cfg: DictConfig, report: PreflightReport) -> None:
+    """`retriever.serve=ray`: the index and corpus the replicas will load exist here (with a shared file
+    system, on every node); the rest (flags, replicas) is in the config check."""
+    args = cfg.retriever.server_args or {}
+    found = []
+    for key in ("index_path", "corpus_path"):
+        value = args.get(key)
+        if not value:
+            continue
+        if not Path(str(value)).exists():
+            report.error(f"retriever.server_args.{key}={value}: not found here; every Serve replica loads it on its "
+                         "own node", f"retriever.server_args.{key}")
+        else:
+            found.append(f"{key}={value} ({_size(Path(str(value)))})")
+    replicas = cfg.retriever.replicas
+    report.lines.append(f"retriever: Ray Serve application {cfg.retriever.serve_app_name!r}, "
+                        f"{'one replica per node' if replicas is None else f'{replicas} replica(s)'}, started by the "
+                        "driver" + (f"; {', '.join(found)}" if found else ""))
+
+
 def check_retriever(cfg: DictConfig, report: PreflightReport) -> None:
     """With do_search: the server answers /health within RETRIEVER_PROBE_S, and one query; or, when the
     launcher starts its own server after preflight, the index and corpus it will load exist."""
     if not cfg.do_search:
+        return
+    if cc.serve_retriever(cfg):
+        check_serve_files(cfg, report)
         return
     try:
         url, timeout, setting, where = cc.retrieval_endpoint(cfg)

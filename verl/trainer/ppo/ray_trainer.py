@@ -83,6 +83,12 @@ def check_search_failures(metrics: dict[str, float], config: DictConfig, where: 
 
     where_key = "retriever.url"
     url = str(config.retriever.url)
+    if config_check.serve_retriever(config):
+        raise SearchFailureError(
+            f"{prefix}search_failure_fraction={fraction:.3f} in the {where} exceeds retriever.max_failure_fraction="
+            f"{limit:g}: the run stops instead of training on failed searches. The retrieval application "
+            f"{config.retriever.serve_app_name!r} runs on Ray Serve (retriever.serve=ray): see `serve status` and its "
+            "replicas' logs under the Ray session's logs/serve/")
     if config_check.tool_protocol(config):
         where_key = f"the search tool's retrieval_service_url ({config.actor_rollout_ref.rollout.multi_turn.tool_config_path})"
         url = str((config_check.load_tool_config(config).search or {}).get("retrieval_service_url", url))
@@ -114,7 +120,8 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
         max_turns=int(config.max_turns), max_obs_length=int(data.max_obs_length), num_gpus=world_size,
         no_think_rl=bool(config.algorithm.no_think_rl), retrieval_max_retries=int(config.retriever.max_retries),
         topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
-        mode=str(rollout.get("mode", "sync")))
+        mode=str(rollout.get("mode", "sync")),
+        serve_app=str(config.retriever.serve_app_name) if config_check.serve_retriever(config) else None)
     if not config_check.tool_protocol(config):
         return GenerationConfig(
             max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),

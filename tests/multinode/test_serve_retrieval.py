@@ -1,0 +1,163 @@
+"""`retriever.serve=ray` on two real Ray nodes: the driver starts the retrieval server as a Ray Serve
+application with one replica per node, the async rollout's workers call the replica on their own
+node, and a replica killed while it holds searches is replaced by Serve while the step finishes with
+every search answered.
+
+Each replica counts the calls it answered per caller node; the driver writes every replica's /health to
+<log dir>/retrieval_replicas.json before it deletes the application.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multinode._local_ray import REPO, LocalRayCluster, ray_env
+from tests.multinode.test_two_ray_nodes import _driver, _overrides, _step
+from tests.trainer.test_search_e2e import ROLLOUTS, SearchWorld
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+
+APP = "search_r1_retrieval"
+
+# Waits until a replica of the application holds a request, kills that replica's actor (as a crash
+# would: no graceful shutdown) and prints what it killed. Runs beside the driver, as another driver.
+KILL_WHEN_BUSY = r"""
+import json, sys, time, ray
+import ray._private.state as state
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from search_r1.search.ray_serve import local_handle
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+app, deadline = sys.argv[2], time.monotonic() + float(sys.argv[3])
+
+@ray.remote(num_cpus=0)
+class Asker:                        # one per node: asks the replica of its node, through a handle kept open
+    def __init__(self):
+        self.handle = None
+    def health(self):
+        if self.handle is None:
+            self.handle = local_handle(app)
+        return self.handle.health.remote().result(timeout_s=20)
+
+askers = {n["NodeID"]: Asker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+                                     ).remote() for n in ray.nodes() if n["Alive"]}
+while time.monotonic() < deadline:
+    try:
+        health = dict(zip(askers, ray.get([a.health.remote() for a in askers.values()], timeout=30)))
+    except Exception as err:        # the application is not deployed yet
+        print(f"not yet: {type(err).__name__}"[:200], file=sys.stderr, flush=True)
+        time.sleep(0.5)
+        continue
+    busy = {node: h for node, h in health.items() if h["node_id"] == node and h["requests_in_flight"] > 0}
+    if busy:
+        node, h = next(iter(busy.items()))
+        for actor in state.actors().values():
+            if (actor["State"] == "ALIVE" and actor.get("ActorClassName", "").startswith(f"ServeReplica:{app}:")
+                    and (actor.get("Address") or {}).get("NodeID") == node):
+                ray.kill(ray.get_actor(actor["Name"], namespace="serve"), no_restart=True)
+                print("KILLED " + json.dumps({"node": node, "replica_id": h["replica_id"],
+                                              "in_flight": h["requests_in_flight"]}), flush=True)
+                sys.exit(0)
+    time.sleep(0.1)
+print("NO_KILL", flush=True)
+"""
+
+
+def _serve_overrides(world: SearchWorld, out: Path, cluster: LocalRayCluster | None, *extra: str) -> list[str]:
+    """An async GRPO step on the two nodes with retriever.serve=ray (without a cluster: its settings only)."""
+    joined = [] if cluster is None else [f"trainer.ray_address={cluster.address}", "trainer.ray_wait_s=60"]
+    return _overrides(world, out, nnodes=2, workers_per_node=1) + joined + [
+        "actor_rollout_ref.rollout.mode=async",
+        # the url of the test's own server must not be used: point it nowhere
+        "retriever.url=http://127.0.0.1:9/retrieve",
+        "retriever.serve=ray", "retriever.health_wait_s=240",
+        f"+retriever.server_args.index_path={world.index_path}",
+        f"+retriever.server_args.corpus_path={world.corpus_path}",
+        "+retriever.server_args.retriever_name=bm25", "+retriever.server_args.topk=3",
+        *extra,
+    ]
+
+
+def _replicas(out: Path) -> dict[str, dict]:
+    return json.loads((out / "ckpt" / "logs" / "retrieval_replicas.json").read_text())
+
+
+def _answered(replica: dict) -> int:
+    return int(replica["counters"]["cache_hits"] + replica["counters"]["cache_misses"])
+
+
+def test_async_step_with_serve_has_a_replica_per_node_and_each_node_is_served_by_its_own(
+        two_nodes: LocalRayCluster, search_world: SearchWorld, tmp_path: Path) -> None:
+    step = _step(tmp_path, _driver(_serve_overrides(search_world, tmp_path, two_nodes)))
+    replicas = _replicas(tmp_path)
+    state = two_nodes.query()
+    nodes = {n["id"] for n in state["nodes"] if n["alive"]}
+    workers = [a for a in state["actors"] if a["class"].startswith("WorkerDict")]
+
+    # one replica on each node; the rollout workers ran one per node too
+    assert set(replicas) == nodes and len(nodes) == 2
+    assert {a["node"] for a in workers} == nodes
+    # every call a replica answered came from its own node (the worker there; the driver on the head)
+    for node, replica in replicas.items():
+        assert replica["node_id"] == node
+        assert set(replica["calls_by_caller_node"]) == {node}, replica["calls_by_caller_node"]
+        assert replica["counters"]["errors"] == 0 and replica["counters"]["overloaded"] == 0
+    # both workers searched, and everything they searched was answered by the replicas
+    assert all(_answered(r) > 0 for r in replicas.values())
+    assert sum(_answered(r) for r in replicas.values()) == round(step["env/number_of_valid_search"] * ROLLOUTS) > 0
+    assert step["env/search_failures"] == 0
+    # the application is gone after the run: no replica actor left alive
+    assert not [a for a in state["actors"] if a["class"].startswith(f"ServeReplica:{APP}") and a["state"] == "ALIVE"]
+
+
+def test_a_replica_killed_mid_rollout_is_replaced_and_every_search_is_answered(
+        two_nodes: LocalRayCluster, search_world: SearchWorld, tmp_path: Path) -> None:
+    # every answer takes 4 s, so the probe finds a replica holding requests and kills it then
+    overrides = _serve_overrides(search_world, tmp_path, two_nodes, "+retriever.server_args.simulate_latency_ms=4000")
+    probe = subprocess.Popen([sys.executable, "-c", KILL_WHEN_BUSY, two_nodes.address, APP, "400"], cwd=REPO,
+                             env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        proc = _driver(overrides)
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+        out, err = probe.communicate(timeout=60)
+    killed = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("KILLED ")]
+    assert killed, f"the probe killed nothing: {out[-2000:]} {err[-3000:]} DRIVER: {proc.stderr[-5000:]}"
+    assert killed[0]["in_flight"] > 0
+    step = _step(tmp_path, proc)
+
+    # the searches the dead replica held were resent and answered: none failed
+    assert step["env/number_of_valid_search"] > 0
+    assert step["env/search_failures"] == 0
+    # Serve replaced the dead replica: one live replica per node again, the killed one not among them
+    replicas = _replicas(tmp_path)
+    nodes = {n["id"] for n in two_nodes.query()["nodes"] if n["alive"]}
+    assert set(replicas) == nodes
+    assert killed[0]["replica_id"] not in {r["replica_id"] for r in replicas.values()}
+
+
+def test_a_sync_step_with_the_retriever_on_serve_equals_the_step_against_the_http_server(
+        search_world: SearchWorld, tmp_path: Path) -> None:
+    # One node, a local Ray the driver starts; sync rollout: the driver's generation manager searches
+    # (through a handle to the replica on its node). Same seed and data: the same rollouts, searches,
+    # rewards and update as against the standalone HTTP server.
+    from tests.multinode.test_two_ray_nodes import MACHINE_METRICS
+
+    http, serve = tmp_path / "http", tmp_path / "serve"
+    http_step = _step(http, _driver(_overrides(search_world, http, nnodes=1, workers_per_node=2)))
+    serve_overrides = [o for o in _serve_overrides(search_world, serve, None)
+                       if not o.startswith(("trainer.ray_address=", "trainer.nnodes=", "trainer.n_gpus_per_node=",
+                                            "actor_rollout_ref.rollout.mode="))]
+    serve_step = _step(serve, _driver(serve_overrides + ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"]))
+    replicas = _replicas(serve)
+    assert len(replicas) == 1
+    assert sum(_answered(r) for r in replicas.values()) == round(serve_step["env/number_of_valid_search"] * ROLLOUTS)
+    keys = sorted(k for k in http_step if not k.startswith(MACHINE_METRICS))
+    assert keys == sorted(k for k in serve_step if not k.startswith(MACHINE_METRICS))
+    assert http_step["env/number_of_valid_search"] > 0 and "actor/grad_norm" in keys
+    assert {k: (http_step[k], serve_step[k]) for k in keys if http_step[k] != serve_step[k]} == {}

@@ -1,0 +1,150 @@
+"""The retrieval server as a Ray Serve application (search_r1/search/ray_serve.py) on the session's
+local Ray: the handle clients (sync and async) and Serve's HTTP proxy answer what the standalone
+server answers, refuse what it refuses, and an overloaded replica's 503 is waited out and retried."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+
+from search_r1.search.client import RetrievalBadRequest
+from search_r1.search.ray_serve import (
+    ServeSettings,
+    check_server_args,
+    deploy,
+    local_handle,
+    replica_health,
+    serve_url,
+    server_argv,
+    undeploy,
+)
+from search_r1.search.serve_client import (
+    AsyncServeRetrievalClient,
+    ServeRetrievalClient,
+    open_async_retrieval_client,
+    open_retrieval_client,
+)
+from tests.conftest import free_port
+
+QUERIES = ["how do glaciers form", "honeybee colony", "lighthouse keeper", "telescope lenses"]
+
+
+def _settings(app: str, index: str, corpus: str, http_port: int | None = None, **server: Any) -> ServeSettings:
+    args = {"index_path": index, "corpus_path": corpus, "retriever_name": "bm25", **server}
+    return ServeSettings(app_name=app, argv=check_server_args(args), replicas=1,
+                         replica_resources={"num_cpus": 1.0}, max_ongoing_requests=4096, http_port=http_port,
+                         wait_s=180)
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, bm25_index_dir: str, tiny_corpus_path: str) -> Iterator[tuple[str, str]]:
+    """(ray-serve:// url, HTTP base) of a one-replica application with an HTTP proxy."""
+    port = free_port()
+    settings = _settings("test_retrieval", bm25_index_dir, tiny_corpus_path, http_port=port)
+    url = deploy(settings)
+    try:
+        yield url, f"http://127.0.0.1:{port}"
+    finally:
+        undeploy(settings.app_name)
+
+
+def _ids(hits: list[list[Any]]) -> list[list[str]]:
+    return [[h.doc_id for h in per_query] for per_query in hits]
+
+
+def test_server_args_become_the_servers_command_line_and_bad_ones_name_the_key() -> None:
+    assert server_argv({"index_path": "i", "no_coalesce": True, "faiss_gpu": False, "topk": 5, "x": None}) == [
+        "--index_path", "i", "--no_coalesce", "--topk", "5"]
+    with pytest.raises(ValueError, match=r"retriever.server_args: retrieval_server.py refuses"):
+        check_server_args({"index_path": "i", "no_such_flag": 1})
+    with pytest.raises(ValueError, match=r"retriever.server_args: .*max_pending_queries must be >= 0"):
+        check_server_args({"index_path": "i", "max_pending_queries": -1})
+
+
+def test_the_clients_pick_the_transport_by_url_and_travel_by_pickle() -> None:
+    sync = open_retrieval_client(serve_url("app"), topk=2)
+    assert isinstance(sync, ServeRetrievalClient) and sync.app_name == "app"
+    assert isinstance(open_async_retrieval_client("ray-serve://app"), AsyncServeRetrievalClient)
+    assert type(open_retrieval_client("http://h:1/retrieve")).__name__ == "RetrievalClient"
+    again = pickle.loads(pickle.dumps(sync))
+    assert (again.app_name, again.topk, again.timeout) == ("app", 2, sync.timeout)
+    with pytest.raises(ValueError, match="names no Serve application"):
+        ServeRetrievalClient("ray-serve://")
+
+
+def test_handle_clients_and_http_answer_as_the_retriever_does(served: tuple[str, str], bm25_retriever: Any) -> None:
+    url, base = served
+    expected = _ids(bm25_retriever.search_batch(QUERIES, 2))
+    assert _ids(ServeRetrievalClient(url, topk=2).retrieve(QUERIES)) == expected
+
+    async def concurrently() -> list[list[list[Any]]]:
+        client = AsyncServeRetrievalClient(url, topk=2)
+        return await asyncio.gather(*(client.retrieve([q]) for q in QUERIES))
+
+    assert [_ids(hits)[0] for hits in asyncio.run(concurrently())] == expected
+    # HTTP through Serve's proxy: the original's API, the same answer
+    body = requests.post(f"{base}/retrieve", json={"queries": QUERIES, "topk": 2, "return_scores": True},
+                         timeout=30).json()
+    assert [[hit["document"]["id"] for hit in per_query] for per_query in body["result"]] == expected
+    health = requests.get(f"{base}/health", timeout=30).json()
+    assert health["retriever"] == "bm25" and health["counters"]["errors"] == 0
+
+
+def test_a_bad_request_is_refused_naming_the_field_on_both_paths(served: tuple[str, str]) -> None:
+    url, base = served
+    with pytest.raises(RetrievalBadRequest, match=r"queries\[1\] must be a string"):
+        ServeRetrievalClient(url).retrieve(["fine", 3])  # type: ignore[list-item]
+    answer = requests.post(f"{base}/retrieve", json={"queries": ["fine", 3]}, timeout=30)
+    assert answer.status_code == 422 and "queries[1] must be a string" in answer.json()["detail"]
+
+
+def test_each_call_is_counted_for_the_node_it_came_from(served: tuple[str, str]) -> None:
+    import ray
+
+    url, _ = served
+    before = replica_health("test_retrieval")
+    node = ray.get_runtime_context().get_node_id()
+    ServeRetrievalClient(url).retrieve(["glacier"])
+    after = replica_health("test_retrieval")
+    assert list(after) == [node] and after[node]["node_id"] == node
+    assert after[node]["calls_by_caller_node"][node] == before[node]["calls_by_caller_node"].get(node, 0) + 1
+
+
+def test_an_overloaded_replica_answers_503_and_both_clients_still_get_every_answer(
+        ray_cluster, bm25_index_dir: str, tiny_corpus_path: str, bm25_retriever: Any) -> None:
+    # every search waits 0.3 s and at most 2 queries may wait: 12 at once must be turned away, then retried
+    settings = _settings("test_overloaded", bm25_index_dir, tiny_corpus_path, max_pending_queries=2,
+                         simulate_latency_ms=300, cache_size=0)
+    url = deploy(settings)
+    queries = [f"{word} {i}" for i, word in enumerate(["glacier", "honeybee", "lighthouse"] * 4)]
+    try:
+        async def concurrently() -> list[list[list[Any]]]:
+            client = AsyncServeRetrievalClient(url, topk=1, max_retries=20, backoff_factor=0.05)
+            return await asyncio.gather(*(client.retrieve([q]) for q in queries))
+
+        started = time.monotonic()
+        answers = asyncio.run(concurrently())
+        assert time.monotonic() - started < 120
+        assert [_ids(hits)[0] for hits in answers] == _ids(bm25_retriever.search_batch(queries, 1))
+        sync = ServeRetrievalClient(url, topk=1, max_retries=20, backoff_factor=0.05)
+        assert _ids(sync.retrieve(queries[:2])) == _ids(bm25_retriever.search_batch(queries[:2], 1))
+        health = local_handle("test_overloaded").health.remote().result(timeout_s=30)
+        assert health["counters"]["overloaded"] > 0 and health["pending_queries"] == 0
+    finally:
+        undeploy(settings.app_name)
+
+
+def test_a_replica_that_cannot_start_fails_the_deploy_naming_the_setting(ray_cluster, tiny_corpus_path: str,
+                                                                         tmp_path: Any) -> None:
+    settings = _settings("test_broken", str(tmp_path / "no_index"), tiny_corpus_path)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"retriever.serve=ray: the retrieval application did not start") as info:
+        deploy(settings)
+    assert "BM25 index folder not found" in str(info.value) and "retriever.server_args" in str(info.value)
+    assert time.monotonic() - started < 170
