@@ -137,7 +137,8 @@ if [ "${RETRIEVER_SERVE:-}" = ray ]; then
     [ -n "$serve_index" ] && [ -n "$serve_corpus" ] || die "RETRIEVER_SERVE=ray needs index_file and corpus_file (or file_path) in the environment"
     set -- "$@" retriever.serve=ray "+retriever.server_args.index_path=$serve_index" \
         "+retriever.server_args.corpus_path=$serve_corpus" "+retriever.server_args.retriever_name=${retriever_name:-e5}" \
-        "+retriever.server_args.retriever_model=${retriever_path:-intfloat/e5-base-v2}"
+        "+retriever.server_args.retriever_model=${retriever_path:-intfloat/e5-base-v2}" \
+        "retriever.health_wait_s=$retriever_wait"
 elif [ -n "${RETRIEVER_SERVE:-}" ]; then
     die "RETRIEVER_SERVE=${RETRIEVER_SERVE}: the only value is ray (unset it for the job's own retrieval server)"
 fi

@@ -62,10 +62,20 @@ def import_serve() -> Any:
 
 def server_argv(server_args: Mapping[str, Any]) -> list[str]:
     """``retriever.server_args`` as ``retrieval_server.py``'s command line: ``{index_path: x}`` ->
-    ``--index_path x``; ``true`` -> the bare flag, ``false`` / ``null`` -> left out."""
+    ``--index_path x``; ``true`` -> the bare flag; ``false`` -> left out, or ``--no-<flag>`` for a
+    flag with a negative form (``use_fp16: false`` -> ``--no-use_fp16``); ``null`` -> left out."""
+    import argparse
+
+    from search_r1.search.retrieval_server import build_parser
+
+    negatable = {action.dest for action in build_parser()._actions
+                 if isinstance(action, argparse.BooleanOptionalAction)}
     argv: list[str] = []
     for key, value in server_args.items():
-        if value is None or value is False:
+        if value is None or (value is False and key not in negatable):
+            continue
+        if value is False:
+            argv.append(f"--no-{key}")
             continue
         argv.append(f"--{key}")
         if value is not True:
@@ -174,9 +184,33 @@ class ServeSettings:
                    wait_s=float(retriever.health_wait_s))
 
 
+def replica_env(settings: ServeSettings) -> dict[str, str]:
+    """A replica's environment: as many OpenMP / MKL threads as CPUs it holds (the job's runtime env says
+    1, for the trainer's workers), and no GPU unless it holds one: Ray 2.60 leaves CUDA_VISIBLE_DEVICES
+    as the node has it for an actor with num_gpus=0, and the encoder (or FAISS) would take a GPU the
+    trainer's workers own."""
+    threads = str(max(1, int(settings.replica_resources.get("num_cpus", 1.0))))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    if settings.replica_resources.get("num_gpus", 0.0) <= 0:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def nodes_that_fit(settings: ServeSettings) -> int:
+    """Alive nodes whose resources hold one replica (a head started with --num-cpus=0, or a node
+    without the replica's custom resource, gets none)."""
+    import ray
+
+    need = {"CPU": settings.replica_resources.get("num_cpus", 1.0),
+            "GPU": settings.replica_resources.get("num_gpus", 0.0),
+            **{k: v for k, v in settings.replica_resources.items() if k not in ("num_cpus", "num_gpus")}}
+    return sum(1 for node in ray.nodes() if node["Alive"]
+               and all(node["Resources"].get(key, 0.0) >= value for key, value in need.items() if value > 0))
+
+
 def deployment(settings: ServeSettings, n_nodes: int) -> Any:
-    """The bound Serve application: ``settings.replicas`` replicas (default one per node, at most
-    one per node then), each a ``RetrievalReplica`` with the server's flags."""
+    """The bound Serve application: ``settings.replicas`` replicas (default one per node that can hold
+    one, at most one per node then), each a ``RetrievalReplica`` with the server's flags."""
     serve = import_serve()
     replicas = settings.replicas if settings.replicas is not None else n_nodes
     options: dict[str, Any] = {
@@ -188,6 +222,7 @@ def deployment(settings: ServeSettings, n_nodes: int) -> Any:
             "num_cpus": settings.replica_resources.get("num_cpus", 1.0),
             "num_gpus": settings.replica_resources.get("num_gpus", 0.0),
             "resources": {k: v for k, v in settings.replica_resources.items() if k not in ("num_cpus", "num_gpus")},
+            "runtime_env": {"env_vars": replica_env(settings)},
         },
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
@@ -202,12 +237,16 @@ def deploy(settings: ServeSettings) -> str:
     """Start Serve (if needed) and the retrieval application; wait until every replica answers,
     for at most ``settings.wait_s``. Returns the ``ray-serve://`` url. A RuntimeError names what
     failed (Serve's own message for a replica that could not start)."""
-    import ray
 
     serve = import_serve()
     from ray.serve.schema import ApplicationStatus
 
-    n_nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    n_nodes = nodes_that_fit(settings)
+    if settings.replicas is None and n_nodes == 0:
+        raise RuntimeError(f"retriever.serve=ray: no alive node has retriever.replica_resources="
+                           f"{settings.replica_resources} for a replica; no trainer worker was started")
+    global _STARTED_SERVE
+    _STARTED_SERVE = _STARTED_SERVE or not serve_running()
     if settings.http_port is None:
         serve.start(proxy_location="Disabled")
     else:
@@ -245,13 +284,32 @@ def deploy(settings: ServeSettings) -> str:
         "No trainer worker was started.")
 
 
+# Whether this process started Serve on the cluster (then it shuts it down with its last application).
+_STARTED_SERVE = False
+
+
+def serve_running() -> bool:
+    """Whether the cluster already runs Serve (its controller actor exists)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
 def undeploy(app_name: str) -> None:
-    """Delete the application; shut Serve down when nothing else runs on it."""
+    """Delete the application; shut Serve down when this process started it and nothing else runs on
+    it (Serve that was there before, e.g. another job's on a shared cluster, is left running)."""
+    global _STARTED_SERVE
     serve = import_serve()
     try:
         serve.delete(app_name)
-        if not serve.status().applications:
+        if _STARTED_SERVE and not serve.status().applications:
             serve.shutdown()
+            _STARTED_SERVE = False
     except Exception as err:   # the run is ending; a failed clean-up must not hide its outcome
         logger.warning("could not delete the Serve application %r: %s", app_name, err)
 
@@ -260,9 +318,11 @@ def local_handle(app_name: str) -> Any:
     """A handle to the application that sends each call to the replica on this node when it has one
     that is alive and not full, else to any healthy replica (Serve's locality routing)."""
     serve = import_serve()
-    handle = serve.get_app_handle(app_name)   # cached per process by Serve: initialize it once
+    handle = serve.get_app_handle(app_name)   # cached per process by Serve (until serve.shutdown): init once
     if not handle.is_initialized:
-        handle._init(_prefer_local_routing=True)   # Serve's init option (options() would warn it is deprecated)
+        # Serve's init options (options() would warn that this one is deprecated there); the router in
+        # its own loop, so the handle serves every asyncio.run of the async rollout, whatever Serve's default
+        handle._init(_prefer_local_routing=True, _run_router_in_separate_loop=True)
     return handle
 
 

@@ -100,10 +100,11 @@ class BacklogClock:
     turned away in the last ``window_s``, who come back too) over the rate the server can answer.
 
     That rate is the highest answered-per-second seen in a ``window_s`` window, decaying with a
-    ``half_life_s``: the rate seen now alone falls as soon as the turned-away clients wait, and the
-    waits it gives then grow without bound (1,000 clients, a bound of 8 behind Ray Serve's proxy:
-    p99 135 s). 0 before anything was answered (no rate to go by: the caller's estimate decides).
-    Time comes from ``clock`` (tests pass their own)."""
+    ``half_life_s`` of time in which the server answered something (an idle stretch, e.g. a trainer's
+    update between two rollouts, does not wear it down): the rate seen now alone falls as soon as the
+    turned-away clients wait, and the waits it gives then grow without bound (1,000 clients, a bound
+    of 8 behind Ray Serve's proxy: p99 135 s). 0 before anything was answered (no rate to go by: the
+    caller's estimate decides). Time comes from ``clock`` (tests pass their own)."""
 
     def __init__(self, window_s: float = 1.0, max_wait_s: float = 60.0, half_life_s: float = 30.0,
                  clock: Any = time.monotonic) -> None:
@@ -121,8 +122,9 @@ class BacklogClock:
     def rate(self) -> float:
         """The decaying peak of queries answered per second."""
         now = self.clock()
-        decayed = self._peak_rate * 0.5 ** ((now - self._peak_at) / self.half_life_s)
-        self._peak_rate, self._peak_at = max(decayed, self._total(self._answered, now) / self.window_s), now
+        current = self._total(self._answered, now) / self.window_s
+        decayed = self._peak_rate * 0.5 ** ((now - self._peak_at) / self.half_life_s) if current > 0 else self._peak_rate
+        self._peak_rate, self._peak_at = max(decayed, current), now
         return self._peak_rate
 
     def wait_s(self, pending: int) -> float:
@@ -131,7 +133,9 @@ class BacklogClock:
         return 0.0 if rate <= 0 else min(self.max_wait_s, ahead / rate)
 
     def _add(self, events: deque[tuple[float, int]], n: int) -> None:
-        events.append((self.clock(), n))
+        now = self.clock()
+        events.append((now, n))
+        self._total(events, now)   # drop what left the window: the deques stay bounded over a run
 
     def _total(self, events: deque[tuple[float, int]], now: float) -> int:
         while events and events[0][0] < now - self.window_s:
@@ -306,6 +310,11 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also what `retriever.server_args` of a Ray Serve application is checked against)."""
     p = argparse.ArgumentParser(description="Serve a retrieval index over HTTP (Search-R1 API).")
     p.add_argument("--index_path", default="./index/bm25", help="FAISS .index file or BM25 folder")
     p.add_argument("--corpus_path", default="./data/corpus.jsonl")
@@ -364,7 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--simulate_latency_jitter_ms", type=float, default=0.0,
         help="benchmarks: plus a uniform random delay in [0, this) per request",
     )
-    return p.parse_args(argv)
+    return p
 
 
 def set_num_threads(n: int) -> None:

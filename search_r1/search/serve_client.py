@@ -38,15 +38,11 @@ from search_r1.search.client import (
 from search_r1.search.ray_serve import SERVE_SCHEME, is_serve_url, local_handle
 from search_r1.search.schema import Hit
 
-# One locality-routed handle per application and process: its router (a thread with the replica
-# set) is reused by every client and event loop of the process.
-_HANDLES: dict[str, Any] = {}
-
 
 def _handle(app_name: str) -> Any:
-    if app_name not in _HANDLES:
-        _HANDLES[app_name] = local_handle(app_name)
-    return _HANDLES[app_name]
+    """The process's locality-routed handle (Serve caches it: one router, a thread holding the replica
+    set, for every client and event loop of the process)."""
+    return local_handle(app_name)
 
 
 def _caller_node() -> str | None:
@@ -182,8 +178,9 @@ class AsyncServeRetrievalClient(_ServeEndpoint):
         while True:
             answer, failure = None, None
             async with self._in_flight:
-                response = _handle(self.app_name).retrieve.remote(payload, node)
+                response = None
                 try:
+                    response = _handle(self.app_name).retrieve.remote(payload, node)
                     answer = _Answer(*await asyncio.wait_for(_awaited(response), self.timeout))
                 except asyncio.TimeoutError as exc:
                     response.cancel()

@@ -227,6 +227,7 @@ def test_documented_sbatch_commands_compose_a_config_that_holds_on_their_nodes(
         assert dict(cfg.retriever.server_args) == {
             "index_path": "/shared/wiki/e5_Flat.index", "corpus_path": "/shared/wiki/wiki-18.jsonl",
             "retriever_name": "e5", "retriever_model": "intfloat/e5-base-v2"}
+        assert cfg.retriever.health_wait_s == 900       # RETRIEVER_WAIT_S's default: every node loads the index
     else:
         assert cfg.retriever.serve is None
 

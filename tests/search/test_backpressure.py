@@ -257,3 +257,6 @@ def test_retry_after_grows_with_the_clients_turned_away_at_the_rate_the_server_c
     assert clock.wait_s(pending=0) == pytest.approx(100 / 50.0)
     clock.turned_away(10_000)
     assert clock.wait_s(pending=0) == 60.0         # capped
+    # an idle stretch (nothing answered: the trainer updates between rollouts) does not wear the rate down
+    now[0] += 300.0
+    assert clock.rate() == pytest.approx(50.0)

@@ -19,6 +19,7 @@ from search_r1.search.ray_serve import (
     check_server_args,
     deploy,
     local_handle,
+    replica_env,
     replica_health,
     serve_url,
     server_argv,
@@ -61,10 +62,31 @@ def _ids(hits: list[list[Any]]) -> list[list[str]]:
 def test_server_args_become_the_servers_command_line_and_bad_ones_name_the_key() -> None:
     assert server_argv({"index_path": "i", "no_coalesce": True, "faiss_gpu": False, "topk": 5, "x": None}) == [
         "--index_path", "i", "--no_coalesce", "--topk", "5"]
+    # a flag with a negative form: false is said, not left to the default (fp16 on a GPU)
+    assert server_argv({"use_fp16": False}) == ["--no-use_fp16"] and server_argv({"use_fp16": True}) == ["--use_fp16"]
+    assert check_server_args({"index_path": "i", "use_fp16": False})[-1] == "--no-use_fp16"
     with pytest.raises(ValueError, match=r"retriever.server_args: retrieval_server.py refuses"):
         check_server_args({"index_path": "i", "no_such_flag": 1})
     with pytest.raises(ValueError, match=r"retriever.server_args: .*max_pending_queries must be >= 0"):
         check_server_args({"index_path": "i", "max_pending_queries": -1})
+
+
+def test_a_replica_gets_threads_for_its_cpus_and_no_gpu_it_does_not_hold() -> None:
+    cpu_only = ServeSettings(app_name="a", argv=[], replicas=None, replica_resources={"num_cpus": 8.0},
+                             max_ongoing_requests=1, http_port=None, wait_s=1)
+    assert replica_env(cpu_only) == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8", "CUDA_VISIBLE_DEVICES": ""}
+    with_gpu = ServeSettings(app_name="a", argv=[], replicas=1, replica_resources={"num_cpus": 2.0, "num_gpus": 1.0},
+                             max_ongoing_requests=1, http_port=None, wait_s=1)
+    assert replica_env(with_gpu) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+
+
+def test_no_node_with_the_replica_resources_fails_at_once(ray_cluster, bm25_index_dir: str,
+                                                         tiny_corpus_path: str) -> None:
+    settings = _settings("test_nowhere", bm25_index_dir, tiny_corpus_path)
+    settings = ServeSettings(**{**settings.__dict__, "replicas": None,
+                                "replica_resources": {"num_cpus": 1.0, "retrieval_node": 1.0}})
+    with pytest.raises(RuntimeError, match=r"no alive node has retriever.replica_resources=.*retrieval_node"):
+        deploy(settings)
 
 
 def test_the_clients_pick_the_transport_by_url_and_travel_by_pickle() -> None:

@@ -369,12 +369,23 @@ def _check_retriever_serve(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"retriever.replicas={replicas!r} must be an int >= 1 or null (one per node)")
     if int(retriever.replica_max_ongoing_requests) < 1:
         errors.append(f"retriever.replica_max_ongoing_requests={retriever.replica_max_ongoing_requests} must be >= 1")
-    from search_r1.search.ray_serve import check_server_args
+    from search_r1.search.ray_serve import check_server_args, import_serve
 
+    server_args = OmegaConf.to_container(retriever.server_args, resolve=True) or {}
     try:
-        check_server_args(OmegaConf.to_container(retriever.server_args, resolve=True) or {})
+        check_server_args(server_args)
     except ValueError as err:
         errors.append(str(err))
+    if server_args.get("faiss_gpu") and float(retriever.replica_resources.num_gpus) <= 0:
+        errors.append("retriever.server_args.faiss_gpu=true needs retriever.replica_resources.num_gpus > 0: a replica "
+                      "without a GPU of its own sees none (and a node whose GPUs all train has none to give)")
+    try:
+        import_serve()
+    except ImportError as err:
+        errors.append(str(err))
+    if cfg.actor_rollout_ref.rollout.get("mode", "sync") == "sync":
+        logger.warning("retriever.serve=ray with rollout.mode=sync: the driver searches for every row, so only the "
+                       "replica on the driver's node answers; rollout.mode=async spreads searches over the nodes")
 
 
 def _check_max_model_len(cfg: DictConfig, errors: list[str]) -> None:

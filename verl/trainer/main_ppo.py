@@ -151,9 +151,8 @@ def deploy_retriever(config: DictConfig) -> str:
     returns the application's name (search_r1/search/ray_serve.py)."""
     from search_r1.search.ray_serve import ServeSettings, deploy
 
-    settings = ServeSettings.from_config(config.retriever)
-    deploy(settings)
-    return settings.app_name
+    deploy(ServeSettings.from_config(config.retriever))
+    return str(config.retriever.serve_app_name)
 
 
 REPLICAS_FILE = "retrieval_replicas.json"
@@ -313,7 +312,9 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
             trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)
             started_ray = _init_ray(config, use_gpu=_has_gpu(config))
         if serving:
-            served_app = deploy_retriever(config)
+            # named before the (long) deploy, so that an interrupt during it still deletes the application
+            served_app = str(config.retriever.serve_app_name)
+            deploy_retriever(config)
         trainer.init_workers()
         return trainer.fit()
     finally:
