@@ -17,6 +17,13 @@ deployment, search_r1/search/ray_serve.py) on a local Ray this script starts (or
 HTTP proxy; memory is the replicas' resident memory, summed.
 
     python scripts/bench/retrieval_load.py --serve ray --replicas 2
+
+``--via handle`` puts the clients where rollout workers are instead: one Ray actor per node, each
+running its share of the clients through handles that prefer its node's replica (no proxy). On a
+cluster of several nodes (``--ray_address``; ``scripts/bench/two_node_serve.py`` starts two local
+Ray nodes and runs this with 1 and 2 replicas):
+
+    python scripts/bench/retrieval_load.py --serve ray --via handle --ray_address HOST:PORT --replicas 2
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from search_r1.search.async_client import AsyncRetrievalClient  # noqa: E402
 from search_r1.search.client import RetrievalError  # noqa: E402
+from search_r1.search.serve_client import open_async_retrieval_client  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ray: serve the index as a Ray Serve application instead of retrieval_launch.sh")
     p.add_argument("--replicas", type=int, default=None, help="--serve ray: replicas (default: one per node)")
     p.add_argument("--ray_address", default=None, help="--serve ray: join this cluster (default: start a local Ray)")
+    p.add_argument("--via", choices=["http", "handle"], default="http",
+                   help="--serve ray: clients post to Serve's HTTP proxy, or run in one Ray actor per node and call "
+                        "the replica of their node through handles (as rollout workers do)")
     return p.parse_args(argv)
 
 
@@ -96,8 +106,8 @@ def start_server(port: int, max_pending: int | None, start_timeout: float) -> su
 
 async def one_client(url: str, queries: list[str], args: argparse.Namespace,
                      latencies: list[float], failures: list[str]) -> None:
-    async with AsyncRetrievalClient(url, topk=3, timeout=args.timeout, max_retries=args.max_retries,
-                                    backoff_factor=0.1, pool_size=1) as client:
+    async with open_async_retrieval_client(url, topk=3, timeout=args.timeout, max_retries=args.max_retries,
+                                           backoff_factor=0.1, pool_size=1) as client:
         for query in queries:
             started = time.perf_counter()
             try:
@@ -110,13 +120,14 @@ async def one_client(url: str, queries: list[str], args: argparse.Namespace,
                 failures.append(f"no hits for {query!r}")
 
 
-async def fire(url: str, args: argparse.Namespace) -> tuple[list[float], list[str], float]:
+async def fire(url: str, args: argparse.Namespace, clients: range | None = None
+               ) -> tuple[list[float], list[str], float]:
     latencies: list[float] = []
     failures: list[str] = []
     # Client i asks queries i*q .. i*q+q-1 of a distinct set: every request is a real search.
     words = ["river", "mountain", "kiln", "glass", "empire", "violin", "comet", "harbor", "forest", "engine"]
     jobs = []
-    for i in range(args.clients):
+    for i in clients if clients is not None else range(args.clients):
         queries = [f"{words[(i + j) % len(words)]} history {i * args.queries + j}" for j in range(args.queries)]
         jobs.append(one_client(url, queries, args, latencies, failures))
     started = time.perf_counter()
@@ -188,7 +199,10 @@ def run_serve(args: argparse.Namespace) -> tuple[list[float], list[str], float, 
         expected = args.replicas or sum(1 for node in ray.nodes() if node["Alive"])
         before = _all_replicas(settings.app_name, expected)
         rss_before = sum(rss_mib(h["pid"]) for h in before)
-        latencies, failures, wall = asyncio.run(fire(f"http://127.0.0.1:{port}/retrieve", args))
+        if args.via == "handle":
+            latencies, failures, wall = fire_from_every_node(settings.app_name, args)
+        else:
+            latencies, failures, wall = asyncio.run(fire(f"http://127.0.0.1:{port}/retrieve", args))
         after = _all_replicas(settings.app_name, expected)
         rss_after = sum(rss_mib(h["pid"]) for h in after)
     finally:
@@ -199,8 +213,37 @@ def run_serve(args: argparse.Namespace) -> tuple[list[float], list[str], float, 
     health["pending_queries"] = sum(h["pending_queries"] for h in after)
     health["status"] = "ok" if all(h["status"] == "ok" for h in after) else "degraded"
     per_replica = [{"requests": h["counters"]["requests"], "queries": h["counters"]["queries"]} for h in after]
-    return latencies, failures, wall, health, rss_before, rss_after, {"server": "ray_serve", "replicas": len(after),
-                                                                      "per_replica": per_replica}
+    return latencies, failures, wall, health, rss_before, rss_after, {
+        "server": "ray_serve", "via": args.via, "replicas": len(after), "per_replica": per_replica,
+        "nodes": sum(1 for node in ray.nodes() if node["Alive"])}
+
+
+def fire_from_every_node(app_name: str, args: argparse.Namespace) -> tuple[list[float], list[str], float]:
+    """The clients split over one actor per alive node, each calling through a handle that prefers its
+    node's replica (the rollout workers' path); all start together; wall = until the last is done."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from search_r1.search.ray_serve import serve_url
+
+    @ray.remote(num_cpus=0)
+    class Clients:
+        def fire(self, clients: range) -> tuple[list[float], list[str]]:
+            latencies, failures, _ = asyncio.run(fire(serve_url(app_name), args, clients))
+            return latencies, failures
+
+        def ready(self) -> bool:
+            return True
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    actors = [Clients.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+              for node in nodes]
+    ray.get([a.ready.remote() for a in actors])
+    shares = [range(i, args.clients, len(actors)) for i in range(len(actors))]
+    started = time.perf_counter()
+    results = ray.get([a.fire.remote(share) for a, share in zip(actors, shares, strict=True)])
+    wall = time.perf_counter() - started
+    return [x for lat, _ in results for x in lat], [f for _, fails in results for f in fails], wall
 
 
 def _all_replicas(app_name: str, expected: int) -> list[dict]:
