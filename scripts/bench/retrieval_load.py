@@ -196,7 +196,8 @@ def run_serve(args: argparse.Namespace) -> tuple[list[float], list[str], float, 
                              wait_s=args.start_timeout)
     try:
         deploy(settings)
-        expected = args.replicas or sum(1 for node in ray.nodes() if node["Alive"])
+        n_nodes = sum(1 for node in ray.nodes() if node["Alive"])
+        expected = args.replicas or n_nodes
         before = _all_replicas(settings.app_name, expected)
         rss_before = sum(rss_mib(h["pid"]) for h in before)
         if args.via == "handle":
@@ -215,7 +216,7 @@ def run_serve(args: argparse.Namespace) -> tuple[list[float], list[str], float, 
     per_replica = [{"requests": h["counters"]["requests"], "queries": h["counters"]["queries"]} for h in after]
     return latencies, failures, wall, health, rss_before, rss_after, {
         "server": "ray_serve", "via": args.via, "replicas": len(after), "per_replica": per_replica,
-        "nodes": sum(1 for node in ray.nodes() if node["Alive"])}
+        "nodes": n_nodes}
 
 
 def fire_from_every_node(app_name: str, args: argparse.Namespace) -> tuple[list[float], list[str], float]:
@@ -247,16 +248,17 @@ def fire_from_every_node(app_name: str, args: argparse.Namespace) -> tuple[list[
 
 
 def _all_replicas(app_name: str, expected: int) -> list[dict]:
-    """Every replica's /health (several on one node included): asked through the HTTP-less handle until
-    each replica id was seen."""
-    from search_r1.search.ray_serve import local_handle
+    """Every replica's /health (several on one node included), until each replica id was seen."""
+    from search_r1.search.ray_serve import local_handle, replica_health
 
-    handle, seen = local_handle(app_name), {}
+    # one per node from a task on that node; several on one node: sampled through this node's handle
+    seen = {h["replica_id"]: h for h in replica_health(app_name).values()}
+    handle = local_handle(app_name)
     for _ in range(50 * expected):
-        health = handle.health.remote().result(timeout_s=30)
-        seen[health["replica_id"]] = health
         if len(seen) == expected:
             break
+        health = handle.health.remote().result(timeout_s=30)
+        seen[health["replica_id"]] = health
     return list(seen.values())
 
 
