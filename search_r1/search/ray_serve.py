@@ -314,6 +314,22 @@ def undeploy(app_name: str) -> None:
         logger.warning("could not delete the Serve application %r: %s", app_name, err)
 
 
+def wait_until_running(app_name: str, timeout_s: float) -> bool:
+    """Wait (at most `timeout_s`) until every replica of the application runs (after a restart, say);
+    whether they do."""
+    serve = import_serve()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(app_name)
+        states = [{getattr(state, "value", state) for state, n in d.replica_states.items() if n}
+                  for d in app.deployments.values()] if app is not None else []
+        if states and all(st == {"RUNNING"} for st in states):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
 def local_handle(app_name: str) -> Any:
     """A handle to the application that sends each call to the replica on this node when it has one
     that is alive and not full, else to any healthy replica (Serve's locality routing)."""

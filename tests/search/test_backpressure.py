@@ -260,3 +260,28 @@ def test_retry_after_grows_with_the_clients_turned_away_at_the_rate_the_server_c
     # an idle stretch (nothing answered: the trainer updates between rollouts) does not wear the rate down
     now[0] += 300.0
     assert clock.rate() == pytest.approx(50.0)
+
+
+def test_simulated_latency_delays_every_answer_and_fills_the_bound(bm25_retriever: Any, serve: Serve) -> None:
+    # --simulate_latency_ms (benchmarks: a web-search API's latency): every request waits, cached or not,
+    # and its queries count as pending meanwhile
+    app = create_app(bm25_retriever, ServerConfig(simulate_latency_ms=300, simulate_latency_jitter_ms=100,
+                                                  max_pending_queries=1))
+    with serve(app) as base:
+        client = RetrievalClient(f"{base}/retrieve", topk=1, max_retries=0)
+        for _ in range(2):                                  # the second one from the cache: delayed all the same
+            started = time.monotonic()
+            assert client.retrieve(["glacier"])[0]
+            assert 0.3 <= time.monotonic() - started < 5.0
+        health = httpx.get(f"{base}/health", timeout=10).json()
+        assert health["simulate_latency_ms"] == [300.0, 100.0] and health["counters"]["cache_hits"] == 1
+
+        async def two_at_once() -> list[int]:
+            async with httpx.AsyncClient(timeout=30) as http:
+                answers = await asyncio.gather(*(http.post(f"{base}/retrieve", json={"queries": [q]})
+                                                 for q in ("a", "b")))
+            return sorted(r.status_code for r in answers)
+
+        assert asyncio.run(two_at_once()) == [200, 503]     # the first one's wait holds the bound of 1
+    with pytest.raises(ValueError, match="simulate_latency_ms"):
+        ServerConfig(simulate_latency_ms=-1)

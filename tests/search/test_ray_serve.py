@@ -170,3 +170,10 @@ def test_a_replica_that_cannot_start_fails_the_deploy_naming_the_setting(ray_clu
         deploy(settings)
     assert "BM25 index folder not found" in str(info.value) and "retriever.server_args" in str(info.value)
     assert time.monotonic() - started < 170
+
+
+def test_the_application_counts_as_running_once_every_replica_runs(served: tuple[str, str]) -> None:
+    from search_r1.search.ray_serve import wait_until_running
+
+    assert wait_until_running("test_retrieval", timeout_s=30)
+    assert not wait_until_running("no_such_application", timeout_s=1)

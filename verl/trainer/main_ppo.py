@@ -163,11 +163,14 @@ def record_replicas(config: DictConfig, app_name: str) -> None:
     before the application is deleted: what served the run's searches, from where."""
     import json
 
-    from search_r1.search.ray_serve import replica_health
+    from search_r1.search.ray_serve import replica_health, wait_until_running
 
     trainer = config.trainer
     path = Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs") / REPLICAS_FILE
     try:
+        # a replica Serve is restarting (one died during the run) is recorded once it serves
+        if not wait_until_running(app_name, timeout_s=60.0):
+            logger.warning("not every retrieval replica runs after 60 s; recording those that answer")
         health = replica_health(app_name, timeout_s=30.0)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(health, indent=1, sort_keys=True))
