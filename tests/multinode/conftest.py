@@ -1,6 +1,7 @@
-"""One search world for the package (both modules): the BM25 server, the model warmed up to
-search it and the question parquets of tests/trainer/test_search_e2e.py, built with the same
-helpers once instead of once a module (the warm-up is the slow part on a 2-core machine)."""
+"""Shared by the package's modules: one search world (the BM25 server, the model warmed up to search
+it and the question parquets of tests/trainer/test_search_e2e.py, built with the same helpers once
+instead of once a module: the warm-up is the slow part on a 2-core machine) and one two-node Ray
+cluster."""
 
 from __future__ import annotations
 
