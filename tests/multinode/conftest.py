@@ -1,7 +1,7 @@
 """Shared by the package's modules: one search world (the BM25 server, the model warmed up to search
 it and the question parquets of tests/trainer/test_search_e2e.py, built with the same helpers once
-instead of once a module: the warm-up is the slow part on a 2-core machine) and one two-node Ray
-cluster."""
+instead of once a module: the warm-up is the slow part on a 2-core machine) and the two-node Ray
+cluster fixture."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) 
         yield world
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
-    """A head and a second node, 2 CPUs each (test_two_ray_nodes.py, test_serve_retrieval.py)."""
+    """A head and a second node, 2 CPUs each, one cluster per module (test_two_ray_nodes.py,
+    test_serve_retrieval.py): the tests read the cluster's actor table, which keeps every earlier
+    job's (dead) workers, so a module must not see another module's runs."""
     cluster = LocalRayCluster(tmp_path_factory.mktemp("ray_nodes"), port=free_port(), client_port=free_port())
     try:
         cluster.add_node(num_cpus=2)
