@@ -31,11 +31,9 @@ from search_r1.search.client import (
     RETRYABLE_STATUS,
     RetrievalError,
     RetrievalTimeout,
-    RetrievalUnavailable,
     _RetrieveEndpoint,
     parse_retrieve_response,
     raise_for_retrieve_status,
-    retry_after_s,
 )
 from search_r1.search.schema import Hit
 
@@ -102,27 +100,16 @@ class AsyncRetrievalClient(_RetrieveEndpoint):
                         None,
                         self.url,
                     ) from exc
-                failure: BaseException | int = exc
+                answer, failure = None, exc
             except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
                 # refused, or reset while sending or reading: /retrieve is read-only, so resend
-                failure = exc
+                answer, failure = None, exc
             except httpx.HTTPError as exc:
                 raise RetrievalError(f"retrieval request failed: {exc}", None, self.url) from exc
             else:
                 if response.status_code not in RETRYABLE_STATUS:
                     raise_for_retrieve_status(response, self.url, self.max_retries)
                     return parse_retrieve_response(response, len(queries), self.url)
-                failure = response.status_code
-            if retry == self.max_retries:
-                if isinstance(failure, int):
-                    raise_for_retrieve_status(response, self.url, self.max_retries)
-                raise RetrievalUnavailable(
-                    f"retrieval server unreachable after {self.max_retries} retries ({type(failure).__name__})",
-                    None,
-                    self.url,
-                ) from failure
+                answer, failure = response, None
+            await asyncio.sleep(self._wait_before_retry(retry, answer, failure))
             retry += 1
-            wait = self.backoff_factor * 2 ** (retry - 1)
-            if isinstance(failure, int):
-                wait = max(wait, retry_after_s(response, self.timeout))
-            await asyncio.sleep(wait)

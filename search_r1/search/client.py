@@ -156,6 +156,20 @@ class _RetrieveEndpoint:
     def _open(self) -> None:
         raise NotImplementedError
 
+    def _unreachable_text(self, failure: BaseException | None) -> str:
+        return f"retrieval server unreachable after {self.max_retries} retries ({type(failure).__name__})"
+
+    def _wait_before_retry(self, retry: int, answer: Any | None, failure: BaseException | None) -> float:
+        """Seconds to wait before resend number ``retry + 1`` after a retryable ``answer`` (a 5xx
+        response) or ``failure`` (an exception): exponential backoff, or a 503's ``Retry-After`` when
+        longer. Raises the typed error when the ``max_retries`` budget is spent."""
+        if retry == self.max_retries:
+            if answer is not None:
+                raise_for_retrieve_status(answer, self.url, self.max_retries)
+            raise RetrievalUnavailable(self._unreachable_text(failure), None, self.url) from failure
+        wait = self.backoff_factor * 2 ** retry
+        return max(wait, retry_after_s(answer, self.timeout)) if answer is not None else wait
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r}, topk={self.topk}, timeout={self.timeout})"
 

@@ -29,11 +29,9 @@ from search_r1.search.client import (
     RetrievalClient,
     RetrievalError,
     RetrievalTimeout,
-    RetrievalUnavailable,
     _RetrieveEndpoint,
     parse_retrieve_response,
     raise_for_retrieve_status,
-    retry_after_s,
 )
 from search_r1.search.ray_serve import SERVE_SCHEME, is_serve_url, local_handle
 from search_r1.search.schema import Hit
@@ -84,7 +82,6 @@ class _ServeEndpoint(_RetrieveEndpoint):
         self.app_name = self.url[len(SERVE_SCHEME):]
         if not self.app_name:
             raise ValueError(f"retriever url {self.url!r} names no Serve application ({SERVE_SCHEME}<app>)")
-        self.retried = 0
 
     @property
     def health_url(self) -> str:
@@ -94,17 +91,9 @@ class _ServeEndpoint(_RetrieveEndpoint):
         raise_for_retrieve_status(answer, self.url, self.max_retries)
         return parse_retrieve_response(answer, n_queries, self.url)
 
-    def _wait_before_retry(self, retry: int, answer: _Answer | None, failure: BaseException | None) -> float:
-        """Seconds to wait before resend number ``retry + 1``; raises when the budget is spent."""
-        if retry == self.max_retries:
-            if answer is not None:
-                raise_for_retrieve_status(answer, self.url, self.max_retries)
-            raise RetrievalUnavailable(
-                f"retrieval application unreachable after {self.max_retries} retries ({type(failure).__name__}: "
-                f"{failure})", None, self.url) from failure
-        self.retried += 1
-        wait = self.backoff_factor * 2 ** retry
-        return max(wait, retry_after_s(answer, self.timeout)) if answer is not None else wait
+    def _unreachable_text(self, failure: BaseException | None) -> str:
+        return (f"retrieval application unreachable after {self.max_retries} retries ({type(failure).__name__}: "
+                f"{failure})")
 
     def _timed_out(self, exc: BaseException) -> RetrievalTimeout:
         return RetrievalTimeout(f"retrieval application did not answer within {self.timeout}s", None, self.url)
