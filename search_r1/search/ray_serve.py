@@ -201,11 +201,12 @@ def nodes_that_fit(settings: ServeSettings) -> int:
     without the replica's custom resource, gets none)."""
     import ray
 
+    from verl.single_controller.ray.base import node_fits
+
     need = {"CPU": settings.replica_resources.get("num_cpus", 1.0),
             "GPU": settings.replica_resources.get("num_gpus", 0.0),
             **{k: v for k, v in settings.replica_resources.items() if k not in ("num_cpus", "num_gpus")}}
-    return sum(1 for node in ray.nodes() if node["Alive"]
-               and all(node["Resources"].get(key, 0.0) >= value for key, value in need.items() if value > 0))
+    return sum(1 for node in ray.nodes() if node["Alive"] and node_fits(node, need))
 
 
 def deployment(settings: ServeSettings, n_nodes: int) -> Any:

@@ -28,7 +28,8 @@ import random
 import sys
 import time
 from collections import OrderedDict, deque
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,22 +197,16 @@ class RetrievalService:
         if delay_ms > 0:
             # an emulated web-search API: every request waits, cached or not, and its queries count as
             # pending meanwhile (a slow backend fills the bound as a slow index does)
-            self._admit(len(queries))
-            self.pending_queries += len(queries)
-            try:
+            with self._pending(len(queries)):
                 await asyncio.sleep(delay_ms / 1000.0)
-            finally:
-                self.pending_queries -= len(queries)
         results: list[list[Hit] | None] = [self.cache.get(q, topk) for q in queries]
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
-            self._admit(len(missing))
-            self.pending_queries += len(missing)
-            try:
-                found = await self.coalescer.search([queries[i] for i in missing], topk)
-            finally:
-                self.pending_queries -= len(missing)
-                self.backlog.answered(len(missing))
+            with self._pending(len(missing)):
+                try:
+                    found = await self.coalescer.search([queries[i] for i in missing], topk)
+                finally:
+                    self.backlog.answered(len(missing))
             for i, hits in zip(missing, found, strict=True):
                 results[i] = hits
                 self.cache.put(queries[i], topk, hits)
@@ -227,6 +222,16 @@ class RetrievalService:
         finally:
             self.requests_in_flight -= 1
         return {"result": [[hit.to_wire(valid.return_scores) for hit in hits] for hits in results]}
+
+    @contextmanager
+    def _pending(self, n: int) -> Iterator[None]:
+        """`n` queries admitted (``_admit``) and counted as pending for the block's duration."""
+        self._admit(n)
+        self.pending_queries += n
+        try:
+            yield
+        finally:
+            self.pending_queries -= n
 
     def _admit(self, n: int) -> None:
         """Refuse `n` more queries when they would pass the bound (never on an idle server)."""

@@ -52,7 +52,7 @@ from verl.trainer.config_check import (
     validate_config,
     world_size,
 )
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role, run_log_dir
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +145,13 @@ def wait_for_retriever(config: DictConfig) -> str:
         f"Start it (bash retrieval_launch.sh, docs/retriever.md) or fix {where}. No worker was started.")
 
 
-def deploy_retriever(config: DictConfig) -> str:
+def deploy_retriever(config: DictConfig) -> None:
     """`retriever.serve=ray`: start the retrieval server as a Ray Serve application on the cluster, one
-    replica per node by default, and wait (at most `retriever.health_wait_s`) until every replica serves;
-    returns the application's name (search_r1/search/ray_serve.py)."""
+    replica per node by default, and wait (at most `retriever.health_wait_s`) until every replica serves
+    (search_r1/search/ray_serve.py)."""
     from search_r1.search.ray_serve import ServeSettings, deploy
 
     deploy(ServeSettings.from_config(config.retriever))
-    return str(config.retriever.serve_app_name)
 
 
 REPLICAS_FILE = "retrieval_replicas.json"
@@ -165,8 +164,7 @@ def record_replicas(config: DictConfig, app_name: str) -> None:
 
     from search_r1.search.ray_serve import replica_health, wait_until_running
 
-    trainer = config.trainer
-    path = Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs") / REPLICAS_FILE
+    path = run_log_dir(config) / REPLICAS_FILE
     try:
         # a replica Serve is restarting (one died during the run) is recorded once it serves
         if not wait_until_running(app_name, timeout_s=60.0):

@@ -87,7 +87,8 @@ def alive_nodes() -> list[dict[str, Any]]:
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
-def _fits(node: dict[str, Any], need: dict[str, float]) -> bool:
+def node_fits(node: dict[str, Any], need: dict[str, float]) -> bool:
+    """Whether a `ray.nodes()` entry's resources hold `need` (e.g. {"CPU": 8, "GPU": 8})."""
     total = node.get("Resources", {})
     return all(total.get(key, 0.0) >= amount for key, amount in need.items())
 
@@ -101,7 +102,7 @@ def describe_nodes(nodes: list[dict[str, Any]] | None = None, need: dict[str, fl
         text = (f"{node.get('NodeManagerAddress')} [node {str(node.get('NodeID'))[:8]}] "
                 f"CPU={total.get('CPU', 0):g} GPU={total.get('GPU', 0):g}")
         if need is not None:
-            text += " (fits)" if _fits(node, need) else " (too small)"
+            text += " (fits)" if node_fits(node, need) else " (too small)"
         parts.append(text)
     return f"{len(nodes)} live node(s): " + ("; ".join(parts) if parts else "none")
 
@@ -125,7 +126,7 @@ def wait_for_nodes(
     while True:
         nodes = alive_nodes()
         wanted = need(nodes) if callable(need) else need
-        fitting = [node for node in nodes if _fits(node, wanted)]
+        fitting = [node for node in nodes if node_fits(node, wanted)]
         if len(fitting) >= nnodes:
             return [node["NodeID"] for node in fitting]
         if time.monotonic() >= deadline:

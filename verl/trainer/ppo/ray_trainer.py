@@ -100,6 +100,12 @@ def check_search_failures(metrics: dict[str, float], config: DictConfig, where: 
         "server's log (retriever.max_failure_fraction=1.0 never stops)")
 
 
+def run_log_dir(config: DictConfig) -> Path:
+    """Where the run's logs go: `trainer.log_dir`, else `<trainer.default_local_dir>/logs`."""
+    trainer = config.trainer
+    return Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs")
+
+
 def generation_config(config: DictConfig, world_size: int) -> Any:
     """The generation manager's `GenerationConfig` for the trainer config.
 
@@ -627,10 +633,9 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ loop
     def _tracker(self) -> Tracking:
         trainer = self.config.trainer
-        log_dir = trainer.log_dir or str(Path(trainer.default_local_dir) / "logs")
         backends = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
         return Tracking(trainer.project_name, trainer.experiment_name, backends,
-                        config=self.config, log_dir=log_dir)
+                        config=self.config, log_dir=str(run_log_dir(self.config)))
 
     def fit(self) -> list[dict[str, float]]:
         """Train until total_training_steps; returns the per-step metrics (also sent to the loggers)."""
