@@ -6,6 +6,7 @@ Nothing is downloaded: HF hub access is switched off for the whole test run.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 
@@ -26,6 +27,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p where p and p + 1 were both free on every address a moment ago (a Ray head's GCS and
+    client-server ports, as scripts/slurm/ray_on_slurm.sh takes them). Drawn from 20000-32767:
+    below the kernel's ephemeral range (32768+), whose ports outgoing connections take at any
+    moment, and above Ray's worker ports (10002-19999)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32767)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, \
+                    socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b:
+                a.bind(("", port))
+                b.bind(("", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two consecutive free ports in 20000-32767")
 
 
 @pytest.fixture(scope="session")

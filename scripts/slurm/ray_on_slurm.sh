@@ -165,20 +165,39 @@ log "job $SLURM_JOB_ID: ${#nodes[@]} node(s): ${nodes[*]}; Ray head on $head ($R
 start_step "ray head" "$head" ray start --head --node-ip-address="$head_ip" --port="$port" \
     --ray-client-server-port="$((port + 1))" --include-dashboard=false "${node_args[@]}"
 
+steps_alive() {  # dies naming the first background step (Ray node, server) that has exited
+    local i
+    for i in "${!step_pids[@]}"; do
+        kill -0 "${step_pids[$i]}" 2>/dev/null || die "${step_names[$i]} exited; see its output above"
+    done
+}
+
 ray_nodes_alive() {  # prints the IPs of the live Ray nodes, one a line (nothing while the GCS is down)
-    timeout 60 python3 - "$RAY_ADDRESS" <<'EOF' 2>/dev/null || true
+    # The probe is given up as soon as the head's step exits: a client of a GCS that went away
+    # waits for it to come back, and the head's own error is what the log should end with.
+    local out probe
+    out=$(mktemp)
+    timeout 60 python3 - "$RAY_ADDRESS" >"$out" 2>/dev/null <<'EOF' &
 import sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 for node in ray.nodes():
     if node["Alive"]:
         print(node["NodeManagerAddress"])
 EOF
+    probe=$!
+    while kill -0 "$probe" 2>/dev/null; do
+        kill -0 "${step_pids[0]}" 2>/dev/null || kill "$probe" 2>/dev/null
+        sleep 1
+    done
+    wait "$probe" 2>/dev/null || true
+    cat "$out"
+    rm -f "$out"
 }
 
 deadline=$((SECONDS + join_timeout))
 until [ -n "$(ray_nodes_alive)" ]; do
+    steps_alive
     [ "$SECONDS" -lt "$deadline" ] || die "the Ray head on $head did not come up within ${join_timeout}s"
-    kill -0 "${step_pids[0]}" 2>/dev/null || die "ray start --head on $head exited; see its output above"
     sleep 3
 done
 for node in "${workers[@]}"; do
@@ -186,6 +205,7 @@ for node in "${workers[@]}"; do
 done
 while true; do
     mapfile -t joined < <(ray_nodes_alive)
+    steps_alive
     [ "${#joined[@]}" -ge "${#nodes[@]}" ] && break
     if [ "$SECONDS" -ge "$deadline" ]; then
         missing=()
@@ -209,11 +229,10 @@ else
     retriever_port=${RETRIEVER_PORT:-8000}
     retriever_ip=$(node_ip "$retriever_node")
     start_step "retrieval server" "$retriever_node" bash retrieval_launch.sh --host 0.0.0.0 --port "$retriever_port"
-    retriever_pid=${step_pids[-1]}
     retriever_health="http://$retriever_ip:$retriever_port/health"
     deadline=$((SECONDS + retriever_wait))
     until health=$(curl_health "$retriever_health") && [ -n "$health" ]; do
-        kill -0 "$retriever_pid" 2>/dev/null || die "the retrieval server on $retriever_node exited; see its output above"
+        steps_alive
         [ "$SECONDS" -lt "$deadline" ] || die "no retrieval server at $retriever_health after ${retriever_wait}s"
         sleep 2
     done

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench.toy_task import toy_overrides
-from tests.conftest import free_port
+from tests.conftest import free_port, free_port_pair
 from tests.multinode._local_ray import REPO, ray_env
 from tests.trainer._search_model import TOPK, build_bm25_retriever, write_corpus
 from tests.trainer.test_search_e2e import BATCH_SIZE, N_AGENT, SearchWorld
@@ -71,8 +72,9 @@ def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], o
         "trainer.logger=[console,jsonl]", f"hydra.run.dir={out / 'hydra'}", *extra]
     job_env = dict(env, BASE_MODEL=world.model_dir, WORKERS_PER_NODE="1", SEARCH_R1_VENV=str(REPO / ".venv"),
                    EXPERIMENT_NAME=str(out / "grpo-slurm"),      # train_grpo.sh tees its log to $EXPERIMENT_NAME.log
-                   RAY_PORT=str(free_port()), RETRIEVER_PORT=str(free_port()),
-                   retriever_name="bm25", index_file=str(index_dir), corpus_file=str(corpus), **job_vars)
+                   RAY_PORT=str(free_port_pair()), RETRIEVER_PORT=str(free_port()),
+                   retriever_name="bm25", index_file=str(index_dir), corpus_file=str(corpus))
+    job_env.update(job_vars)
     log = out / "job.out"
     proc = subprocess.run(
         ["sbatch", "--parsable", "--wait", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
@@ -183,6 +185,25 @@ def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
     assert "command exited with status 0" not in log
     assert "shutting down (exit status 143)" in log
     assert _leftovers(job_id, _port_in_log(log)) == []
+
+
+def test_a_ray_head_that_cannot_start_fails_the_job_at_once_naming_it(
+        slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
+    # The head's client-server port (RAY_PORT + 1) is taken: `ray start --head` brings its GCS up,
+    # then exits when the client server cannot bind (as a CI run met by chance). The script must
+    # stop there, naming the head, not wait for a retrieval server or train against a dead cluster.
+    port = free_port_pair()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("", port + 1))
+        taken.listen()
+        rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path, [], time_limit="5",
+                                  RAY_PORT=str(port))
+    assert rc != 0, log[-4000:]
+    assert re.search(r"ERROR: ray head on \S+ exited; see its output above", log), log[-4000:]
+    for later in ("retrieval server up", "running: "):
+        assert later not in log, later
+    assert _final_state(slurm_env, job_id) == "FAILED"
+    assert _leftovers(job_id) == []
 
 
 def test_a_bad_override_fails_the_job_in_preflight_before_ray_or_the_server_start(
