@@ -199,8 +199,10 @@ def _healthy(url: str) -> bool:
 
 
 @contextmanager
-def retrieval_server(url: str | None, index_dir: Path, corpus: Path, topk: int, log_path: Path):
-    """Yield a /retrieve URL: `url` if a server answers there, else one started here (and stopped after)."""
+def retrieval_server(url: str | None, index_dir: Path, corpus: Path, topk: int, log_path: Path,
+                     extra_args: list[str] | tuple[str, ...] = ()):
+    """Yield a /retrieve URL: `url` if a server answers there, else one started here (and stopped
+    after) with `extra_args` (more retrieval_server flags, e.g. --simulate_latency_ms)."""
     if url is not None and _healthy(url):
         yield url
         return
@@ -214,7 +216,7 @@ def retrieval_server(url: str | None, index_dir: Path, corpus: Path, topk: int, 
         host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
     cmd = [sys.executable, "-m", "search_r1.search.retrieval_server", "--index_path", str(index_dir),
            "--corpus_path", str(corpus), "--topk", str(topk), "--retriever_name", "bm25",
-           "--host", host, "--port", str(port)]
+           "--host", host, "--port", str(port), *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -122,3 +122,31 @@ def test_driver_waits_a_bounded_time_then_names_what_the_cluster_lacks(
     assert "waiting 3s" in proc.stderr
     assert elapsed < 120      # start-up and imports take ~20 s here; the wait itself is 3 s
     assert len([n for n in two_nodes.query()["nodes"] if n["alive"]]) == 2   # the cluster is untouched
+
+
+def test_one_step_off_puts_the_rollout_pool_on_one_node_and_the_train_pool_on_the_other(
+        two_nodes: LocalRayCluster, search_world: SearchWorld, tmp_path: Path) -> None:
+    # 2 workers a node, the rollout pool one node's worth: each pool's bundle is a whole 2-CPU node,
+    # so the weights cross from one node to the other over the weight-sync group (gloo, TCP).
+    before = {a["name"] for a in two_nodes.query()["actors"]}
+    out = tmp_path / "pipelined"
+    proc = _driver(_overrides(search_world, out, nnodes=2, workers_per_node=2)
+                   + [f"trainer.ray_address={two_nodes.address}", "trainer.ray_wait_s=60",
+                      "trainer.pipeline=one_step_off", "trainer.rollout_pool=2", "trainer.total_training_steps=3"])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "ckpt" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+
+    state = two_nodes.query()
+    run = [a for a in state["actors"] if a["name"] not in before]
+    rollout_nodes = {a["node"] for a in run if a["class"] == "ActorRolloutRefWorker"}
+    train_nodes = {a["node"] for a in run if a["class"].startswith("WorkerDict")}
+    assert len([a for a in run if a["class"] == "ActorRolloutRefWorker"]) == 2, run
+    assert len(rollout_nodes) == 1 and len(train_nodes) == 1 and rollout_nodes != train_nodes, run
+
+    staleness = [r["pipeline/staleness"] for r in records]
+    assert staleness[:2] == [0.0, 1.0] and max(staleness) <= 1.0, staleness
+    assert records[-1]["pipeline/weight_syncs"] >= 1        # weights crossed the nodes before batch 3
+    for r in records:
+        assert r["env/number_of_valid_search"] > 0 and r["env/search_failures"] == 0
+        assert math.isfinite(r["actor/pg_loss"])

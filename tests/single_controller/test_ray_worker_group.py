@@ -55,6 +55,14 @@ class EchoWorker(Worker):
     def get_bumps(self) -> int:
         return self.bumps
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def log_call(self, tag: str) -> None:
+        self.calls = [*getattr(self, "calls", []), tag]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def call_log(self) -> list[str]:
+        return list(getattr(self, "calls", []))
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE)
     def square(self, x: int, offset: int = 0) -> tuple[int, int]:
         return self.rank, x * x + offset
@@ -194,6 +202,24 @@ def test_execute_all_and_rank_zero_helpers(echo_group):
 def test_two_workers_form_a_gloo_group_and_all_reduce(echo_group):
     # rank r contributes 3 * (r + 1): 3 + 6
     assert echo_group.gloo_all_reduce(3.0) == [9.0, 9.0]
+
+
+def test_two_threads_calling_one_group_reach_every_rank_in_the_same_order(echo_group):
+    # A pipelined run's producer pushes weights while the trainer calls the same workers: every
+    # rank must run the calls in one order, or their collectives would cross (gloo aborts).
+    import threading
+
+    def caller(name: str) -> None:
+        for i in range(150):
+            echo_group.log_call(f"{name}{i}")
+
+    threads = [threading.Thread(target=caller, args=(name,)) for name in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    logs = echo_group.call_log()
+    assert len(logs[0]) == 300 and all(log == logs[0] for log in logs)
 
 
 def test_from_detached_reattaches_by_name(echo_group):

@@ -68,7 +68,11 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 # Keys users append with `+trainer.<key>=...`; not declared in the YAML, read with these defaults.
 # `preflight`: check the composed config and exit, without Ray, workers or weights (preflight.py).
-OPTIONAL_TRAINER_KEYS: dict[str, Any] = {"val_only": False, "val_before_train": True, "preflight": False}
+OPTIONAL_TRAINER_KEYS: dict[str, Any] = {"val_only": False, "val_before_train": True, "preflight": False,
+                                         # a pipelined rollout waits for the weights of the update just
+                                         # made (staleness 0: the pipeline's steps equal sync's; tests)
+                                         "pipeline_wait_for_sync": False}
+PIPELINES = ("sync", "one_step_off", "async")
 
 # Logger backends that need a package: backend -> (module to find, how to install it).
 LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
@@ -138,9 +142,70 @@ def micro_batch_key(cfg: DictConfig, key: str) -> str:
     return f"{key}_per_gpu*world_size" if OmegaConf.select(cfg, f"{key}_per_gpu") is not None else key
 
 
-def world_size(cfg: DictConfig) -> int:
-    """Worker processes: GPUs in total, or on a CPU-only machine the number of CPU workers."""
+def total_workers(cfg: DictConfig) -> int:
+    """Worker processes of the run: GPUs in total, or on a CPU-only machine the CPU workers."""
     return int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+
+
+def pipelined(cfg: DictConfig) -> bool:
+    """`trainer.pipeline` is one_step_off or async: separate rollout and train pools."""
+    return str(cfg.trainer.get("pipeline", "sync")) != "sync"
+
+
+def rollout_pool_size(cfg: DictConfig) -> int:
+    """Workers of a pipelined run's rollout pool (`trainer.rollout_pool`, null = half); 0 for sync."""
+    if not pipelined(cfg):
+        return 0
+    size = cfg.trainer.get("rollout_pool")
+    return max(1, total_workers(cfg) // 2) if size is None else int(size)
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Worker processes that train (the FSDP world every batch size divides over): all of them,
+    or with a pipeline the train pool's (total_workers - rollout_pool_size)."""
+    return total_workers(cfg) - rollout_pool_size(cfg)
+
+
+def rollout_world_size(cfg: DictConfig) -> int:
+    """Worker processes that generate: every worker, or with a pipeline the rollout pool's."""
+    return rollout_pool_size(cfg) if pipelined(cfg) else world_size(cfg)
+
+
+def pool_layout(cfg: DictConfig) -> dict[str, list[int]]:
+    """Workers per node of each pool: {"global_pool": ...}, or with a pipeline {"train_pool": ...,
+    "rollout_pool": ...}: on one node both share it; on several the rollout pool takes whole nodes."""
+    nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
+    if not pipelined(cfg):
+        return {"global_pool": [per_node] * nnodes}
+    rollout = rollout_pool_size(cfg)
+    if nnodes == 1:
+        return {"train_pool": [per_node - rollout], "rollout_pool": [rollout]}
+    return {"train_pool": [per_node] * (nnodes - rollout // per_node), "rollout_pool": [per_node] * (rollout // per_node)}
+
+
+def _check_pipeline(cfg: DictConfig, errors: list[str]) -> None:
+    trainer = cfg.trainer
+    pipeline = str(trainer.get("pipeline", "sync"))
+    if pipeline not in PIPELINES:
+        errors.append(f"trainer.pipeline={pipeline!r} is unknown; choose one of {list(PIPELINES)}")
+        return
+    staleness = trainer.get("max_staleness", 1)
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
+        errors.append(f"trainer.max_staleness={staleness!r} must be an int >= 1")
+    if pipeline == "sync":
+        return
+    total, nnodes, per_node = total_workers(cfg), int(trainer.nnodes), int(trainer.n_gpus_per_node)
+    size = trainer.get("rollout_pool")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+        errors.append(f"trainer.rollout_pool={size!r} must be an int (workers) or null")
+        return
+    rollout = rollout_pool_size(cfg)
+    if not 1 <= rollout < total:
+        errors.append(f"trainer.pipeline={pipeline} needs trainer.rollout_pool in 1..{total - 1} (one worker at least "
+                      f"for each pool out of trainer.nnodes*trainer.n_gpus_per_node={total}); got {rollout}")
+    elif nnodes > 1 and rollout % per_node != 0:
+        errors.append(f"trainer.rollout_pool={rollout} on trainer.nnodes={nnodes}: the rollout pool takes whole nodes, "
+                      f"a multiple of trainer.n_gpus_per_node={per_node}")
 
 
 def samples_per_prompt(cfg: DictConfig) -> int:
@@ -579,9 +644,10 @@ def _check_tensor_parallel(cfg: DictConfig, errors: list[str], has_gpu: bool | N
         return
     if tp == 1:
         return
-    ws, per_node = world_size(cfg), int(cfg.trainer.n_gpus_per_node)
+    ws, per_node = rollout_world_size(cfg), int(cfg.trainer.n_gpus_per_node)
     if ws % tp != 0:
-        errors.append(f"{key}={tp} must divide the world size trainer.nnodes*trainer.n_gpus_per_node={ws}")
+        where = "trainer.rollout_pool" if pipelined(cfg) else "the world size trainer.nnodes*trainer.n_gpus_per_node"
+        errors.append(f"{key}={tp} must divide {where}={ws}")
     if per_node % tp != 0:
         errors.append(f"{key}={tp} must divide trainer.n_gpus_per_node={per_node} (a TP group must not span nodes)")
     if rollout.name == "hf":
@@ -703,6 +769,7 @@ def config_errors(cfg: DictConfig, has_gpu: bool | None = None) -> list[str]:
     _check_tensor_parallel(cfg, errors, has_gpu)
     _check_retriever(cfg, errors)
     _check_trainer(cfg, errors)
+    _check_pipeline(cfg, errors)
     _check_batch_sizes(cfg, errors)
     _check_imports(cfg, errors, has_gpu)
     return errors

@@ -46,11 +46,12 @@ from verl.trainer.config_check import (
     cluster_address,
     need_critic,
     normalize_overrides,
+    pool_layout,
     retrieval_endpoint,
     serve_retriever,
+    total_workers,
     trainer_flag,
     validate_config,
-    world_size,
 )
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role, run_log_dir
 
@@ -236,7 +237,7 @@ def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
         # RAY_AUTH_MODE (e.g. token) still wins; joining a cluster (above) keeps the cluster's mode.
         os.environ.setdefault(RAY_AUTH_MODE, "disabled")
         # One CPU per worker process plus one for the driver's own tasks.
-        ray.init(num_cpus=world_size(config) + 1 + local_serve_cpus(config), num_gpus=None if use_gpu else 0,
+        ray.init(num_cpus=total_workers(config) + 1 + local_serve_cpus(config), num_gpus=None if use_gpu else 0,
                  include_dashboard=False, runtime_env=runtime_env)
     return True
 
@@ -267,14 +268,17 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
         reward_fn, default_val_fn = load_reward_managers(config, tokenizer)
         val_reward_fn = val_reward_fn or default_val_fn
 
+    layout = pool_layout(config)
+    train_pool = "train_pool" if "train_pool" in layout else "global_pool"
     role_worker_mapping: dict[Role, type] = {Role.ActorRollout: ActorRolloutRefWorker}
-    mapping = {Role.ActorRollout: "global_pool"}
+    mapping = {Role.ActorRollout: train_pool}
+    if "rollout_pool" in layout:   # trainer.pipeline: the rollout on a pool of its own
+        role_worker_mapping[Role.Rollout] = ActorRolloutRefWorker
+        mapping[Role.Rollout] = "rollout_pool"
     if need_critic(config):
         role_worker_mapping[Role.Critic] = CriticWorker
-        mapping[Role.Critic] = "global_pool"
-    pools = ResourcePoolManager(
-        resource_pool_spec={"global_pool": [int(config.trainer.n_gpus_per_node)] * int(config.trainer.nnodes)},
-        mapping=mapping, use_gpu=use_gpu)
+        mapping[Role.Critic] = train_pool
+    pools = ResourcePoolManager(resource_pool_spec=layout, mapping=mapping, use_gpu=use_gpu)
     trainer = RayPPOTrainer(config, tokenizer, role_worker_mapping, pools, reward_fn=reward_fn,
                             val_reward_fn=val_reward_fn)
     if default_reward:

@@ -41,7 +41,8 @@ from verl.workers.critic.dp_critic import DataParallelPPOCritic
 from verl.workers.rollout import HFRollout, build_rollout
 from verl.workers.sharding_manager.fsdp_hf import FSDPUnshardedForGeneration
 
-ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+# actor_ref: the train pool of a pipelined run (trainer.pipeline), whose rollout is another pool's
+ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 # The rollout's data-parallel rank r of a run seeded s samples with s * stride + r (the ranks of
 # one tensor-parallel engine share r, so they sample alike).
 _SAMPLING_SEED_STRIDE = 1000
@@ -107,17 +108,17 @@ def normalize_actor_batch_sizes(config: Any, role: str, world_size: int) -> None
     per worker (one of the two; both null: config_check.default_micro_per_worker); afterwards both
     hold the rows per worker. Call once per config copy: it divides in place.
     """
-    if role in ("actor", "actor_rollout", "actor_rollout_ref"):
+    if role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref"):
         actor = config.actor
         n = int(config.rollout.get("n", 1))
         _per_rank(actor, "ppo_mini_batch_size", world_size, "actor_rollout_ref.actor", multiplier=n)
         _micro_per_rank(actor, "ppo_micro_batch_size", world_size, "actor_rollout_ref.actor",
                         default_micro_per_worker("actor_rollout_ref.actor.ppo_micro_batch_size", world_size))
         _check_micro_divides_mini(actor, "ppo_mini_batch_size", "ppo_micro_batch_size", "actor_rollout_ref.actor")
-    if role in ("rollout", "actor_rollout", "actor_rollout_ref"):
+    if role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref"):   # the old log-probs (not a rollout pool's)
         _micro_per_rank(config.rollout, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.rollout",
                         default_micro_per_worker("actor_rollout_ref.rollout.log_prob_micro_batch_size", world_size))
-    if role in ("ref", "actor_rollout_ref"):
+    if role in ("ref", "actor_ref", "actor_rollout_ref"):
         _micro_per_rank(config.ref, "log_prob_micro_batch_size", world_size, "actor_rollout_ref.ref",
                         default_micro_per_worker("actor_rollout_ref.ref.log_prob_micro_batch_size", world_size))
 
@@ -213,9 +214,10 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             raise ValueError(f"ActorRolloutRefWorker role {role!r} is not one of {ROLES}")
         self.config = config
         self.role = role
-        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_actor = role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
+        self._weight_sync: Any = None   # WeightSyncGroup of a pipelined run (train rank 0, rollout ranks)
         check_supported(config.actor, "actor_rollout_ref.actor")
         check_fsdp_size(config.actor.fsdp_config, self.world_size, "actor_rollout_ref.actor.fsdp_config")
         if self._is_ref:
@@ -507,6 +509,56 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._weights_version += 1
         self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
         return step
+
+    # ---------------------------------------------------------- weight sync (trainer.pipeline)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_sync_endpoint(self) -> tuple[str, int]:
+        """(host, free port) for the weight-sync group's store; the driver takes the train rank 0's."""
+        from verl.workers.weight_sync import endpoint
+
+        return endpoint()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
+    def join_weight_sync(self, host: str, port: int, size: int) -> None:
+        """Join the weight-sync group: the train pool's rank 0 as its rank 0 (the sender), rollout
+        rank r as rank 1 + r; the train pool's other ranks only take part in the gathers. Blocks
+        until all `size` members joined (the driver calls both pools at once)."""
+        from verl.workers.weight_sync import WeightSyncGroup
+
+        if self._is_rollout and self._is_actor:
+            raise RuntimeError(f"role {self.role!r} generates from its own weights: no weight sync")
+        if self._is_rollout:
+            self._weight_sync = WeightSyncGroup(host, port, 1 + self.rank, size, self.device)
+        elif self._is_actor and self.rank == 0:
+            self._weight_sync = WeightSyncGroup(host, port, 0, size, self.device)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
+    def send_weights(self) -> int:
+        """Train pool: the actor's full weights to every rollout rank; returns the bytes rank 0 sent."""
+        from verl.workers.weight_sync import send_state
+
+        self._require(self._is_actor, "send_weights")
+        fsdp_cfg = self.config.actor.fsdp_config
+        self._onload(self.actor_module, None, fsdp_cfg)
+        sent = send_state(self._weight_sync, self.actor_module.state_dict().items(), self.device)
+        self._offload(self.actor_module, None, fsdp_cfg)
+        return sent
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
+    def receive_weights(self) -> int:
+        """Rollout pool: the train pool's weights into this rank's shards (the engine reloads them
+        before it next generates); returns the bytes received."""
+        from verl.workers.weight_sync import receive_state
+
+        self._require(self._is_rollout and self._weight_sync is not None, "receive_weights")
+        if self._phase_depth > 0:
+            raise RuntimeError("receive_weights during a rollout: weights change only between rollouts")
+        fsdp_cfg = self.config.actor.fsdp_config
+        self._onload(self.actor_module, None, fsdp_cfg)
+        received = receive_state(self._weight_sync, self.actor_module, self.device)
+        self._weights_version += 1
+        self._offload(self.actor_module, None, fsdp_cfg)
+        return received
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_model_flops_info(self) -> Any:

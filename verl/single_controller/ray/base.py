@@ -13,6 +13,7 @@ the role, rank, pid and node (`worker_death`), the Ray error kept as its __cause
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -34,6 +35,11 @@ from verl.single_controller.base.worker_group import (
 )
 
 PLACEMENT_GROUP_TIMEOUT_S = 120
+# One group call's submissions (one per rank) are made under this lock: Ray runs an actor's calls in
+# the order the driver submitted them, so two threads calling the same workers (a pipelined run's
+# producer pushing weights while the trainer computes) must not interleave their per-rank loops,
+# or rank 0 would run A then B and rank 1 B then A, and their collectives would cross.
+_SUBMIT_LOCK = threading.Lock()
 # After a worker's task fails, how long to look for a peer that died: a rank blocked in a gloo
 # collective fails as soon as the process it talks to is gone, often before Ray reports that death.
 DEATH_GRACE_S = 3.0
@@ -364,10 +370,11 @@ class RayWorkerGroup(WorkerGroup):
     def _execute_ranks(
         self, method_name: str, ranks: list[int], rank_args: list[tuple], rank_kwargs: list[dict]
     ) -> list[ray.ObjectRef]:
-        return [
-            getattr(self._workers[rank], method_name).remote(*args, **kwargs)
-            for rank, args, kwargs in zip(ranks, rank_args, rank_kwargs, strict=True)
-        ]
+        with _SUBMIT_LOCK:
+            return [
+                getattr(self._workers[rank], method_name).remote(*args, **kwargs)
+                for rank, args, kwargs in zip(ranks, rank_args, rank_kwargs, strict=True)
+            ]
 
     def _resolve(self, handles: list[ray.ObjectRef]) -> list[Any]:
         """Every result, raising the first failure as soon as it happens: a worker that failed while

@@ -16,10 +16,12 @@ driver RNG and KL-controller state, so a resumed run continues exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -146,7 +148,8 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
 
 
 class Role(Enum):
-    ActorRollout = "actor_rollout"        # actor + rollout (+ ref) fused in one worker
+    ActorRollout = "actor_rollout"        # actor + rollout (+ ref) fused in one worker; with a pipeline actor (+ ref)
+    Rollout = "rollout"                   # a pipelined run's rollout pool (trainer.pipeline)
     Critic = "critic"
 
 
@@ -201,7 +204,12 @@ class RayPPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
         self.global_step = 0
         self.actor_rollout_wg: Any = None
+        self.rollout_wg: Any = None     # who generates: actor_rollout_wg, or a pipelined run's rollout pool
         self.critic_wg: Any = None
+        self.pipelined = config_check.pipelined(config)
+        self.rollout_world_size = config_check.rollout_world_size(config)
+        self._producer: Any = None      # a pipelined run's RolloutProducer while fit() runs
+        self._trained_loader_state: dict[str, Any] | None = None   # pipelined: the batch last trained
         self.history: list[dict[str, float]] = []
         self._worker_groups: list[Any] = []
         self._gen_managers: dict[bool, Any] = {}
@@ -261,6 +269,8 @@ class RayPPOTrainer:
         self.resource_pool_manager.create_resource_pool()
         pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
         actor_role = "actor_rollout_ref" if self.use_reference_policy else "actor_rollout"
+        if self.pipelined:
+            actor_role = "actor_ref" if self.use_reference_policy else "actor"
         configs = self.worker_configs()
         class_dict = {"actor_rollout": RayClassWithInitArgs(
             self.role_worker_mapping[Role.ActorRollout], config=configs["actor_rollout"], role=actor_role)}
@@ -278,8 +288,32 @@ class RayPPOTrainer:
         # Actor last: with vLLM it sizes its KV cache from the memory left.
         self.actor_rollout_wg = spawned["actor_rollout"]
         self.actor_rollout_wg.init_model()
+        self.rollout_wg = self.actor_rollout_wg
+        if self.pipelined:
+            self._init_rollout_pool(configs["actor_rollout"])
         if self._flops_counter is not None:
             self._peak_flops = min(self.actor_rollout_wg.device_peak_flops())
+
+    def _init_rollout_pool(self, config: DictConfig) -> None:
+        """A pipelined run's rollout workers (role rollout: the policy and the engine, no optimizer)
+        on their own pool, and the weight-sync group of the train pool's rank 0 and them."""
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+        pool = self.resource_pool_manager.get_resource_pool(Role.Rollout)
+        cls = RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=config, role="rollout")
+        self.rollout_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
+        self._worker_groups.append(self.rollout_wg)
+        self.rollout_wg.init_model()
+        host, port = self.actor_rollout_wg.weight_sync_endpoint()[0]
+        size = 1 + self.rollout_wg.world_size
+        self.rollout_wg._resolve(self.actor_rollout_wg.join_weight_sync(host, port, size)
+                                 + self.rollout_wg.join_weight_sync(host, port, size))
+        logger.info("pipeline %s: train pool of %d worker(s), rollout pool of %d; weight-sync group at %s:%d",
+                    self.config.trainer.pipeline, self.world_size, self.rollout_wg.world_size, host, port)
+
+    def _push_weights(self) -> None:
+        """The train pool's weights to the rollout pool (both pools at once: one broadcast per tensor)."""
+        self.rollout_wg._resolve(self.actor_rollout_wg.send_weights() + self.rollout_wg.receive_weights())
 
     def worker_configs(self) -> dict[str, DictConfig]:
         """The config sub-trees the workers receive, by worker-group prefix; each must be resolved.
@@ -327,13 +361,15 @@ class RayPPOTrainer:
             return self._gen_managers[validation]
         from search_r1.llm_agent.generation import LLMGenerationManager
 
-        manager = LLMGenerationManager(tokenizer=self.tokenizer, actor_rollout_wg=self.actor_rollout_wg,
-                                       config=generation_config(self.config, self.world_size), is_validation=validation)
+        manager = LLMGenerationManager(tokenizer=self.tokenizer, actor_rollout_wg=self.rollout_wg,
+                                       config=generation_config(self.config, self.rollout_world_size),
+                                       is_validation=validation)
         self._gen_managers[validation] = manager
         return manager
 
     @contextmanager
-    def _engines_awake(self, gen_meta: dict[str, Any] | None, validation: bool) -> Iterator[None]:
+    def _engines_awake(self, gen_meta: dict[str, Any] | None, validation: bool,
+                       step: int | None = None) -> Iterator[None]:
         """The rollout engines awake for a whole rollout (every turn; every validation batch), asleep
         after it; the outermost phase records how often they woke in gen_meta['engine_wake_ups']
         (when a gen_meta is given).
@@ -341,20 +377,22 @@ class RayPPOTrainer:
         The rollout's seed follows the run seed and the step (a tensor-parallel engine's ranks reseed
         from it). On an error the engines are not put to sleep: a rank may be stuck in a collective
         with the one that failed, and a sleep call would queue behind it; the run is ending."""
-        seed = (int(self.config.actor_rollout_ref.rollout.seed) * 1_000_003 + 2 * self.global_step
+        step = self.global_step if step is None else step
+        seed = (int(self.config.actor_rollout_ref.rollout.seed) * 1_000_003 + 2 * step
                 + int(validation)) % (2**31 - 1)
-        self.actor_rollout_wg.rollout_wake_up(seed)
+        self.rollout_wg.rollout_wake_up(seed)
         yield
-        woke = [w for w in self.actor_rollout_wg.rollout_sleep() if w is not None]
+        woke = [w for w in self.rollout_wg.rollout_sleep() if w is not None]
         if woke and gen_meta is not None:
             gen_meta["engine_wake_ups"] = max(woke)
 
-    def _generate(self, batch: DataProto, validation: bool) -> tuple[DataProto, dict[str, Any]]:
-        """Generate for every row of `batch`; returns (batch with the rollout keys, generation meta_info)."""
+    def _generate(self, batch: DataProto, validation: bool, step: int | None = None) -> tuple[DataProto, dict[str, Any]]:
+        """Generate for every row of `batch` (for training step `step` + 1; default the current);
+        returns (batch with the rollout keys, generation meta_info)."""
         gen_batch = batch.pop(batch_keys=list(GEN_INPUT_KEYS))
         gen_batch.meta_info = self._gen_meta(validation)
         phase_meta: dict[str, Any] = {}
-        with self._engines_awake(phase_meta, validation):
+        with self._engines_awake(phase_meta, validation, step):
             if self.config.do_search:
                 # The prompt columns: data.max_start_length (tags) or data.max_prompt_length (tool protocol).
                 bound, _ = config_check.prompt_bound(self.config)
@@ -362,7 +400,7 @@ class RayPPOTrainer:
                 output = self._generation_manager(validation).run_llm_loop(gen_batch, initial_input_ids)
             else:
                 # The worker group pads a batch that does not divide by its size (validation) and unpads.
-                output = self.actor_rollout_wg.generate_sequences(gen_batch)
+                output = self.rollout_wg.generate_sequences(gen_batch)
         gen_meta = {**output.meta_info, **phase_meta}
         output.meta_info = {}
         batch = batch.union(output)
@@ -434,6 +472,10 @@ class RayPPOTrainer:
         from verl.trainer.ppo.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 
         cfg = RolloutCorrectionConfig.from_config(self.config.algorithm.get("rollout_correction"))
+        if self.pipelined and cfg.rollout_is is None:
+            # the decoupled loss: the PPO ratio against the weights at the start of the update (old
+            # log-probs, the proximal policy), times truncated IS weights against the stale sampler
+            cfg = dataclasses.replace(cfg, rollout_is="token")
         if not cfg.enabled:
             return
         if K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
@@ -478,62 +520,84 @@ class RayPPOTrainer:
         """One PPO/GRPO iteration on one dataloader batch (prompts only); returns its metrics."""
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
-        samples = config_check.samples_per_prompt(self.config)
         with mu.timer("step", timing):
-            # uid before repeating: the samples of one prompt share it (the GRPO group).
-            batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-            batch = batch.repeat(repeat_times=samples, interleave=True)
-            with mu.timer("gen", timing):
-                batch, gen_meta = self._generate(batch, validation=False)
-            metrics.update(mu.compute_env_metrics(gen_meta))
-            metrics.update(mu.compute_rollout_metrics(gen_meta))
-            check_search_failures(metrics, self.config, f"rollout of training step {self.global_step + 1}")
-            if self.config.trainer.balance_batch:
-                self._balance_batch(batch, metrics)
-            batch.meta_info[K.META_GLOBAL_TOKEN_NUM] = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
-            with mu.timer("old_log_prob", timing):
-                batch = batch.union(self.actor_rollout_wg.compute_log_prob(batch))
-            metrics.update(mu.compute_rollout_log_prob_gap(batch))
-            if self.use_reference_policy:
-                with mu.timer("ref", timing):
-                    batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
-            if self.use_critic:
-                with mu.timer("values", timing):
-                    batch = batch.union(self.critic_wg.compute_values(batch))
-            with mu.timer("adv", timing):
-                self._compute_reward(batch, metrics)
-                self._compute_advantage(batch)
-                self._mask_cut_context(batch, metrics)
-                self._apply_rollout_correction(batch, metrics)
-            if self.use_critic:
-                with mu.timer("update_critic", timing):
-                    critic_out = self.critic_wg.update_critic(batch)
-                metrics.update(self._update_metrics(critic_out.meta_info[K.META_METRICS], "critic"))
-            # Steps count from 1 (global_step + 1 is this step), as in veRL and Search-R1: the actor
-            # sits out the first critic_warmup - 1 steps.
+            batch = self._rollout(batch, self.global_step, metrics, timing)
+            batch = self._train_on(batch, metrics, timing)
+        return self._step_metrics(batch, metrics, timing)
+
+    def _rollout(self, batch: DataProto, step: int, metrics: dict[str, float], timing: dict[str, float]) -> DataProto:
+        """The rollout of training step `step` + 1: each prompt repeated, generated (searches and all)."""
+        samples = config_check.samples_per_prompt(self.config)
+        # uid before repeating: the samples of one prompt share it (the GRPO group).
+        batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        batch = batch.repeat(repeat_times=samples, interleave=True)
+        with mu.timer("gen", timing):
+            batch, gen_meta = self._generate(batch, validation=False, step=step)
+        metrics.update(mu.compute_env_metrics(gen_meta))
+        metrics.update(mu.compute_rollout_metrics(gen_meta))
+        check_search_failures(metrics, self.config, f"rollout of training step {step + 1}")
+        return batch
+
+    def _train_on(self, batch: DataProto, metrics: dict[str, float], timing: dict[str, float]) -> DataProto:
+        """The rest of a step on a rolled-out batch: log-probs, values, reward, advantages, updates,
+        then validation and checkpoint when due. Advances global_step; returns the batch with all keys."""
+        if self.config.trainer.balance_batch:
+            self._balance_batch(batch, metrics)
+        batch.meta_info[K.META_GLOBAL_TOKEN_NUM] = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
+        with mu.timer("old_log_prob", timing):
+            batch = batch.union(self.actor_rollout_wg.compute_log_prob(batch))
+        metrics.update(mu.compute_rollout_log_prob_gap(batch))
+        if self.use_reference_policy:
+            with mu.timer("ref", timing):
+                batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+        if self.use_critic:
+            with mu.timer("values", timing):
+                batch = batch.union(self.critic_wg.compute_values(batch))
+        with mu.timer("adv", timing):
+            self._compute_reward(batch, metrics)
+            self._compute_advantage(batch)
+            self._mask_cut_context(batch, metrics)
+            self._apply_rollout_correction(batch, metrics)
+        if self.use_critic:
+            with mu.timer("update_critic", timing):
+                critic_out = self.critic_wg.update_critic(batch)
+            metrics.update(self._update_metrics(critic_out.meta_info[K.META_METRICS], "critic"))
+        # Steps count from 1 (global_step + 1 is this step), as in veRL and Search-R1: the actor
+        # sits out the first critic_warmup - 1 steps.
+        # A pipelined run sends no weights between the update and the step count that names them.
+        with self._updating():
             if self.global_step + 1 >= int(self.config.trainer.critic_warmup):
                 with mu.timer("update_actor", timing):
                     actor_out = self.actor_rollout_wg.update_actor(batch)
                 metrics.update(self._update_metrics(actor_out.meta_info[K.META_METRICS], "actor"))
                 metrics.update(self._mfu(batch, timing["update_actor"]))
             self.global_step += 1
-            is_last = self.global_step >= self.total_training_steps
-            test_freq = int(self.config.trainer.test_freq)
-            val_metrics: dict[str, float] = {}
-            if self.val_reward_fn is not None and test_freq > 0 and (is_last or self.global_step % test_freq == 0):
-                with mu.timer("testing", timing):
-                    val_metrics = self._validate()
-                metrics.update(val_metrics)
-            save_freq = int(self.config.trainer.save_freq)
-            if save_freq > 0 and (is_last or self.global_step % save_freq == 0):
-                with mu.timer("save_checkpoint", timing):
-                    self.save_checkpoint()
-            # After the checkpoint: this step trained on good searches; the failing server stops what follows.
-            check_search_failures(val_metrics, self.config, f"validation at step {self.global_step}", "val/env/")
+            if self._producer is not None:
+                self._producer.step_done(self.global_step)
+        is_last = self.global_step >= self.total_training_steps
+        test_freq = int(self.config.trainer.test_freq)
+        val_metrics: dict[str, float] = {}
+        if self.val_reward_fn is not None and test_freq > 0 and (is_last or self.global_step % test_freq == 0):
+            with mu.timer("testing", timing):
+                val_metrics = self._validate()
+            metrics.update(val_metrics)
+        save_freq = int(self.config.trainer.save_freq)
+        if save_freq > 0 and (is_last or self.global_step % save_freq == 0):
+            with mu.timer("save_checkpoint", timing):
+                self.save_checkpoint()
+        # After the checkpoint: this step trained on good searches; the failing server stops what follows.
+        check_search_failures(val_metrics, self.config, f"validation at step {self.global_step}", "val/env/")
+        return batch
+
+    def _step_metrics(self, batch: DataProto, metrics: dict[str, float], timing: dict[str, float]) -> dict[str, float]:
         metrics.update(mu.compute_data_metrics(batch, use_critic=self.use_critic))
         metrics.update(mu.compute_timing_metrics(batch, timing))
         metrics.update(mu.compute_throughput_metrics(batch, timing, self.world_size))
         return metrics
+
+    def _updating(self) -> Any:
+        """Around an actor update and the step count after it: a pipelined run pushes no weights meanwhile."""
+        return self._producer.updating() if self._producer is not None else nullcontext()
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> dict[str, float]:
@@ -541,8 +605,10 @@ class RayPPOTrainer:
         scores: list[torch.Tensor] = []
         sources: list[str] = []
         gen_metrics: list[dict[str, float]] = []
-        # One wake for the whole validation pass, not one per batch (or per turn).
-        with self._engines_awake(None, validation=True):
+        # One wake for the whole validation pass, not one per batch (or per turn); a pipelined run's
+        # rollout pool between two rollouts, with the newest weights.
+        pool = self._producer.rollout_pool() if self._producer is not None else nullcontext()
+        with pool, self._engines_awake(None, validation=True):
             for batch in tqdm(self.val_dataloader, desc="validation", unit="batch", leave=False,
                               disable=not self.config.trainer.progress_bar):
                 batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
@@ -570,7 +636,10 @@ class RayPPOTrainer:
         self.actor_rollout_wg.save_checkpoint(str(tmp / "actor"), self.global_step, hf_path)
         if self.use_critic:
             self.critic_wg.save_checkpoint(str(tmp / "critic"), self.global_step)
-        checkpointing.save_driver_state(tmp, self.global_step, self.train_dataloader.state_dict(),
+        # A pipelined run has drawn batches beyond the one trained: it records the position after that one.
+        loader_state = (self._trained_loader_state if self._trained_loader_state is not None
+                        else self.train_dataloader.state_dict())
+        checkpointing.save_driver_state(tmp, self.global_step, loader_state,
                                         extra={"kl_coef": self.kl_ctrl.value})
         return checkpointing.finalize_checkpoint(root, self.global_step, int(trainer.max_ckpt_to_keep))
 
@@ -605,7 +674,10 @@ class RayPPOTrainer:
         resume; Ray's original error, its cause); None for any other error."""
         from verl.single_controller.ray import WorkerDiedError, worker_death
 
-        death = worker_death(err, [self.actor_rollout_wg, self.critic_wg])
+        groups = [self.actor_rollout_wg, self.critic_wg]
+        if self.rollout_wg is not self.actor_rollout_wg:
+            groups.append(self.rollout_wg)
+        death = worker_death(err, groups)
         if death is None:
             return None
         # The group's WorkerDiedError was raised from Ray's error: that one stays the cause.
@@ -630,6 +702,45 @@ class RayPPOTrainer:
         return (f"{where} To resume from it, run the same command with trainer.resume_mode=auto "
                 f"(or trainer.resume_mode={latest}); this run had trainer.resume_mode={mode}.")
 
+    # ------------------------------------------------------------------ pipeline
+    def _drawn_batches(self) -> Iterator[tuple[DataProto, dict[str, Any]]]:
+        """Every training batch from the dataloader's position on, epoch after epoch, each with the
+        dataloader's state right after it was drawn."""
+        while True:
+            for batch in self.train_dataloader:
+                yield batch, self.train_dataloader.state_dict()
+
+    def _fit_pipelined(self, tracker: Tracking, bar: Any) -> None:
+        """trainer.pipeline=one_step_off|async: the producer rolls out on the rollout pool while this
+        thread trains (verl/trainer/ppo/pipeline.py)."""
+        from verl.trainer.ppo.pipeline import RolloutProducer, staleness_bound
+
+        bound = staleness_bound(self.config)
+        self._producer = producer = RolloutProducer(self._rollout, self._push_weights, self.global_step,
+                                                    self.total_training_steps, bound)
+        producer.start(self._drawn_batches())
+        last_step_end = time.monotonic()
+        while self.global_step < self.total_training_steps:
+            item, train_idle = producer.next_batch()
+            if item is None:
+                break
+            if self.global_step - item.version > bound:
+                producer.stats.dropped += 1
+                logger.warning("dropped batch %d: sampled by version %d, %d steps stale (bound %d)", item.index,
+                               item.version, self.global_step - item.version, bound)
+                continue
+            metrics, timing = item.metrics, item.timing
+            metrics.update(producer.metrics(item, self.global_step, train_idle))
+            self._trained_loader_state = item.loader_state
+            with mu.timer("step", timing):
+                batch = self._train_on(item.batch, metrics, timing)
+            metrics = self._step_metrics(batch, metrics, timing)
+            metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
+            metrics["perf/step_wall_s"], last_step_end = time.monotonic() - last_step_end, time.monotonic()
+            tracker.log(metrics, step=self.global_step)
+            self.history.append({"step": self.global_step, **metrics})
+            bar.update(1)
+
     # ------------------------------------------------------------------ loop
     def _tracker(self) -> Tracking:
         trainer = self.config.trainer
@@ -652,10 +763,15 @@ class RayPPOTrainer:
                 return self.history
             bar = tqdm(total=self.total_training_steps, initial=self.global_step, desc="training steps",
                        disable=not self.config.trainer.progress_bar)
+            if self.pipelined:
+                self._fit_pipelined(tracker, bar)
+            last_step_end = time.monotonic()
             while self.global_step < self.total_training_steps:
                 for batch in self.train_dataloader:
                     metrics = self.train_step(batch)
                     metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
+                    # wall time from the previous step's end (the same clock as a pipelined run's steps)
+                    metrics["perf/step_wall_s"], last_step_end = time.monotonic() - last_step_end, time.monotonic()
                     tracker.log(metrics, step=self.global_step)
                     self.history.append({"step": self.global_step, **metrics})
                     bar.update(1)
@@ -669,4 +785,6 @@ class RayPPOTrainer:
                 raise
             raise death[0] from death[1]
         finally:
+            if self._producer is not None:
+                self._producer.stop()
             tracker.finish()

@@ -1,0 +1,104 @@
+"""Sync vs pipelined training (trainer.pipeline) on the offline demo, at a given retrieval latency.
+
+The demo's world, BM25 index, warm-started model and GRPO settings (scripts/demo/run_demo.py),
+one retrieval server for every run, started here with `--simulate_latency_ms` (a web-search
+API's latency; 0 = the local index alone). Runs `trainer.pipeline=sync` and the pipeline
+alternately, `--repeats` times each, every run with the same data, seeds and `--steps` steps (no
+validation, no checkpoint). A run's seconds per step is the mean of `perf/step_wall_s` (wall time
+from one step's end to the next's) over its steps after the first (start-up: the pipeline has
+nothing to overlap yet); each mode's figure is the median over its runs.
+
+Prints one JSON object: `sync_s_per_step`, `pipeline_s_per_step`, `speedup` (sync / pipeline),
+`max_staleness_seen`, `retrieval_latency_ms`, the pipeline, each run's figures, and both modes'
+validation-free reward and search counts as a sanity check.
+
+    python -m scripts.bench.offpolicy --pipeline one_step_off --retrieval_latency_ms 300
+    python -m scripts.bench.offpolicy --pipeline async --max_staleness 2 --retrieval_latency_ms 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scripts.demo.build import split_args
+from scripts.demo.run_demo import build_all, retrieval_server, rl_overrides
+
+PIPELINES = ("one_step_off", "async")
+
+
+def _settings(root: Path) -> Any:
+    settings, _ = split_args([f"demo.output_dir={root / 'out'}", f"demo.data_dir={root / 'data'}"])
+    return settings
+
+
+def _one_run(settings: Any, paths: dict[str, Path], url: str, out: Path, pipeline: str,
+             args: argparse.Namespace) -> dict[str, Any]:
+    from verl.trainer.main_ppo import compose_config, run_ppo
+
+    user = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "+trainer.val_before_train=false", "trainer.progress_bar=false",
+            f"trainer.default_local_dir={out}", f"data.train_batch_size={args.train_batch_size}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.train_batch_size * 5}",
+            f"trainer.pipeline={pipeline}", *args.override]
+    if pipeline == "async":
+        user.append(f"trainer.max_staleness={args.max_staleness}")
+    history = run_ppo(compose_config(rl_overrides(settings, paths, user, url)))
+    later = history[1:] or history
+    return {
+        "pipeline": pipeline,
+        "s_per_step": statistics.fmean(h["perf/step_wall_s"] for h in later),
+        "first_step_s": history[0]["perf/step_wall_s"],
+        "max_staleness_seen": max((h.get("pipeline/max_staleness_seen", 0.0) for h in history), default=0.0),
+        "score_mean": statistics.fmean(h["critic/score/mean"] for h in history),
+        "searches_per_rollout": statistics.fmean(h["env/number_of_valid_search"] for h in history),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="offpolicy_bench_"))
+    settings = _settings(root)
+    paths = build_all(settings)
+    server_args = ["--simulate_latency_ms", str(args.retrieval_latency_ms)]
+    runs: list[dict[str, Any]] = []
+    with retrieval_server(None, paths["index"], paths["corpus"], settings.topk, root / "retrieval_server.log",
+                          extra_args=server_args) as url:
+        for repeat in range(args.repeats):
+            order = ("sync", args.pipeline) if repeat % 2 == 0 else (args.pipeline, "sync")
+            for pipeline in order:
+                runs.append(_one_run(settings, paths, url, root / f"run{len(runs)}", pipeline, args))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    sync = statistics.median(r["s_per_step"] for r in runs if r["pipeline"] == "sync")
+    piped = statistics.median(r["s_per_step"] for r in runs if r["pipeline"] != "sync")
+    return {
+        "pipeline": args.pipeline,
+        "retrieval_latency_ms": args.retrieval_latency_ms,
+        "sync_s_per_step": round(sync, 3),
+        "pipeline_s_per_step": round(piped, 3),
+        "speedup": round(sync / piped, 3),
+        "max_staleness_seen": max(r["max_staleness_seen"] for r in runs),
+        "steps": args.steps, "repeats": args.repeats, "train_batch_size": args.train_batch_size,
+        "runs": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pipeline", choices=PIPELINES, default="one_step_off")
+    parser.add_argument("--max_staleness", type=int, default=2, help="async's trainer.max_staleness")
+    parser.add_argument("--retrieval_latency_ms", type=float, default=300.0)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
+    parser.add_argument("--train_batch_size", type=int, default=32, help="prompts a step (5 rollouts each)")
+    parser.add_argument("--workdir", default=None, help="world, index and runs (default: a temporary folder)")
+    parser.add_argument("--override", action="append", default=[], help="one more trainer override (repeatable)")
+    print(json.dumps(run(parser.parse_args(argv)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

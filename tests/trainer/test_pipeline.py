@@ -1,0 +1,183 @@
+"""trainer.pipeline=one_step_off|async: a rollout pool generating while the train pool trains.
+
+Real Ray workers (the session's local cluster), FSDP over gloo, the HF engine, the weight-sync
+group (gloo) between the pools; the toy task's tiny model and reward (scripts/bench/toy_task.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
+from verl.trainer import config_check, main_ppo
+from verl.trainer.config_check import ConfigError
+from verl.trainer.ppo import checkpointing as ck
+from verl.utils import batch_keys as K
+
+CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "pipeline/")
+# sync and the pipeline compute the same thing in different processes: equal up to float kernels
+REL_TOL, ABS_TOL = 1e-4, 1e-6
+
+
+class RecordingReward(ContainsTokenReward):
+    """The toy reward, remembering the prompts of every batch it scores (one entry a training step);
+    raises at call `fail_at` (a run killed mid-pipeline)."""
+
+    def __init__(self, tokenizer: Any, fail_at: int | None = None) -> None:
+        super().__init__(tokenizer)
+        self.batches: list[frozenset[tuple[int, ...]]] = []
+        self.fail_at = fail_at
+        self.delay_s = 0.0
+
+    def __call__(self, data: Any) -> Any:
+        prompts = data.batch[K.PROMPTS]
+        mask = data.batch[K.ATTENTION_MASK][:, : prompts.shape[-1]].bool()
+        self.batches.append(frozenset(tuple(row[m].tolist()) for row, m in zip(prompts, mask, strict=True)))
+        if self.fail_at is not None and len(self.batches) == self.fail_at:
+            raise RuntimeError("killed mid-pipeline")
+        time.sleep(self.delay_s)    # a slow trainer (the reward runs in the driver's training thread)
+        return super().__call__(data)
+
+
+def _run(model_dir: str, data: Any, ckpt: Path, steps: int, workers: int, extra: list[str],
+         reward: RecordingReward | None = None) -> tuple[list[dict], RecordingReward]:
+    overrides = toy_overrides(model_dir, data, str(ckpt), adv_estimator="grpo", steps=steps, n_workers=workers)
+    cfg = main_ppo.compose_config([*overrides, "actor_rollout_ref.rollout.temperature=1.0",
+                                   # the same loss in both modes (a pipeline's default is token IS)
+                                   "algorithm.rollout_correction.rollout_is=token", *extra])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reward = reward or RecordingReward(tok)
+    return main_ppo.run_ppo(cfg, reward_fn=reward, val_reward_fn=ContainsTokenReward(tok)), reward
+
+
+def _computed(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(CLOCK_PREFIXES)}
+
+
+PIPELINE = ["trainer.pipeline=one_step_off", "trainer.rollout_pool=2"]
+
+
+def test_one_step_off_waiting_for_each_sync_equals_sync_on_every_metric(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    # 2 workers that generate and train vs a train pool of 2 and a rollout pool of 2 (FSDP-sharded
+    # on both sides: the sender gathers, each receiver keeps its shard), each rollout waiting for the
+    # weights of the update before it: the same batches, samples, losses and updates.
+    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
+    sync, sync_reward = _run(tiny_model_dir, data, tmp_path / "sync", 3, 2, [])
+    piped, piped_reward = _run(tiny_model_dir, data, tmp_path / "piped", 3, 4,
+                               [*PIPELINE, "+trainer.pipeline_wait_for_sync=true"])
+    assert [h["step"] for h in piped] == [1, 2, 3]
+    assert piped_reward.batches == sync_reward.batches
+    for a, b in zip(sync, piped, strict=True):
+        ca, cb = _computed(a), _computed(b)
+        assert ca.keys() == cb.keys()
+        for key in ca:
+            assert math.isclose(ca[key], cb[key], rel_tol=REL_TOL, abs_tol=ABS_TOL), (a["step"], key, ca[key], cb[key])
+    # the rollout pool sampled with the weights of every update: the engine's log-probs equal the
+    # train pool's old log-probs (initial weights at step 3 would differ by far more: two updates)
+    assert [h["pipeline/staleness"] for h in piped] == [0.0, 0.0, 0.0]
+    assert [h["pipeline/weight_syncs"] for h in piped] == [0.0, 1.0, 2.0]
+    for h in piped:
+        assert h["rollout/log_prob_gap_max"] < 1e-3, h["rollout/log_prob_gap_max"]
+
+
+def test_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
+    history, reward = _run(tiny_model_dir, data, tmp_path / "run", 4, 4, PIPELINE)
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    # batch 1 rolls out with the initial weights before anything trains; batch 2 with them too,
+    # while step 1 trains; batch k >= 3 with the newest weights once step k - 2 is done
+    staleness = [h["pipeline/staleness"] for h in history]
+    assert staleness[:2] == [0.0, 1.0] and all(s <= 1 for s in staleness), staleness
+    for h in history:   # trained at step s after s - 1 updates: version + staleness = s - 1
+        assert h["pipeline/policy_version"] + h["pipeline/staleness"] == h["step"] - 1
+    assert sum(v for k, v in history[-1].items() if k.startswith("pipeline/staleness_hist/")) == 4
+    assert history[-1]["pipeline/dropped_stale"] == 0.0
+    assert history[-1]["pipeline/weight_syncs"] == 2.0
+    # stale samples: the engine's log-probs now differ from the trainer's, and the IS weights correct it
+    assert history[-1]["rollout/log_prob_gap_max"] > 1e-3
+    assert history[-1]["rollout_corr/is_weight_mean"] != 1.0
+    assert len(set(reward.batches)) == 4      # four different batches, each trained once
+
+
+def test_async_never_trains_past_its_staleness_bound_with_a_slow_trainer(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    # The rollout takes a fraction of a second, the trainer over a second a step: the producer runs
+    # ahead until the bound stops it, so the bound is reached and never passed.
+    data = write_toy_parquets(tmp_path / "data", n_train=24, n_val=2)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    slow = RecordingReward(tok)
+    slow.delay_s = 2.0
+    history, _ = _run(tiny_model_dir, data, tmp_path / "run", 6, 2,
+                      ["trainer.pipeline=async", "trainer.max_staleness=2", "trainer.rollout_pool=1"], reward=slow)
+    staleness = [h["pipeline/staleness"] for h in history]
+    assert max(staleness) == 2.0 and all(s <= 2 for s in staleness), staleness
+    assert staleness[:3] == [0.0, 1.0, 2.0]
+    assert history[-1]["pipeline/dropped_stale"] == 0.0
+    # the producer waited for the trainer (the bound), the trainer hardly for the producer
+    assert sum(h["pipeline/rollout_idle_s"] for h in history) > 1.0
+
+
+def test_a_run_killed_mid_pipeline_resumes_without_training_a_batch_twice(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    # 16 prompts, batch 4: one epoch of 4 distinct batches. The first run checkpoints at step 2 and
+    # dies in step 3, with batch 4 already drawn and rolled out by the producer. The resumed run
+    # must train batches 3 and 4 (rolling them out again, with its weights), and nothing else.
+    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    extra = [*PIPELINE, "trainer.save_freq=2"]
+    straight, straight_reward = _run(tiny_model_dir, data, tmp_path / "straight", 4, 4, extra)
+    killed = RecordingReward(tok, fail_at=3)
+    with pytest.raises(RuntimeError, match="killed mid-pipeline"):
+        _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra, reward=killed)
+    assert ck.find_resume_dir(tmp_path / "resumed", "auto") == tmp_path / "resumed" / "global_step_2"
+    resumed, resumed_reward = _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra)
+    assert [h["step"] for h in resumed] == [3, 4]
+    trained = killed.batches[:2] + resumed_reward.batches
+    assert trained == straight_reward.batches
+    assert len(set(trained)) == 4
+    # the resumed run pushed the checkpoint's weights before its first rollout
+    assert resumed[0]["pipeline/policy_version"] == 2.0 and resumed[0]["pipeline/staleness"] == 0.0
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def _config(*overrides: str) -> Any:
+    return main_ppo.compose_config(["trainer.device=cpu", *overrides])
+
+
+def test_pipeline_pools_split_the_workers_and_batch_sizes_divide_the_train_pool() -> None:
+    cfg = _config("trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=8", "trainer.nnodes=2",
+                  "trainer.rollout_pool=8")
+    assert config_check.pool_layout(cfg) == {"train_pool": [8], "rollout_pool": [8]}
+    assert config_check.world_size(cfg) == 8 and config_check.rollout_world_size(cfg) == 8
+    one_node = _config("trainer.pipeline=async", "trainer.n_gpus_per_node=8", "trainer.rollout_pool=2")
+    assert config_check.pool_layout(one_node) == {"train_pool": [6], "rollout_pool": [2]}
+    half = _config("trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=2")
+    assert config_check.pool_layout(half) == {"train_pool": [1], "rollout_pool": [1]}
+    sync = _config("trainer.n_gpus_per_node=8", "trainer.nnodes=2")
+    assert config_check.pool_layout(sync) == {"global_pool": [8, 8]} and config_check.world_size(sync) == 16
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.pipeline=overlap"], "trainer.pipeline='overlap' is unknown"),
+    (["trainer.pipeline=async", "trainer.max_staleness=0"], "trainer.max_staleness=0 must be an int >= 1"),
+    (["trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=2", "trainer.rollout_pool=2"],
+     r"trainer.rollout_pool in 1..1"),
+    (["trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "trainer.rollout_pool=4"],
+     "the rollout pool takes whole nodes"),
+    (["trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=4", "trainer.rollout_pool=1",
+      "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     "must divide trainer.rollout_pool=1"),
+])
+def test_pipeline_settings_that_cannot_run_are_refused_naming_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_check.validate_config(_config(*overrides))

@@ -1,0 +1,98 @@
+"""Weights from the train pool to the rollout pool, over a collective group of their own.
+
+With `trainer.pipeline` other than `sync` the policy lives twice: sharded over the train pool's
+FSDP world (which updates it) and sharded over the rollout pool's (which samples from it). After an
+update, the train pool's rank 0 gathers each full tensor and broadcasts it to every rollout rank
+in a process group that holds just those processes (gloo on CPU, NCCL on GPU): no files, no
+driver in the path. Every rollout rank keeps its own shard of each tensor.
+
+    sender (train rank 0) ── broadcast ──> receivers (rollout ranks 0..R-1 = group ranks 1..R)
+
+The group is built from a TCP store on the sender's host, apart from each pool's default group:
+
+    group = WeightSyncGroup(host, port, rank=0, size=1 + R, device="cpu")
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+JOIN_TIMEOUT = timedelta(seconds=600)
+
+
+def endpoint() -> tuple[str, int]:
+    """(this host's address, a TCP port free a moment ago) for the group's store."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return host, int(s.getsockname()[1])
+
+
+class WeightSyncGroup:
+    """A process group of the sender (rank 0) and the rollout ranks; broadcast from rank 0 only."""
+
+    def __init__(self, host: str, port: int, rank: int, size: int, device: str) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0, timeout=JOIN_TIMEOUT,
+                              wait_for_workers=True)
+        store = dist.PrefixStore("search_r1_weight_sync", store)
+        if device == "cuda":
+            self.group: Any = dist.ProcessGroupNCCL(store, rank, size)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, size, JOIN_TIMEOUT)
+        self._store = store   # kept alive with the group
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's (same shape and dtype, on this group's device)."""
+        self.group.broadcast(tensor, 0).wait()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A state-dict entry as the whole tensor (gathering an FSDP2 shard is a collective of the pool)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def send_state(group: WeightSyncGroup | None, state: Iterable[tuple[str, torch.Tensor]], device: str) -> int:
+    """Gather each tensor of `state` (every rank of the train pool calls this, in the same order)
+    and broadcast it from the group's rank 0 (the train pool's rank 0; `group` is None on the
+    pool's other ranks). Returns the bytes sent (0 on the other ranks)."""
+    sent = 0
+    for _, tensor in state:
+        full = _full(tensor.detach())
+        if group is not None:
+            buffer = full.to(device).contiguous()
+            group.broadcast(buffer)
+            sent += buffer.numel() * buffer.element_size()
+    return sent
+
+
+@torch.no_grad()
+def receive_state(group: WeightSyncGroup, module: nn.Module, device: str) -> int:
+    """Receive every state-dict tensor of `module` (in its state_dict order, the sender's too: the
+    same model built the same way) and write this rank's shard of each in place. Returns bytes."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    received = 0
+    for tensor in module.state_dict().values():
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        group.broadcast(buffer)
+        received += buffer.numel() * buffer.element_size()
+        if isinstance(tensor, DTensor):
+            # src_data_rank=None: each rank cuts its own shard from the full tensor it holds
+            shard = distribute_tensor(buffer.to(tensor.device), tensor.device_mesh, tensor.placements,
+                                      src_data_rank=None)
+            tensor.to_local().copy_(shard.to_local())
+        else:
+            tensor.copy_(buffer.to(tensor.device))
+    return received
