@@ -44,8 +44,12 @@ def _one_run(settings: Any, paths: dict[str, Path], url: str, out: Path, pipelin
     user = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.save_freq=-1",
             "+trainer.val_before_train=false", "trainer.progress_bar=false",
             f"trainer.default_local_dir={out}", f"data.train_batch_size={args.train_batch_size}",
+            # one optimizer step a batch, one micro-batch a worker (divides on any worker count)
             f"actor_rollout_ref.actor.ppo_mini_batch_size={args.train_batch_size * 5}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size={args.train_batch_size * 5}",
             f"trainer.pipeline={pipeline}", *args.override]
+    if pipeline != "sync":
+        user += [f"trainer.n_gpus_per_node={args.pipeline_workers}", f"trainer.rollout_pool={args.rollout_pool}"]
     if pipeline == "async":
         user.append(f"trainer.max_staleness={args.max_staleness}")
     history = run_ppo(compose_config(rl_overrides(settings, paths, user, url)))
@@ -57,6 +61,7 @@ def _one_run(settings: Any, paths: dict[str, Path], url: str, out: Path, pipelin
         "max_staleness_seen": max((h.get("pipeline/max_staleness_seen", 0.0) for h in history), default=0.0),
         "score_mean": statistics.fmean(h["critic/score/mean"] for h in history),
         "searches_per_rollout": statistics.fmean(h["env/number_of_valid_search"] for h in history),
+        "retrieval_s_per_step": statistics.fmean(h.get("timing_s/gen_retrieval", 0.0) for h in history),
     }
 
 
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": round(sync / piped, 3),
         "max_staleness_seen": max(r["max_staleness_seen"] for r in runs),
         "steps": args.steps, "repeats": args.repeats, "train_batch_size": args.train_batch_size,
+        "sync_workers": 2, "pipeline_workers": args.pipeline_workers, "rollout_pool": args.rollout_pool,
         "runs": runs,
     }
 
@@ -92,9 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pipeline", choices=PIPELINES, default="one_step_off")
     parser.add_argument("--max_staleness", type=int, default=2, help="async's trainer.max_staleness")
     parser.add_argument("--retrieval_latency_ms", type=float, default=300.0)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
-    parser.add_argument("--train_batch_size", type=int, default=32, help="prompts a step (5 rollouts each)")
+    parser.add_argument("--train_batch_size", type=int, default=8,
+                        help="prompts a step, 5 rollouts each (the demo trains on 32)")
+    parser.add_argument("--pipeline_workers", type=int, default=3,
+                        help="worker processes of a pipelined run (sync runs the demo's 2): on CPU the rollout "
+                             "process mostly waits, so 2 train + 1 rollout share the 2 cores sync uses")
+    parser.add_argument("--rollout_pool", type=int, default=1, help="of them, the rollout pool's")
     parser.add_argument("--workdir", default=None, help="world, index and runs (default: a temporary folder)")
     parser.add_argument("--override", action="append", default=[], help="one more trainer override (repeatable)")
     print(json.dumps(run(parser.parse_args(argv)), indent=2))

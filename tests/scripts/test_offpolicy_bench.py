@@ -1,0 +1,32 @@
+"""`python -m scripts.bench.offpolicy` end to end, small: the demo world, a delaying retrieval
+server, a sync run and a one_step_off run, one JSON object on stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_offpolicy_bench_prints_both_modes_figures_at_a_retrieval_latency(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.offpolicy", "--pipeline", "one_step_off", "--retrieval_latency_ms", "150",
+         "--steps", "3", "--repeats", "1", "--train_batch_size", "4", "--workdir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert result["retrieval_latency_ms"] == 150.0 and result["pipeline"] == "one_step_off"
+    assert result["speedup"] == pytest.approx(result["sync_s_per_step"] / result["pipeline_s_per_step"], rel=0.01)
+    assert [r["pipeline"] for r in result["runs"]] == ["sync", "one_step_off"]
+    assert result["max_staleness_seen"] == 1.0
+    for run in result["runs"]:
+        assert run["s_per_step"] > 0 and run["searches_per_rollout"] > 0
+        # the server's delay reached the rollouts: at least one 150 ms round of searches a step
+        assert run["retrieval_s_per_step"] >= 0.15
