@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -183,6 +183,10 @@ class LLMGenerationManager:
         self.config = config
         self.is_validation = is_validation
         self._client = retrieval_client
+        # Partial rollout (a pipelined run's rollout.partial): called before every turn of the sync loop;
+        # brings the engines to the newest weights between turns and returns their policy version, which
+        # each turn's tokens record (`token_versions`). None: one version for the whole rollout.
+        self.turn_version: Callable[[], int] | None = None
         # False once an engine reported log-probs that are not the actor's quantity (vllm_rollout.log_probs_mode).
         self._log_probs_match_actor = True
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
@@ -443,6 +447,7 @@ class LLMGenerationManager:
         eos_ids = eos_token_ids(meta)
         stats: Counter[str] = Counter()
         timing = {"generate": 0.0, "retrieval": 0.0}
+        versions: list[list[int]] | None = None if self.turn_version is None else [[] for _ in rows]
 
         for turn in range(self._turn_limit()):
             is_final = turn == self.config.max_turns
@@ -465,6 +470,7 @@ class LLMGenerationManager:
                 # A turn may use what is left of the budget; the longest remainder bounds this call.
                 longest = max(self._tool.remaining(rows[i]) for i in active)
                 turn_meta = {**meta, K.META_RESPONSE_LENGTH: min(self.config.max_response_length, longest)}
+            version = self.turn_version() if self.turn_version is not None else 0
             start = time.perf_counter()
             sampled, sampled_log_probs = self._generate(contexts, turn_meta)
             timing["generate"] += time.perf_counter() - start
@@ -493,8 +499,16 @@ class LLMGenerationManager:
                 stats["generated_tokens"] += res.generated
                 stats["kept_tokens"] += len(res.kept_ids)
                 self._apply_turn(rows[i], res, observations.get(k), is_final, stats, lps)
+                if versions is not None:   # the turn(s) just appended were sampled by `version`
+                    versions[i] += [version] * (len(rows[i].turns) - len(versions[i]))
 
-        return self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
+        output = self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
+        if versions is not None:
+            width = output.batch[K.RESPONSES].shape[-1]
+            per_token = [[v for (policy, obs), v in zip(row.turns, vs, strict=True) for _ in range(len(policy) + len(obs))]
+                         for row, vs in zip(rows, versions, strict=True)]
+            output.batch[K.TOKEN_VERSIONS] = right_pad(per_token, -1, width)
+        return output
 
     def _run_async(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, meta: dict[str, Any]) -> Any:
         """Each rollout worker runs its shard's trajectories as coroutines

@@ -356,3 +356,28 @@ def test_multi_token_tags_are_cut_at_the_token_completing_them(split_tag_tokeniz
     assert policy == search + answer
     assert ids[: len(search)] == search and ids[-len(answer):] == answer
     assert out.meta_info["valid_search_stats"] == [1] and out.meta_info["stop_reasons"]["answered"] == 1
+
+
+def test_partial_rollout_records_the_version_that_sampled_each_turn(tokenizer, retrieval_url, streams):
+    # A partial rollout's manager asks for the weights' version before every turn (the trainer pushes
+    # newer weights there); each turn's tokens, its observation with it, carry that version.
+    s = streams
+    scripts = {"q1": [s["search1"], s["search2"], s["answer"] + s["eos"]], "q2": [s["rome"] + s["eos"]]}
+    engine = ScriptedRollout(tokenizer, scripts)
+    gen_batch, prompts = make_gen_batch(tokenizer, ["q1", "q2"])
+    manager = LLMGenerationManager(tokenizer, engine, make_config(retrieval_url))
+    asked = []
+    manager.turn_version = lambda: asked.append(len(asked)) or 5 + len(asked)   # versions 6, 7, 8
+    out = manager.run_llm_loop(gen_batch, prompts)
+    assert asked == [0, 1, 2]
+    obs1 = observation_ids(tokenizer, retrieval_url, "capital of France")
+    obs2 = observation_ids(tokenizer, retrieval_url, "Eiffel Tower")
+    versions = out.batch[K.TOKEN_VERSIONS]
+    assert versions.shape == out.batch[K.RESPONSES].shape
+    row0 = [6] * (len(s["search1"]) + len(obs1)) + [7] * (len(s["search2"]) + len(obs2)) + [8] * len(s["answer"])
+    assert versions[0, : len(row0)].tolist() == row0 and (versions[0, len(row0):] == -1).all()
+    row1 = [6] * len(s["rome"])   # the turn ends at </answer> (the EOS after it is not kept)
+    assert versions[1, : len(row1)].tolist() == row1 and (versions[1, len(row1):] == -1).all()
+    # without a version source nothing is recorded
+    plain, _, _, _ = run(tokenizer, scripts, ["q1", "q2"], make_config(retrieval_url))
+    assert K.TOKEN_VERSIONS not in plain.batch.keys()

@@ -147,6 +147,28 @@ def test_a_run_killed_mid_pipeline_resumes_without_training_a_batch_twice(
     assert resumed[0]["pipeline/policy_version"] == 2.0 and resumed[0]["pipeline/staleness"] == 0.0
 
 
+def test_a_resumed_pipelined_run_gives_the_rollout_pool_the_checkpoints_weights_before_validating(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    # The checkpoint restores the train pool; the rollout pool starts from the model's own weights and
+    # must get the checkpoint's before anything samples from it (here: +trainer.val_only validation).
+    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
+    extra = ["trainer.pipeline=one_step_off", "trainer.rollout_pool=1", "trainer.save_freq=2"]
+    _run(tiny_model_dir, data, tmp_path / "run", 2, 2, extra)
+    overrides = toy_overrides(tiny_model_dir, data, str(tmp_path / "run"), adv_estimator="grpo", steps=2, n_workers=2)
+    cfg = main_ppo.compose_config([*overrides, *extra, "+trainer.val_only=true"])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    trainer = main_ppo.build_trainer(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
+    try:
+        trainer.init_workers()
+        before = trainer.rollout_wg.get_state_fingerprint()[0]
+        history = trainer.fit()
+        assert trainer.global_step == 2 and len(history) == 1
+        trained = trainer.actor_rollout_wg.get_state_fingerprint()[0]
+        assert trainer.rollout_wg.get_state_fingerprint()[0] == trained != before
+    finally:
+        trainer.shutdown()
+
+
 # ---------------------------------------------------------------------------- config
 
 
@@ -172,6 +194,13 @@ def test_pipeline_pools_split_the_workers_and_batch_sizes_divide_the_train_pool(
     (["trainer.pipeline=async", "trainer.max_staleness=0"], "trainer.max_staleness=0 must be an int >= 1"),
     (["trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=2", "trainer.rollout_pool=2"],
      r"trainer.rollout_pool in 1..1"),
+    (["trainer.pipeline=one_step_off", "trainer.rollout_pool=two"], "trainer.rollout_pool='two' must be an int"),
+    (["trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=4", "trainer.rollout_pool=1",
+      "data.train_batch_size=4", "actor_rollout_ref.rollout.n_agent=2"],
+     "the train pool trainer.nnodes\\*trainer.n_gpus_per_node-trainer.rollout_pool=3"),
+    (["actor_rollout_ref.rollout.partial=true"], "actor_rollout_ref.rollout.partial=true needs trainer.pipeline"),
+    (["trainer.pipeline=async", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.partial=true",
+      "actor_rollout_ref.rollout.mode=async"], "partial=true needs actor_rollout_ref.rollout.mode=sync"),
     (["trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "trainer.rollout_pool=4"],
      "the rollout pool takes whole nodes"),
     (["trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=4", "trainer.rollout_pool=1",

@@ -167,3 +167,28 @@ def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_
     metrics_file = tmp_path / "ckpt" / "logs" / "metrics.jsonl"
     assert not metrics_file.exists() or metrics_file.read_text().strip() == ""
     assert not list((tmp_path / "ckpt").glob("global_step_*"))
+
+
+def test_a_partial_rollout_takes_new_weights_between_turns_and_records_each_tokens_version(
+        ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
+    """one_step_off with rollout.partial=true against a server that answers in 3 s: batch 2 rolls out
+    while step 1 trains (a second or two), so step 1's weights arrive between two of its turns."""
+    from search_r1.search.retrieval_server import ServerConfig, create_app
+    from search_r1.search.serving import serve_in_background
+
+    retriever = build_bm25_retriever(search_world.corpus_path, tmp_path / "index")
+    with serve_in_background(create_app(retriever, ServerConfig(simulate_latency_ms=3000))) as url:
+        overrides = _search_overrides(search_world, tmp_path, "grpo", [
+            f"retriever.url={url}/retrieve", "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+            "trainer.pipeline=one_step_off", "trainer.rollout_pool=1", "actor_rollout_ref.rollout.partial=true"])
+        history = run_ppo(compose_config(overrides))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    first, second = history[0], history[1]
+    assert first["pipeline/partial_rows"] == 0.0 and first["pipeline/token_staleness_max"] == 0.0
+    # batch 2: begun with the initial weights (version 0, staleness 1 at step 2), finished with step 1's
+    assert second["pipeline/staleness"] == 1.0 and second["pipeline/policy_version"] == 0.0
+    assert second["pipeline/partial_rows"] > 0
+    assert second["pipeline/token_staleness_max"] == 1.0 and second["pipeline/token_staleness_mean"] < 1.0
+    for h in history:
+        assert h["env/number_of_valid_search"] > 0 and h["env/search_failures"] == 0
+        assert h["pipeline/staleness"] <= 1.0

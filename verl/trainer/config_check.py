@@ -192,6 +192,13 @@ def _check_pipeline(cfg: DictConfig, errors: list[str]) -> None:
     staleness = trainer.get("max_staleness", 1)
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
         errors.append(f"trainer.max_staleness={staleness!r} must be an int >= 1")
+    partial = bool(cfg.actor_rollout_ref.rollout.get("partial", False))
+    if partial and pipeline == "sync":
+        errors.append("actor_rollout_ref.rollout.partial=true needs trainer.pipeline=one_step_off or async "
+                      "(weights change mid-rollout only when another pool trains them)")
+    if partial and cfg.actor_rollout_ref.rollout.get("mode", "sync") == "async":
+        errors.append("actor_rollout_ref.rollout.partial=true needs actor_rollout_ref.rollout.mode=sync: the async "
+                      "rollout's trajectories run inside the workers, where no weights arrive between turns")
     if pipeline == "sync":
         return
     total, nnodes, per_node = total_workers(cfg), int(trainer.nnodes), int(trainer.n_gpus_per_node)
@@ -281,7 +288,8 @@ def _divides(errors: list[str], what: str, big: int, big_key: str, small: int, s
 def _check_batch_sizes(cfg: DictConfig, errors: list[str]) -> None:
     """Batch sizes in rollouts (see `mini_batch_rollouts`), split evenly over the workers."""
     ws = world_size(cfg)
-    ws_key = "trainer.nnodes*trainer.n_gpus_per_node"
+    ws_key = ("the train pool trainer.nnodes*trainer.n_gpus_per_node-trainer.rollout_pool" if pipelined(cfg)
+              else "trainer.nnodes*trainer.n_gpus_per_node")
     rollout = cfg.actor_rollout_ref.rollout
     for key in ("n_agent", "n"):
         if int(rollout.get(key, 1)) < 1:
@@ -762,6 +770,11 @@ def config_errors(cfg: DictConfig, has_gpu: bool | None = None) -> list[str]:
     """What `validate_config` finds wrong, one message per problem (empty when the config is valid)."""
     OmegaConf.set_struct(cfg, True)
     errors: list[str] = [unknown_key_message(key) for key in undeclared_keys(cfg)]
+    # The pools first: every later division reads their sizes.
+    pipeline_errors: list[str] = []
+    _check_pipeline(cfg, pipeline_errors)
+    if pipeline_errors:
+        return errors + pipeline_errors
     _check_data(cfg, errors)
     _check_algorithm(cfg, errors)
     _check_rollout(cfg, errors)
@@ -769,7 +782,6 @@ def config_errors(cfg: DictConfig, has_gpu: bool | None = None) -> list[str]:
     _check_tensor_parallel(cfg, errors, has_gpu)
     _check_retriever(cfg, errors)
     _check_trainer(cfg, errors)
-    _check_pipeline(cfg, errors)
     _check_batch_sizes(cfg, errors)
     _check_imports(cfg, errors, has_gpu)
     return errors

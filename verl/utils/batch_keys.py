@@ -23,6 +23,7 @@ RESPONSE_MASK = "response_mask"      # (B, R) long: THE mask every loss / KL / w
 OLD_LOG_PROBS = "old_log_probs"      # (B, R) float: log-probs of the rollout policy
 ROLLOUT_LOG_PROBS = "rollout_log_probs"   # (B, R) float: the engine's own log-prob of each sampled token
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) float: truncated pi_old / pi_rollout (algorithm.rollout_correction)
+TOKEN_VERSIONS = "token_versions"         # (B, R) long: policy version that sampled each position (partial rollout; -1 pad)
 REF_LOG_PROB = "ref_log_prob"        # (B, R) float: log-probs of the reference policy
 VALUES = "values"                    # (B, R) float: critic values
 TOKEN_LEVEL_SCORES = "token_level_scores"    # (B, R) float: rule reward, on the last policy token
@@ -55,7 +56,8 @@ META_METRICS = "metrics"             # dict[str, float | list[float]] returned b
 
 TENSOR_KEYS = frozenset({
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PROMPTS, RESPONSES, INFO_MASK, LOSS_MASK, CONTEXT_CUT_MASK,
-    RESPONSE_MASK, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, ROLLOUT_IS_WEIGHTS, REF_LOG_PROB, VALUES, TOKEN_LEVEL_SCORES,
+    RESPONSE_MASK, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, ROLLOUT_IS_WEIGHTS, TOKEN_VERSIONS, REF_LOG_PROB, VALUES,
+    TOKEN_LEVEL_SCORES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS,
 })
 NON_TENSOR_KEYS = frozenset({UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX})

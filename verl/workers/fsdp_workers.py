@@ -547,17 +547,24 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
     def receive_weights(self) -> int:
         """Rollout pool: the train pool's weights into this rank's shards (the engine reloads them
-        before it next generates); returns the bytes received."""
+        before it next generates); returns the bytes received. Inside a rollout (a partial rollout's
+        push between two turns) the generation phase is ended first (the unsharded copy and the
+        engine's weights are the old ones) and begun again with the new weights."""
         from verl.workers.weight_sync import receive_state
 
         self._require(self._is_rollout and self._weight_sync is not None, "receive_weights")
-        if self._phase_depth > 0:
-            raise RuntimeError("receive_weights during a rollout: weights change only between rollouts")
+        in_rollout = self._phase_stack is not None
+        if in_rollout:
+            self._phase_stack.close()
         fsdp_cfg = self.config.actor.fsdp_config
         self._onload(self.actor_module, None, fsdp_cfg)
         received = receive_state(self._weight_sync, self.actor_module, self.device)
         self._weights_version += 1
         self._offload(self.actor_module, None, fsdp_cfg)
+        if in_rollout:
+            stack = ExitStack()
+            stack.enter_context(self._generation_phase())
+            self._phase_stack = stack
         return received
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

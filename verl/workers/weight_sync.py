@@ -25,6 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 JOIN_TIMEOUT = timedelta(seconds=600)
+# A push's receivers start their broadcasts at once; the sender's may queue behind a train-pool call
+# already running (an update, a checkpoint of a large model to slow storage): wait that long for it.
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 def endpoint() -> tuple[str, int]:
@@ -46,9 +49,9 @@ class WeightSyncGroup:
                               wait_for_workers=True)
         store = dist.PrefixStore("search_r1_weight_sync", store)
         if device == "cuda":
-            self.group: Any = dist.ProcessGroupNCCL(store, rank, size)
+            self.group: Any = dist.ProcessGroupNCCL(store, rank, size, COLLECTIVE_TIMEOUT)
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, JOIN_TIMEOUT)
+            self.group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         self._store = store   # kept alive with the group
 
     def broadcast(self, tensor: torch.Tensor) -> None:
@@ -81,7 +84,7 @@ def send_state(group: WeightSyncGroup | None, state: Iterable[tuple[str, torch.T
 def receive_state(group: WeightSyncGroup, module: nn.Module, device: str) -> int:
     """Receive every state-dict tensor of `module` (in its state_dict order, the sender's too: the
     same model built the same way) and write this rank's shard of each in place. Returns bytes."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     received = 0
     for tensor in module.state_dict().values():
@@ -89,10 +92,20 @@ def receive_state(group: WeightSyncGroup, module: nn.Module, device: str) -> int
         group.broadcast(buffer)
         received += buffer.numel() * buffer.element_size()
         if isinstance(tensor, DTensor):
-            # src_data_rank=None: each rank cuts its own shard from the full tensor it holds
-            shard = distribute_tensor(buffer.to(tensor.device), tensor.device_mesh, tensor.placements,
-                                      src_data_rank=None)
-            tensor.to_local().copy_(shard.to_local())
+            tensor.to_local().copy_(_local_shard(buffer, tensor))
         else:
             tensor.copy_(buffer.to(tensor.device))
     return received
+
+
+def _local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's piece of `full` as the DTensor `like` holds it: FSDP2's Shard(0) over a 1-D mesh is
+    torch.chunk's piece (empty past the last chunk); any other layout through distribute_tensor."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh, placements = like.device_mesh, like.placements
+    if mesh.ndim == 1 and len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0:
+        chunks = full.chunk(mesh.size(), dim=0)
+        rank = mesh.get_local_rank()
+        return chunks[rank] if rank < len(chunks) else full[:0]
+    return distribute_tensor(full.to(like.device), mesh, placements).to_local()

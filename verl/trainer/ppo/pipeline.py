@@ -12,8 +12,10 @@ s - v updates stale.
 
 - bound: one_step_off 1; async `trainer.max_staleness`; `+trainer.pipeline_wait_for_sync=true` 0,
   which makes every rollout wait for the weights of the update just made (a sync run's steps).
-- Weights go to the rollout pool only between two of its rollouts (never mid-trajectory), from the
-  train pool's rank 0 over the weight-sync group (verl/workers/weight_sync.py). The send is
+- Weights go to the rollout pool between two of its rollouts, from the train pool's rank 0 over the
+  weight-sync group (verl/workers/weight_sync.py); with `rollout.partial=true` also between two
+  turns of a rollout in flight, each turn's tokens recording the version that sampled them
+  (`token_versions`; the batch's version, which the bound reads, is its oldest). The send is
   submitted while no update can be, so the weights sent are exactly version v.
 - A batch more stale than the bound is dropped, never trained (counted in `pipeline/dropped_stale`).
 - Checkpoints record the dataloader position of the batch trained, not of the ones already drawn:
@@ -73,14 +75,15 @@ class RolloutProducer:
     lock (one rollout, weight push or validation at a time) and the queue of rolled batches."""
 
     def __init__(self, rollout: Callable[[DataProto, int, dict, dict], DataProto],
-                 push_weights: Callable[[], None], steps_done: int, total_steps: int, bound: int) -> None:
+                 push_weights: Callable[[], None], steps_done: int, total_steps: int, bound: int,
+                 rollout_version: int = 0) -> None:
         self._rollout = rollout
         self._push = push_weights
         self.bound = bound
         self.total_steps = total_steps
         self.steps_done = steps_done
-        # the rollout pool starts with the model's own weights: version 0 unless a checkpoint was loaded
-        self.rollout_version = 0 if steps_done == 0 else -1
+        # the version of the rollout pool's weights (the trainer pushed a loaded checkpoint's already)
+        self.rollout_version = rollout_version
         self.stats = _Stats()
         self._cond = threading.Condition()
         self._update_lock = threading.Lock()    # held while an update is submitted and runs
@@ -120,14 +123,26 @@ class RolloutProducer:
     def sync_weights(self) -> int:
         """Bring the rollout pool to the newest weights (call with the pool lock held); their version."""
         with self._update_lock:   # no update in flight: the weights sent are exactly version steps_done
-            version = self.steps_done
-            if self.rollout_version != version:
-                began = time.monotonic()
-                self._push()
-                self.rollout_version = version
-                self.stats.syncs += 1
-                self.stats.sync_s += time.monotonic() - began
-        return version
+            self._push_newest()
+        return self.rollout_version
+
+    def refresh(self) -> int:
+        """Between two turns of a partial rollout: the newest weights if they can be sent now (no update
+        in flight; the rollout does not wait for one), else the ones it has; their version."""
+        if self._update_lock.acquire(blocking=False):
+            try:
+                self._push_newest()
+            finally:
+                self._update_lock.release()
+        return self.rollout_version
+
+    def _push_newest(self) -> None:
+        if self.rollout_version != self.steps_done:
+            began = time.monotonic()
+            self._push()
+            self.rollout_version = self.steps_done
+            self.stats.syncs += 1
+            self.stats.sync_s += time.monotonic() - began
 
     # ---------------------------------------------------------------- trainer side
     def next_batch(self) -> tuple[RolledBatch | None, float]:
@@ -163,6 +178,11 @@ class RolloutProducer:
             self._cond.notify_all()
 
     def metrics(self, item: RolledBatch, global_step: int, train_idle_s: float) -> dict[str, float]:
+        out = self._batch_metrics(item, global_step, train_idle_s)
+        out.update(token_version_metrics(item.batch, global_step))
+        return out
+
+    def _batch_metrics(self, item: RolledBatch, global_step: int, train_idle_s: float) -> dict[str, float]:
         """`pipeline/*` metrics of a batch about to train at step global_step + 1."""
         staleness = global_step - item.version
         self.stats.staleness[staleness] += 1
@@ -179,3 +199,28 @@ class RolloutProducer:
         # the histogram so far: batches trained at each staleness
         out.update({f"pipeline/staleness_hist/{k}": float(n) for k, n in sorted(self.stats.staleness.items())})
         return out
+
+
+def token_version_metrics(batch: DataProto, global_step: int) -> dict[str, float]:
+    """A partial rollout's per-token versions (`token_versions`, over the policy's tokens): the share
+    of rows sampled by more than one version, and the tokens' staleness at this step."""
+    import torch
+
+    from verl.utils import batch_keys as K
+
+    if K.TOKEN_VERSIONS not in batch.batch.keys():
+        return {}
+    versions = batch.batch[K.TOKEN_VERSIONS]
+    policy = batch.batch[K.LOSS_MASK].bool() if K.LOSS_MASK in batch.batch.keys() else versions >= 0
+    if not policy.any():
+        return {}
+    big = torch.iinfo(versions.dtype).max
+    newest = torch.where(policy, versions, torch.full_like(versions, -1)).max(-1).values
+    oldest = torch.where(policy, versions, torch.full_like(versions, big)).min(-1).values
+    has_tokens = policy.any(-1)
+    staleness = (global_step - versions[policy]).float()
+    return {
+        "pipeline/partial_rows": float(((newest > oldest) & has_tokens).float().sum() / has_tokens.sum()),
+        "pipeline/token_staleness_mean": float(staleness.mean()),
+        "pipeline/token_staleness_max": float(staleness.max()),
+    }

@@ -204,11 +204,12 @@ class RayPPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
         self.global_step = 0
         self.actor_rollout_wg: Any = None
-        self.rollout_wg: Any = None     # who generates: actor_rollout_wg, or a pipelined run's rollout pool
+        self._rollout_pool_wg: Any = None   # a pipelined run's rollout pool (see rollout_wg)
         self.critic_wg: Any = None
         self.pipelined = config_check.pipelined(config)
         self.rollout_world_size = config_check.rollout_world_size(config)
         self._producer: Any = None      # a pipelined run's RolloutProducer while fit() runs
+        self._rollout_version = 0       # pipelined: the steps done when the rollout pool's weights were sent
         self._trained_loader_state: dict[str, Any] | None = None   # pipelined: the batch last trained
         self.history: list[dict[str, float]] = []
         self._worker_groups: list[Any] = []
@@ -288,11 +289,15 @@ class RayPPOTrainer:
         # Actor last: with vLLM it sizes its KV cache from the memory left.
         self.actor_rollout_wg = spawned["actor_rollout"]
         self.actor_rollout_wg.init_model()
-        self.rollout_wg = self.actor_rollout_wg
         if self.pipelined:
             self._init_rollout_pool(configs["actor_rollout"])
         if self._flops_counter is not None:
             self._peak_flops = min(self.actor_rollout_wg.device_peak_flops())
+
+    @property
+    def rollout_wg(self) -> Any:
+        """The workers that generate: the actor's (sync), or a pipelined run's rollout pool."""
+        return self._rollout_pool_wg if self._rollout_pool_wg is not None else self.actor_rollout_wg
 
     def _init_rollout_pool(self, config: DictConfig) -> None:
         """A pipelined run's rollout workers (role rollout: the policy and the engine, no optimizer)
@@ -301,8 +306,8 @@ class RayPPOTrainer:
 
         pool = self.resource_pool_manager.get_resource_pool(Role.Rollout)
         cls = RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=config, role="rollout")
-        self.rollout_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
-        self._worker_groups.append(self.rollout_wg)
+        self._rollout_pool_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
+        self._worker_groups.append(self._rollout_pool_wg)
         self.rollout_wg.init_model()
         host, port = self.actor_rollout_wg.weight_sync_endpoint()[0]
         size = 1 + self.rollout_wg.world_size
@@ -717,7 +722,10 @@ class RayPPOTrainer:
 
         bound = staleness_bound(self.config)
         self._producer = producer = RolloutProducer(self._rollout, self._push_weights, self.global_step,
-                                                    self.total_training_steps, bound)
+                                                    self.total_training_steps, bound, self._rollout_version)
+        if bool(self.config.actor_rollout_ref.rollout.get("partial", False)):
+            # partial rollout: newer weights reach the rollout in flight between two turns
+            self._generation_manager(validation=False).turn_version = producer.refresh
         producer.start(self._drawn_batches())
         last_step_end = time.monotonic()
         while self.global_step < self.total_training_steps:
@@ -752,7 +760,10 @@ class RayPPOTrainer:
         """Train until total_training_steps; returns the per-step metrics (also sent to the loggers)."""
         tracker = self._tracker()
         try:
-            self.load_checkpoint()
+            if self.load_checkpoint() is not None and self.pipelined:
+                # the rollout pool still holds the model's own weights: validation and rollouts need the checkpoint's
+                self._push_weights()
+                self._rollout_version = self.global_step
             val_only = config_check.trainer_flag(self.config, "val_only")
             if self.val_reward_fn is not None and (val_only or config_check.trainer_flag(self.config, "val_before_train")):
                 val_metrics = self._validate()
