@@ -86,6 +86,30 @@ def test_72b_on_one_80gb_gpu_without_offload_does_not_fit_and_7b_on_eight_does()
     assert max(plan.phase_gib().values()) * GIB >= update.total - GIB
 
 
+def test_a_pipelined_run_plans_the_rollout_pools_gpu_and_the_weight_sync_buffers() -> None:
+    # 7B on 8 GPUs, 2 of them the rollout pool: the engine (vLLM's pool) is there, beside the policy's
+    # fp32 shard over 2 and one full tensor from the weight-sync group; the train GPUs have no engine.
+    cfg = compose_config([f"actor_rollout_ref.model.path={CONFIGS / 'qwen2.5-7b'}", "algorithm.adv_estimator=grpo",
+                          "trainer.n_gpus_per_node=8", "trainer.pipeline=one_step_off", "trainer.rollout_pool=2",
+                          "data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
+                          "actor_rollout_ref.rollout.n_agent=1", "do_search=false"])
+    OmegaConf.resolve(cfg)
+    plan = plan_memory(cfg, device_gib=80)
+    phases = {p.name: p for p in plan.phases}
+    assert "rollout" not in phases and plan.world == 6
+    pool = phases["rollout_pool"].certain
+    shape = ModelShape.from_config(read_model_config(str(CONFIGS / "qwen2.5-7b"))[0], "qwen2.5-7b")
+    assert pool["policy params on the rollout pool (fp32 shard)"] == -(-4 * plan.actor_params // 2)
+    assert pool["weight-sync receive buffer (largest full fp32 tensor)"] == 4 * shape.vocab_size * shape.hidden_size
+    assert pool["vLLM pool (gpu_memory_utilization=0.5 x 80 GiB)"] == int(0.5 * 80 * GIB)
+    assert not any(k.startswith("actor") for k in pool)          # no optimizer, no trainer state there
+    send = phases["weight_sync_send"].certain
+    assert send["actor params (fp32 shard)"] == -(-4 * plan.actor_params // 6)   # the train pool's shard
+    # half of 30.5 GB of fp32 policy + 40 GiB of vLLM pool + a 2.2 GB buffer: the rollout GPU is the fullest
+    name, gib = plan.largest()
+    assert name == "rollout_pool" and gib == pytest.approx(sum(pool.values()) / GIB, abs=0.01) and 55 < gib < 57
+
+
 def test_a_folder_without_config_json_says_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="example/model_configs"):
         read_model_config(str(tmp_path / "nothing"))

@@ -496,8 +496,8 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
     trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
     world = report.world_size = cc.world_size(cfg)
     host = {True: "GPU", False: "CPU", None: "unknown from here (GPU-dependent checks skipped)"}[has_gpu]
-    pools = (f" - trainer.rollout_pool={cc.rollout_pool_size(cfg)} (trainer.pipeline={trainer.pipeline}: the rollout "
-             "pool's GPUs are not in the memory plan below, which is the train pool's)" if cc.pipelined(cfg) else "")
+    pools = (f" - trainer.rollout_pool={cc.rollout_pool_size(cfg)} (trainer.pipeline={trainer.pipeline}: the memory "
+             "plan's phase rollout_pool is a rollout GPU, the others a train GPU)" if cc.pipelined(cfg) else "")
     report.lines.append(f"workers: trainer.nnodes={trainer.nnodes} x trainer.n_gpus_per_node={trainer.n_gpus_per_node}"
                         f"{pools} = {world}; trainer.device={trainer.device}, host {host}; "
                         f"trainer.ray_address={trainer.ray_address}")

@@ -255,13 +255,21 @@ def _activations(shape: ModelShape, tokens: int, checkpointing: bool, backward: 
 
 def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[str, Any] | None = None,
                 critic_config: dict[str, Any] | None = None) -> MemoryPlan:
-    """The plan for the composed (resolved) trainer config `cfg` over `nnodes x n_gpus_per_node` GPUs.
+    """The plan for the composed (resolved) trainer config `cfg` over `nnodes x n_gpus_per_node` GPUs
+    (with trainer.pipeline: the train pool's phases, and the rollout pool's GPU as phase rollout_pool).
 
     `model_config` / `critic_config`: the config.json dicts (default: read from
     actor_rollout_ref.model.path / critic.model.path). `device_gib`: the GPU's memory, for the vLLM
     pool (gpu_memory_utilization x it); without it the rollout phases count the vLLM weights only.
     """
-    from verl.trainer.config_check import need_critic, need_reference_policy, prompt_bound, world_size
+    from verl.trainer.config_check import (
+        need_critic,
+        need_reference_policy,
+        pipelined,
+        prompt_bound,
+        rollout_pool_size,
+        world_size,
+    )
 
     world = world_size(cfg)
     arr = cfg.actor_rollout_ref
@@ -373,14 +381,24 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     # The engine's parameters in bf16 (vocabulary padded; exact at TP=1). Not counted: its buffers (the rotary
     # table, max_position_embeddings x head_dim in bf16, and 4 fp32 attention scales per layer).
     vllm_weights = _shard(BF16 * shape.vllm_params(), tp)
+    largest_full = FP32 * shape.vocab_size * shape.hidden_size    # the embeddings: the largest full fp32 tensor
     rollout_certain = dict(resident)
+    if pipelined(cfg):
+        # trainer.pipeline: the engine lives on the rollout pool's GPUs, beside the policy's fp32 shard over
+        # that pool and one full tensor arriving from the weight-sync group; the train pool's GPUs send
+        # one full tensor at a time beside what they keep resident.
+        phases.append(Phase("weight_sync_send", certain={
+            **resident, "weight-sync send buffer (largest full fp32 tensor)": largest_full}))
+        rollout_certain = {"weight-sync receive buffer (largest full fp32 tensor)": largest_full}
+        if not afs.param_offload:
+            rollout_certain["policy params on the rollout pool (fp32 shard)"] = _shard(FP32 * p, rollout_pool_size(cfg))
     if device_gib:
         rollout_certain[f"vLLM pool (gpu_memory_utilization={util:g} x {device_gib:g} GiB)"] = int(util * device_gib * GIB)
     else:
         rollout_certain["vLLM weights (bf16 / TP)"] = vllm_weights
         notes.append("vLLM's KV pool is gpu_memory_utilization x the GPU's memory: unknown without "
                      "trainer.gpu_memory_gib, so the rollout phase counts the vLLM weights only")
-    phases.append(Phase("rollout", certain=rollout_certain))
+    phases.append(Phase("rollout_pool" if pipelined(cfg) else "rollout", certain=rollout_certain))
     if device_gib and vllm_weights > util * device_gib * GIB:
         notes.append(f"vLLM weights {vllm_weights / GIB:.1f} GiB per GPU exceed its pool "
                      f"{util * device_gib:.1f} GiB: raise actor_rollout_ref.rollout.gpu_memory_utilization or "
@@ -390,7 +408,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     # rank, so the largest tensor (the embeddings, vocab x hidden) is the GPU's extra.
     save = {**others("actor"), "actor params (fp32 shard)": actor_params, "actor AdamW state (shard)": actor_optim}
     if cfg.trainer.save_hf_model:
-        save["HF export staging (largest full fp32 tensor)"] = FP32 * shape.vocab_size * shape.hidden_size
+        save["HF export staging (largest full fp32 tensor)"] = largest_full
     phases.append(Phase("checkpoint_save", certain=save))
     return MemoryPlan(world=world, actor_params=p, actor_tensors=t, critic_params=cp if with_critic else None,
                       critic_tensors=ct if with_critic else None, phases=phases, notes=notes,
