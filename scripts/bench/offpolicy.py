@@ -19,6 +19,7 @@ validation-free reward and search counts as a sanity check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -108,7 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rollout_pool", type=int, default=1, help="of them, the rollout pool's")
     parser.add_argument("--workdir", default=None, help="world, index and runs (default: a temporary folder)")
     parser.add_argument("--override", action="append", default=[], help="one more trainer override (repeatable)")
-    print(json.dumps(run(parser.parse_args(argv)), indent=2))
+    args = parser.parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr):   # the demo's and the trainer's lines: stdout is the JSON alone
+        result = run(args)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def test_the_offpolicy_bench_prints_both_modes_figures_at_a_retrieval_latency(tm
          "--steps", "3", "--repeats", "1", "--train_batch_size", "4", "--workdir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    result = json.loads(proc.stdout)          # stdout is the JSON object alone
     assert result["retrieval_latency_ms"] == 150.0 and result["pipeline"] == "one_step_off"
     assert result["speedup"] == pytest.approx(result["sync_s_per_step"] / result["pipeline_s_per_step"], rel=0.01)
     assert [r["pipeline"] for r in result["runs"]] == ["sync", "one_step_off"]

@@ -189,6 +189,17 @@ def test_pipeline_pools_split_the_workers_and_batch_sizes_divide_the_train_pool(
     assert config_check.pool_layout(sync) == {"global_pool": [8, 8]} and config_check.world_size(sync) == 16
 
 
+def test_the_rollout_pool_keeps_its_engine_awake_and_the_train_pool_config_is_untouched() -> None:
+    from verl.trainer.ppo.ray_trainer import rollout_pool_config
+
+    cfg = _config("trainer.pipeline=one_step_off", "actor_rollout_ref.rollout.name=vllm")
+    assert cfg.actor_rollout_ref.rollout.free_cache_engine is True
+    pool = rollout_pool_config(cfg.actor_rollout_ref)
+    assert pool.rollout.free_cache_engine is False
+    assert cfg.actor_rollout_ref.rollout.free_cache_engine is True    # a copy: the train pool's is unchanged
+    assert pool.actor == cfg.actor_rollout_ref.actor
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["trainer.pipeline=overlap"], "trainer.pipeline='overlap' is unknown"),
     (["trainer.pipeline=async", "trainer.max_staleness=0"], "trainer.max_staleness=0 must be an int >= 1"),

@@ -77,3 +77,21 @@ def test_grpo_step_with_search_on_vllm_in_async_mode(ray_cluster, vllm_search_wo
     _assert_searched_against_the_server(step, served)
     assert step["rollout/log_prob_gap_max"] < 1e-3
     assert step["rollout/engine_wake_ups"] == 1
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_pipelined_run_on_vllm_samples_with_the_weights_it_was_sent(
+        ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path, partial: bool) -> None:
+    # A train worker and a rollout worker holding vLLM (kept awake between rollouts); each rollout
+    # waits for the update before it, so every step's engine log-probs must equal the trainer's
+    # recomputation: they would be two updates apart at step 3 if vLLM had not reloaded the pushed
+    # weights (and with partial=true, pushes between turns find nothing newer: one version a row).
+    extra = [*VLLM, "trainer.n_gpus_per_node=2", "trainer.pipeline=one_step_off", "trainer.rollout_pool=1",
+             "+trainer.pipeline_wait_for_sync=true", f"actor_rollout_ref.rollout.partial={str(partial).lower()}"]
+    step, served = _run_with_search(vllm_search_world, tmp_path, "grpo", extra=[*extra, "trainer.total_training_steps=3"],
+                                    expect_steps=[1, 2, 3])
+    assert served > 0 and step["env/number_of_valid_search"] > 0 and step["env/search_failures"] == 0
+    assert step["pipeline/weight_syncs"] == 2.0 and step["pipeline/staleness"] == 0.0
+    assert step["rollout/log_prob_gap_max"] < 1e-3
+    if partial:
+        assert step["pipeline/partial_rows"] == 0.0 and step["pipeline/token_staleness_max"] == 0.0

@@ -16,6 +16,7 @@ driver RNG and KL-controller state, so a resumed run continues exactly.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -145,6 +146,17 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
         max_parallel_calls=int(multi_turn.max_parallel_calls),
         max_tool_response_length=multi_turn.max_tool_response_length,
         tool_response_truncate_side=str(multi_turn.tool_response_truncate_side), **common)
+
+
+def rollout_pool_config(actor_rollout_ref: DictConfig) -> DictConfig:
+    """A pipelined run's rollout workers' config: the actor_rollout_ref tree, with the vLLM engine kept
+    awake between rollouts (`rollout.free_cache_engine=false`): no trainer shares those GPUs, so
+    sleeping would only free memory nobody takes and reload the weights after every rollout (they
+    reload when a push changed them)."""
+    config = copy.deepcopy(actor_rollout_ref)
+    with open_dict(config):
+        config.rollout.free_cache_engine = False
+    return config
 
 
 class Role(Enum):
@@ -305,7 +317,8 @@ class RayPPOTrainer:
         from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 
         pool = self.resource_pool_manager.get_resource_pool(Role.Rollout)
-        cls = RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=config, role="rollout")
+        cls = RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=rollout_pool_config(config),
+                                   role="rollout")
         self._rollout_pool_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
         self._worker_groups.append(self._rollout_pool_wg)
         self.rollout_wg.init_model()
