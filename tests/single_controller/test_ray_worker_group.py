@@ -285,3 +285,16 @@ def test_colocated_roles_share_processes_and_answer_their_methods(ray_cluster):
     finally:
         group.shutdown()
         pool.release()
+
+
+def test_rendezvous_ports_are_drawn_below_the_ephemeral_range_and_bind():
+    # The kernel hands ports of 32768+ to outgoing connections at any moment: a rendezvous port from
+    # there could be taken before the store binds it (a CI run met EADDRINUSE so).
+    import socket
+
+    from verl.single_controller.base.worker import get_free_port
+
+    ports = {get_free_port() for _ in range(20)}
+    assert all(20000 <= port < 32767 for port in ports) and len(ports) > 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", ports.pop()))

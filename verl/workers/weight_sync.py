@@ -15,7 +15,6 @@ The group is built from a TCP store on the sender's host, apart from each pool's
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -34,10 +33,9 @@ def endpoint() -> tuple[str, int]:
     """(this host's address, a TCP port free a moment ago) for the group's store."""
     import ray
 
-    host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return host, int(s.getsockname()[1])
+    from verl.single_controller.base.worker import get_free_port
+
+    return ray.util.get_node_ip_address(), get_free_port()
 
 
 class WeightSyncGroup:

@@ -8,6 +8,7 @@ LOCAL_WORLD_SIZE in its environment, so a subclass can call
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -29,8 +30,24 @@ def get_node_ip() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+# Rendezvous ports are drawn below the kernel's ephemeral range (32768+ on Linux), which every outgoing
+# connection draws from at any moment (a port the kernel handed out as free could be taken before the
+# store binds it: a CI run met EADDRINUSE so), and above Ray's worker ports (10002-19999).
+_PORT_RANGE = (20000, 32767)
+
+
 def get_free_port() -> int:
-    """A TCP port free on this node a moment ago (bound on all interfaces, so peers can reach it)."""
+    """A TCP port free on this node a moment ago (bound on all interfaces, so peers can reach it),
+    drawn from 20000-32767; one the kernel picks if none there binds."""
+    draw = random.SystemRandom()     # not the seeded global RNG: every process would draw alike
+    for _ in range(100):
+        port = draw.randrange(*_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
