@@ -57,16 +57,20 @@ class WeightSyncGroup:
         self.group.broadcast(tensor, 0).wait()
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A state-dict entry as the whole tensor (gathering an FSDP2 shard is a collective of the pool)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def send_state(group: WeightSyncGroup | None, state: Iterable[tuple[str, torch.Tensor]], device: str) -> int:
     """Gather each tensor of `state` (every rank of the train pool calls this, in the same order)
     and broadcast it from the group's rank 0 (the train pool's rank 0; `group` is None on the
     pool's other ranks). Returns the bytes sent (0 on the other ranks)."""
-    # the whole tensor (gathering a shard is a collective of the pool)
-    from verl.workers.fsdp_workers import _full
-
     sent = 0
     for _, tensor in state:
-        full = _full(tensor)
+        full = _full(tensor.detach())
         if group is not None:
             buffer = full.to(device).contiguous()
             group.broadcast(buffer)
