@@ -10,7 +10,12 @@ nothing to overlap yet); each mode's figure is the median over its runs.
 
 Prints one JSON object: `sync_s_per_step`, `pipeline_s_per_step`, `speedup` (sync / pipeline),
 `max_staleness_seen`, `retrieval_latency_ms`, the pipeline, each run's figures, and both modes'
-validation-free reward and search counts as a sanity check.
+validation-free reward and search counts as a sanity check. `sync_host_cpu_util` /
+`pipeline_host_cpu_util` are the host's busy CPU share over the timed steps (`perf/host_cpu_util`,
+all processes: run on an otherwise idle machine). A pipeline only fills the CPU time a sync step
+leaves idle; doing the same work on the same cores it needs at least `sync_s_per_step * util` a
+step, so `overlap_ceiling` = 1 / `sync_host_cpu_util` bounds its speedup (a pipeline near util 1 is
+at that bound: only less work per step would make it faster).
 
     python -m scripts.bench.offpolicy --pipeline one_step_off --retrieval_latency_ms 300
     python -m scripts.bench.offpolicy --pipeline async --max_staleness 2 --retrieval_latency_ms 0
@@ -58,6 +63,7 @@ def _one_run(settings: Any, paths: dict[str, Path], url: str, out: Path, pipelin
     return {
         "pipeline": pipeline,
         "s_per_step": statistics.fmean(h["perf/step_wall_s"] for h in later),
+        "host_cpu_util": statistics.fmean(h.get("perf/host_cpu_util", float("nan")) for h in later),
         "first_step_s": history[0]["perf/step_wall_s"],
         "max_staleness_seen": max((h.get("pipeline/max_staleness_seen", 0.0) for h in history), default=0.0),
         "score_mean": statistics.fmean(h["critic/score/mean"] for h in history),
@@ -81,6 +87,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     sync = statistics.median(r["s_per_step"] for r in runs if r["pipeline"] == "sync")
     piped = statistics.median(r["s_per_step"] for r in runs if r["pipeline"] != "sync")
+    sync_util = statistics.median(r["host_cpu_util"] for r in runs if r["pipeline"] == "sync")
+    piped_util = statistics.median(r["host_cpu_util"] for r in runs if r["pipeline"] != "sync")
     return {
         "pipeline": args.pipeline,
         "retrieval_latency_ms": args.retrieval_latency_ms,
@@ -88,6 +96,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_s_per_step": round(piped, 3),
         "speedup": round(sync / piped, 3),
         "max_staleness_seen": max(r["max_staleness_seen"] for r in runs),
+        # the host's busy CPU share over the timed steps; a pipeline doing sync's work on the same
+        # cores is at best sync_s_per_step * util per step: speedup <= 1 / util (overlap_ceiling)
+        "sync_host_cpu_util": round(sync_util, 3),
+        "pipeline_host_cpu_util": round(piped_util, 3),
+        "overlap_ceiling": round(1.0 / sync_util, 3) if sync_util > 0 else None,
         "steps": args.steps, "repeats": args.repeats, "train_batch_size": args.train_batch_size,
         "sync_workers": 2, "pipeline_workers": args.pipeline_workers, "rollout_pool": args.rollout_pool,
         "runs": runs,

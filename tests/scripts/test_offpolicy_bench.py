@@ -26,6 +26,8 @@ def test_the_offpolicy_bench_prints_both_modes_figures_at_a_retrieval_latency(tm
     assert result["speedup"] == pytest.approx(result["sync_s_per_step"] / result["pipeline_s_per_step"], rel=0.01)
     assert [r["pipeline"] for r in result["runs"]] == ["sync", "one_step_off"]
     assert result["max_staleness_seen"] == 1.0
+    assert 0 < result["sync_host_cpu_util"] <= 1 and 0 < result["pipeline_host_cpu_util"] <= 1
+    assert result["overlap_ceiling"] == pytest.approx(1 / result["sync_host_cpu_util"], rel=0.01)
     for run in result["runs"]:
         assert run["s_per_step"] > 0 and run["searches_per_rollout"] > 0
         # the server's delay reached the rollouts: at least one 150 ms round of searches a step

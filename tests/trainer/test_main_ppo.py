@@ -55,6 +55,7 @@ def test_one_ppo_step_trains_actor_and_critic_and_saves_a_checkpoint(
         assert step[f"timing_s/{stage}"] > 0
     assert step["response_length/max"] <= 8
     assert step["perf/mfu/actor"] > 0
+    assert step["perf/step_wall_s"] > 0 and 0 < step["perf/host_cpu_util"] <= 1
     # The HF engine's sampling log-probs vs the actor's recomputation: same fp32 weights, cached vs
     # packed forward, so rounding only (~1e-6); 1e-3 catches a wrong temperature or position.
     assert 0 <= step["rollout/log_prob_gap_max"] < 1e-3

@@ -107,6 +107,27 @@ def test_one_step_off_trains_each_batch_one_update_after_the_weights_that_sample
     assert len(set(reward.batches)) == 4      # four different batches, each trained once
 
 
+def test_bypass_mode_anchors_ppo_on_the_stale_sampler_without_an_old_log_prob_pass(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    # algorithm.rollout_correction bypass mode: old log-probs are the engine's (the weights one update
+    # behind), not recomputed; the pipeline's default token IS is then not applied (its ratios would be 1)
+    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
+    history, _ = _run(tiny_model_dir, data, tmp_path / "run", 4, 4,
+                      [*PIPELINE, "algorithm.rollout_correction.rollout_is=null",
+                       "algorithm.rollout_correction.bypass_old_logprob_for_rollout=true"])
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    for h in history:
+        assert "timing_s/old_log_prob" not in h and "rollout/log_prob_gap_max" not in h
+        assert not [k for k in h if k.startswith("rollout_corr/")]
+    staleness = [h["pipeline/staleness"] for h in history]
+    assert staleness == [0.0, 1.0, 1.0, 1.0], staleness
+    # the PPO ratio's anchor is the sampler: the same weights at step 1 (ratio 1 up to the engine's
+    # rounding), one update behind afterwards (the mean log-ratio old - new moves away from 0)
+    fresh = abs(history[0]["actor/ppo_kl"])
+    stale = [abs(h["actor/ppo_kl"]) for h in history[2:]]
+    assert fresh < 1e-5 and min(stale) > 10 * max(fresh, 1e-7), (fresh, stale)
+
+
 def test_async_never_trains_past_its_staleness_bound_with_a_slow_trainer(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
     # The rollout takes a fraction of a second, the trainer over a second a step: the producer runs

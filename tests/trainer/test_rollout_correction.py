@@ -121,12 +121,34 @@ def test_the_policy_loss_is_weighted_token_by_token() -> None:
     ("algorithm.rollout_correction.rollout_is=seq", "algorithm.rollout_correction.rollout_is='seq' is unknown"),
     ("algorithm.rollout_correction.rollout_rs=tokens", "algorithm.rollout_correction.rollout_rs='tokens' is unknown"),
     ("algorithm.rollout_correction.rollout_is_threshold=0", "rollout_is_threshold=0 must be a number > 0"),
-    ("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true", "bypass_old_logprob_for_rollout=true"),
     ("algorithm.rollout_correction.use_pure_rollout_correction=true", "use_pure_rollout_correction=true"),
 ])
 def test_bad_settings_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         validate_config(compose_config([override]))
+
+
+BYPASS = "algorithm.rollout_correction.bypass_old_logprob_for_rollout=true"
+
+
+def test_bypass_mode_is_accepted_and_read() -> None:
+    cfg = compose_config([BYPASS, "actor_rollout_ref.actor.state_masking=true"])
+    validate_config(cfg)
+    assert RolloutCorrectionConfig.from_config(cfg.algorithm.rollout_correction).bypass_old_logprob_for_rollout
+    assert not RolloutCorrectionConfig.from_config(compose_config([]).algorithm.rollout_correction) \
+        .bypass_old_logprob_for_rollout
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("algorithm.rollout_correction.rollout_is=token", "rollout_is='token' with bypass_old_logprob_for_rollout=true"),
+    ("algorithm.rollout_correction.rollout_rs=geometric", "rollout_rs='geometric' with bypass_old_logprob_for_rollout"),
+    ("algorithm.rollout_correction.rollout_token_veto_threshold=1e-4", "rollout_token_veto_threshold=0.0001 with"),
+    ("actor_rollout_ref.actor.state_masking=false", "state_masking=false: the observations are then in the loss"),
+])
+def test_bypass_mode_refuses_what_it_cannot_anchor(override: str, message: str) -> None:
+    # bypass: pi_old = pi_rollout, so decoupled ratios are all 1; observations have no engine log-prob
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_config([BYPASS, "actor_rollout_ref.actor.state_masking=true", override]))
 
 
 def test_a_lower_rejection_bound_above_the_upper_is_refused() -> None:

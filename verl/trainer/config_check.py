@@ -375,6 +375,12 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
     from verl.trainer.ppo.rollout_correction import config_errors as rollout_correction_errors
 
     errors.extend(rollout_correction_errors(algo.get("rollout_correction")))
+    if (OmegaConf.select(algo, "rollout_correction.bypass_old_logprob_for_rollout", default=False)
+            and cfg.do_search and not actor.state_masking):
+        errors.append("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true with "
+                      "actor_rollout_ref.actor.state_masking=false: the observations are then in the loss, and the "
+                      "engine, which did not sample them, has no log-prob of them to anchor their PPO ratio; keep "
+                      "state_masking=true or set bypass_old_logprob_for_rollout=false")
     if algo.no_think_rl:
         errors.append(
             "algorithm.no_think_rl=true is not supported: the generation manager keeps the model's "

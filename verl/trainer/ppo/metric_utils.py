@@ -24,6 +24,41 @@ def timer(name: str, timing_s: dict[str, float]) -> Iterator[None]:
         timing_s[name] = timing_s.get(name, 0.0) + time.perf_counter() - start
 
 
+def host_cpu_times(stat_file: str = "/proc/stat") -> tuple[float, float] | None:
+    """(busy, total) CPU time of this host, all CPUs and processes, in clock ticks since boot (Linux's
+    /proc/stat; busy = user + nice + system + irq + softirq + steal); None where it is not readable."""
+    try:
+        with open(stat_file) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 8 or fields[0] != "cpu":
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (float(x) for x in fields[1:9])
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+class StepClock:
+    """From one training step's end to the next: `perf/step_wall_s`, and `perf/host_cpu_util`, the
+    share of the driver host's CPU time that was busy meanwhile (every process: the workers on that
+    host, a retrieval server, anything else). On a saturated host it is near 1, and no pipeline can
+    then shorten the step without removing work; 1 / util of a sync run bounds what overlapping its
+    idle time can gain on the same cores."""
+
+    def __init__(self, stat_file: str = "/proc/stat") -> None:
+        self._stat_file = stat_file
+        self._wall, self._cpu = time.monotonic(), host_cpu_times(stat_file)
+
+    def lap(self) -> dict[str, float]:
+        wall, cpu = time.monotonic(), host_cpu_times(self._stat_file)
+        out = {"perf/step_wall_s": wall - self._wall}
+        if cpu is not None and self._cpu is not None and cpu[1] > self._cpu[1]:
+            out["perf/host_cpu_util"] = (cpu[0] - self._cpu[0]) / (cpu[1] - self._cpu[1])
+        self._wall, self._cpu = wall, cpu
+        return out
+
+
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     if values.numel() == 0:
         return {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
 from verl.protocol import DataProto
@@ -101,6 +100,20 @@ def check_search_failures(metrics: dict[str, float], config: DictConfig, where: 
         f"retriever.max_failure_fraction={limit:g}: the run stops instead of training on failed searches. "
         f"Check the retrieval server at {where_key}={url}: GET {RetrievalClient(url).health_url} and the "
         "server's log (retriever.max_failure_fraction=1.0 never stops)")
+
+
+def _require_rollout_log_probs(batch: DataProto) -> torch.Tensor:
+    """The engine's log-probs of the sampled tokens (rollout correction, bypass mode), when they are
+    the distribution the actor recomputes; a clear error otherwise."""
+    if K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
+        raise RuntimeError("algorithm.rollout_correction needs the engine's log-probs of the sampled tokens, "
+                           "and this rollout returned none")
+    if not batch.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True):
+        raise RuntimeError(
+            "algorithm.rollout_correction: vLLM returned log-probs renormalised over its top-p / top-k set "
+            "(actor_rollout_ref.rollout.top_p < 1 or top_k > 0 at a temperature other than 1), not the "
+            "distribution the actor recomputes; sample with top_p=1, top_k=-1 or turn the correction off")
+    return batch.batch[K.ROLLOUT_LOG_PROBS]
 
 
 def run_log_dir(config: DictConfig) -> Path:
@@ -219,6 +232,9 @@ class RayPPOTrainer:
         self._rollout_pool_wg: Any = None   # a pipelined run's rollout pool (see rollout_wg)
         self.critic_wg: Any = None
         self.pipelined = config_check.pipelined(config)
+        # algorithm.rollout_correction bypass mode: old log-probs are the engine's, not recomputed
+        self._bypass_old_log_prob = bool(OmegaConf.select(
+            config, "algorithm.rollout_correction.bypass_old_logprob_for_rollout", default=False))
         self.rollout_world_size = config_check.rollout_world_size(config)
         self._producer: Any = None      # a pipelined run's RolloutProducer while fit() runs
         self._rollout_version = 0       # pipelined: the steps done when the rollout pool's weights were sent
@@ -490,20 +506,13 @@ class RayPPOTrainer:
         from verl.trainer.ppo.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
 
         cfg = RolloutCorrectionConfig.from_config(self.config.algorithm.get("rollout_correction"))
-        if self.pipelined and cfg.rollout_is is None:
+        if self.pipelined and cfg.rollout_is is None and not cfg.bypass_old_logprob_for_rollout:
             # the decoupled loss: the PPO ratio against the weights at the start of the update (old
             # log-probs, the proximal policy), times truncated IS weights against the stale sampler
             cfg = dataclasses.replace(cfg, rollout_is="token")
         if not cfg.enabled:
             return
-        if K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
-            raise RuntimeError("algorithm.rollout_correction needs the engine's log-probs of the sampled tokens, "
-                               "and this rollout returned none")
-        if not batch.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True):
-            raise RuntimeError(
-                "algorithm.rollout_correction: vLLM returned log-probs renormalised over its top-p / top-k set "
-                "(actor_rollout_ref.rollout.top_p < 1 or top_k > 0 at a temperature other than 1), not the "
-                "distribution the actor recomputes; sample with top_p=1, top_k=-1 or turn the correction off")
+        _require_rollout_log_probs(batch)
         # ratios over the tokens the engine sampled (loss_mask), also when state_masking=false puts
         # observations in response_mask
         policy = batch.batch[K.LOSS_MASK] if K.LOSS_MASK in batch.batch.keys() else None
@@ -562,9 +571,13 @@ class RayPPOTrainer:
         if self.config.trainer.balance_batch:
             self._balance_batch(batch, metrics)
         batch.meta_info[K.META_GLOBAL_TOKEN_NUM] = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
-        with mu.timer("old_log_prob", timing):
-            batch = batch.union(self.actor_rollout_wg.compute_log_prob(batch))
-        metrics.update(mu.compute_rollout_log_prob_gap(batch))
+        if self._bypass_old_log_prob:
+            # bypass mode: the engine's log-probs are the PPO anchor; no forward for old log-probs
+            batch.batch[K.OLD_LOG_PROBS] = _require_rollout_log_probs(batch).float().clone()
+        else:
+            with mu.timer("old_log_prob", timing):
+                batch = batch.union(self.actor_rollout_wg.compute_log_prob(batch))
+            metrics.update(mu.compute_rollout_log_prob_gap(batch))
         if self.use_reference_policy:
             with mu.timer("ref", timing):
                 batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
@@ -740,7 +753,7 @@ class RayPPOTrainer:
             # partial rollout: newer weights reach the rollout in flight between two turns
             self._generation_manager(validation=False).turn_version = producer.refresh
         producer.start(self._drawn_batches())
-        last_step_end = time.monotonic()
+        clock = mu.StepClock()
         while self.global_step < self.total_training_steps:
             item, train_idle = producer.next_batch()
             if item is None:
@@ -757,7 +770,7 @@ class RayPPOTrainer:
                 batch = self._train_on(item.batch, metrics, timing)
             metrics = self._step_metrics(batch, metrics, timing)
             metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
-            metrics["perf/step_wall_s"], last_step_end = time.monotonic() - last_step_end, time.monotonic()
+            metrics.update(clock.lap())
             tracker.log(metrics, step=self.global_step)
             self.history.append({"step": self.global_step, **metrics})
             bar.update(1)
@@ -789,13 +802,13 @@ class RayPPOTrainer:
                        disable=not self.config.trainer.progress_bar)
             if self.pipelined:
                 self._fit_pipelined(tracker, bar)
-            last_step_end = time.monotonic()
+            clock = mu.StepClock()
             while self.global_step < self.total_training_steps:
                 for batch in self.train_dataloader:
                     metrics = self.train_step(batch)
                     metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
-                    # wall time from the previous step's end (the same clock as a pipelined run's steps)
-                    metrics["perf/step_wall_s"], last_step_end = time.monotonic() - last_step_end, time.monotonic()
+                    # from the previous step's end (the same clock as a pipelined run's steps)
+                    metrics.update(clock.lap())
                     tracker.log(metrics, step=self.global_step)
                     self.history.append({"step": self.global_step, **metrics})
                     bar.update(1)

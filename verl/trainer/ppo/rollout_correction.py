@@ -19,8 +19,13 @@ the same keys and meanings here:
 
 Every ratio (a token's, a row's product or geometric mean of the unbounded token ratios) is bounded
 to [exp(-20), exp(20)] (the veto reads the unbounded token ratio); weights are 0 outside the policy
-tokens. veRL's bypass and pure-IS modes (`bypass_old_logprob_for_rollout`,
-`use_pure_rollout_correction`) are not implemented and refused by the config check.
+tokens.
+
+Bypass mode (`bypass_old_logprob_for_rollout=true`, veRL's two-policy mode): the engine's log-probs
+are the PPO anchor (π_old = π_rollout), so the actor's old-log-prob forward is skipped; the PPO
+ratio is then π_θ / π_rollout itself, clipped, and no separate weights or rejection apply (refused
+with it: they would compare π_rollout with itself). veRL's pure-IS loss
+(`use_pure_rollout_correction`) is not implemented and is refused by the config check.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: float | None = None
     rollout_rs_threshold_lower: float | None = None
     rollout_token_veto_threshold: float | None = None
+    bypass_old_logprob_for_rollout: bool = False
 
     @classmethod
     def from_config(cls, node: Any) -> RolloutCorrectionConfig:
@@ -57,7 +63,8 @@ class RolloutCorrectionConfig:
                    rollout_is_batch_normalize=bool(get("rollout_is_batch_normalize", False)),
                    rollout_rs=get("rollout_rs"), rollout_rs_threshold=_opt_float(get("rollout_rs_threshold")),
                    rollout_rs_threshold_lower=_opt_float(get("rollout_rs_threshold_lower")),
-                   rollout_token_veto_threshold=_opt_float(get("rollout_token_veto_threshold")))
+                   rollout_token_veto_threshold=_opt_float(get("rollout_token_veto_threshold")),
+                   bypass_old_logprob_for_rollout=bool(get("bypass_old_logprob_for_rollout", False)))
 
     @property
     def enabled(self) -> bool:
@@ -96,11 +103,16 @@ def config_errors(node: Any) -> list[str]:
         if node.get("rollout_rs") is not None and not lower < upper:
             errors.append(f"{PREFIX}.rollout_rs_threshold_lower={lower:g} must be below the upper bound {upper:g} "
                           "(rollout_rs_threshold, or rollout_is_threshold when that is null)")
-    for key, meaning in (("bypass_old_logprob_for_rollout", "bypass mode (the rollout log-probs as the PPO anchor)"),
-                         ("use_pure_rollout_correction", "the pure importance-sampling loss")):
-        if node.get(key):
-            errors.append(f"{PREFIX}.{key}=true: veRL's {meaning} is not implemented here; the decoupled mode "
-                          "(old log-probs recomputed, ratios against the engine's) is: set it to false")
+    if node.get("use_pure_rollout_correction"):
+        errors.append(f"{PREFIX}.use_pure_rollout_correction=true: veRL's pure importance-sampling loss is not "
+                      "implemented here; the PPO loss is, in decoupled or bypass mode: set it to false")
+    if node.get("bypass_old_logprob_for_rollout"):
+        for key in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold"):
+            if node.get(key) is not None:
+                errors.append(f"{PREFIX}.{key}={node.get(key)!r} with bypass_old_logprob_for_rollout=true: in "
+                              "bypass mode the engine's log-probs are the PPO anchor (pi_old = pi_rollout), so "
+                              "these ratios would all be 1; set it to null (the PPO ratio pi_theta / pi_rollout "
+                              "is clipped as usual)")
     return errors
 
 
