@@ -18,6 +18,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A state-dict entry or parameter as the whole tensor, detached: an FSDP2 shard (DTensor) is
+    gathered, which is a collective every rank of its mesh must call in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    tensor = tensor.detach()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def decoder_layer_classes(model: nn.Module) -> set[type]:
     """Classes of the transformer blocks, from HF's `_no_split_modules` (e.g. Qwen2DecoderLayer)."""
     names = set(getattr(model, "_no_split_modules", None) or [])

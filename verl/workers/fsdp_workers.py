@@ -588,13 +588,9 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         the ranks diverged. For tests and debugging; a collective, so every rank must call it."""
         module = self.actor_module if self.actor_module is not None else self.ref_module
         self._onload(module, None, self.config.actor.fsdp_config)
-        fingerprint = {name: float(_full(p).double().sum()) for name, p in module.named_parameters()}
+        fingerprint = {name: float(fsdp_utils.full_tensor(p).double().sum()) for name, p in module.named_parameters()}
         self._offload(module, None, self.config.actor.fsdp_config)
         return fingerprint
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
 
 
 class CriticWorker(_FSDPWorkerBase):

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl.utils.fsdp_utils import full_tensor
+
 JOIN_TIMEOUT = timedelta(seconds=600)
 # A push's receivers start their broadcasts at once; the sender's may queue behind a train-pool call
 # already running (an update, a checkpoint of a large model to slow storage): wait that long for it.
@@ -57,20 +59,13 @@ class WeightSyncGroup:
         self.group.broadcast(tensor, 0).wait()
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A state-dict entry as the whole tensor (gathering an FSDP2 shard is a collective of the pool)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def send_state(group: WeightSyncGroup | None, state: Iterable[tuple[str, torch.Tensor]], device: str) -> int:
     """Gather each tensor of `state` (every rank of the train pool calls this, in the same order)
     and broadcast it from the group's rank 0 (the train pool's rank 0; `group` is None on the
     pool's other ranks). Returns the bytes sent (0 on the other ranks)."""
     sent = 0
     for _, tensor in state:
-        full = _full(tensor.detach())
+        full = full_tensor(tensor)
         if group is not None:
             buffer = full.to(device).contiguous()
             group.broadcast(buffer)
