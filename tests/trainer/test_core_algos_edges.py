@@ -130,3 +130,20 @@ def test_adaptive_kl_horizon_must_be_positive():
     with pytest.raises(ValueError) as err:
         core_algos.AdaptiveKLController(init_kl_coef=0.1, target_kl=1.0, horizon=0)
     assert str(err.value) == "algorithm.kl_ctrl.horizon must be > 0, got 0"
+
+
+def test_the_ppo_ratio_is_bounded_so_a_near_impossible_old_token_gives_a_finite_loss() -> None:
+    # bypass mode anchors on the engine: a token it gave log-prob -200 that the policy now finds likely
+    # would make exp(log-ratio) inf, and a zero advantage elsewhere then 0 * inf = NaN
+    old = torch.tensor([[-200.0, -1.0]])
+    new = torch.tensor([[-0.5, -1.0]])
+    adv, mask = torch.tensor([[0.0, -1.0]]), torch.ones(1, 2)
+    loss, _, ppo_kl = core_algos.compute_policy_loss(old, new, adv, mask, cliprange=0.2)
+    assert torch.isfinite(loss) and torch.isfinite(ppo_kl)
+    bound = core_algos.LOG_RATIO_CLAMP
+    assert float(ppo_kl) == pytest.approx(-bound / 2)        # mean of -clamp(199.5) and -0
+    assert float(loss) == pytest.approx((0.0 + 1.0) / 2)     # token 2: ratio 1, advantage -1
+    # inside the bound nothing changes: the ratio is exp(new - old) exactly
+    small, _, _ = core_algos.compute_policy_loss(torch.tensor([[-1.0]]), torch.tensor([[-0.9]]),
+                                                 torch.tensor([[1.0]]), torch.ones(1, 1), cliprange=0.5)
+    assert float(small) == pytest.approx(-math.exp(0.1))

@@ -134,6 +134,9 @@ BYPASS = "algorithm.rollout_correction.bypass_old_logprob_for_rollout=true"
 def test_bypass_mode_is_accepted_and_read() -> None:
     cfg = compose_config([BYPASS, "actor_rollout_ref.actor.state_masking=true"])
     validate_config(cfg)
+    # vLLM's nucleus sampling at temperature 1: its raw log-probs are the actor's quantity
+    validate_config(compose_config([BYPASS, "actor_rollout_ref.actor.state_masking=true",
+                                    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.top_p=0.9"]))
     assert RolloutCorrectionConfig.from_config(cfg.algorithm.rollout_correction).bypass_old_logprob_for_rollout
     assert not RolloutCorrectionConfig.from_config(compose_config([]).algorithm.rollout_correction) \
         .bypass_old_logprob_for_rollout
@@ -144,11 +147,13 @@ def test_bypass_mode_is_accepted_and_read() -> None:
     ("algorithm.rollout_correction.rollout_rs=geometric", "rollout_rs='geometric' with bypass_old_logprob_for_rollout"),
     ("algorithm.rollout_correction.rollout_token_veto_threshold=1e-4", "rollout_token_veto_threshold=0.0001 with"),
     ("actor_rollout_ref.actor.state_masking=false", "state_masking=false: the observations are then in the loss"),
+    ("actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.top_p=0.9 actor_rollout_ref.rollout.temperature=0.7",
+     "with vLLM sampling top_p=0.9 / top_k=-1 at temperature 0.7: vLLM's log-probs are then renormalised"),
 ])
 def test_bypass_mode_refuses_what_it_cannot_anchor(override: str, message: str) -> None:
     # bypass: pi_old = pi_rollout, so decoupled ratios are all 1; observations have no engine log-prob
     with pytest.raises(ConfigError, match=message):
-        validate_config(compose_config([BYPASS, "actor_rollout_ref.actor.state_masking=true", override]))
+        validate_config(compose_config([BYPASS, "actor_rollout_ref.actor.state_masking=true", *override.split()]))
 
 
 def test_a_lower_rejection_bound_above_the_upper_is_refused() -> None:
@@ -186,3 +191,26 @@ def test_observation_tokens_in_the_loss_take_no_part_in_the_ratios() -> None:
     # without the policy mask the placeholders would be ratios: e^-9 vetoes row 0
     vetoing = RolloutCorrectionConfig(rollout_token_veto_threshold=1e-3)
     assert compute_rollout_correction(old, rollout, response_mask, vetoing).response_mask[0].tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_bypass_kl_in_reward_leaves_out_tokens_sampled_from_a_cut_context(bypass: bool) -> None:
+    # bypass: old log-probs are the engine's, sampled from the cut (shorter) context at those tokens,
+    # not comparable with the reference's over the whole sequence; recomputed ones (decoupled) are
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils import batch_keys as K
+
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer.config = compose_config(["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl"])
+    trainer.reward_fn = lambda batch: torch.zeros(1, 4)
+    trainer.use_kl_in_reward, trainer._bypass_old_log_prob = True, bypass
+    trainer.kl_ctrl = core_algos.FixedKLController(0.5)
+    batch = DataProto.from_dict(tensors={
+        K.OLD_LOG_PROBS: torch.tensor([[-1.0, -1.0, -3.0, -3.0]]), K.REF_LOG_PROB: torch.full((1, 4), -2.0),
+        K.RESPONSE_MASK: torch.ones(1, 4, dtype=torch.long),
+        K.CONTEXT_CUT_MASK: torch.tensor([[0, 0, 1, 1]])})
+    trainer._compute_reward(batch, {})
+    rewards = batch.batch[K.TOKEN_LEVEL_REWARDS][0].tolist()
+    # kl = old - ref: +1 on the first two tokens, -1 on the cut ones; reward -= 0.5 * kl
+    assert rewards == ([-0.5, -0.5, 0.0, 0.0] if bypass else [-0.5, -0.5, 0.5, 0.5])

@@ -38,6 +38,8 @@ def test_no_util_where_the_host_has_no_readable_stat(tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     bad.write_text("intr 1 2\n")
     assert mu.host_cpu_times(str(bad)) is None
+    bad.write_text("cpu  1 2 3 4 5 6 7\n")     # fewer than the 8 counters read
+    assert mu.host_cpu_times(str(bad)) is None
 
 
 def test_a_busy_loop_shows_on_this_hosts_clock() -> None:

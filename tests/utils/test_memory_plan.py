@@ -161,3 +161,10 @@ def test_the_root_unit_the_critics_value_pass_and_dynamic_batches_are_planned() 
     # the log-prob pass reads its own key (log_prob_use_dynamic_bsz), not the actor's
     lp = _seven_b("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false")
     assert lp["actor_log_prob"].certain["log-prob head per response token"] == 16 * 16 * 500    # 128/8 rows x 500
+
+
+def test_bypass_mode_plans_no_old_log_prob_pass() -> None:
+    # algorithm.rollout_correction bypass: the old log-probs are the engine's, the actor makes no pass
+    assert "actor_log_prob" in _seven_b()
+    bypass = _seven_b("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true")
+    assert "actor_log_prob" not in bypass and "actor_update" in bypass and "reference_log_prob" in bypass

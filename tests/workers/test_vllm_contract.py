@@ -249,6 +249,21 @@ def test_log_probs_are_compared_with_the_actors_only_when_they_are_the_same_quan
     assert mode(top_k=20, temperature=0.7) == ("processed_logprobs", False)
 
 
+def test_an_output_without_a_log_prob_per_sampled_id_is_an_error_not_zeros() -> None:
+    # they are the rollout correction's ratio and bypass mode's PPO anchor: zeros would train silently
+    def output(logprobs: Any) -> Any:
+        return SimpleNamespace(request_id="r7", outputs=[SimpleNamespace(token_ids=[5, 6], logprobs=logprobs)])
+
+    step = [{5: SimpleNamespace(logprob=-0.5)}, {6: SimpleNamespace(logprob=-1.5)}]
+    assert vllm_rollout.sampled_ids_and_log_probs(output(step)) == ([5, 6], [-0.5, -1.5])
+    with pytest.raises(RuntimeError, match="2 sampled ids but none log-probs for request r7"):
+        vllm_rollout.sampled_ids_and_log_probs(output(None))
+    with pytest.raises(RuntimeError, match="2 sampled ids but 1 log-probs"):
+        vllm_rollout.sampled_ids_and_log_probs(output(step[:1]))
+    empty = SimpleNamespace(request_id="r8", outputs=[SimpleNamespace(token_ids=[], logprobs=None)])
+    assert vllm_rollout.sampled_ids_and_log_probs(empty) == ([], [])
+
+
 def test_gap_metric_skips_log_probs_that_are_not_the_actors() -> None:
     from verl.trainer.ppo.metric_utils import compute_rollout_log_prob_gap
 

@@ -381,6 +381,17 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
                       "actor_rollout_ref.actor.state_masking=false: the observations are then in the loss, and the "
                       "engine, which did not sample them, has no log-prob of them to anchor their PPO ratio; keep "
                       "state_masking=true or set bypass_old_logprob_for_rollout=false")
+    rollout = cfg.actor_rollout_ref.rollout
+    if (OmegaConf.select(algo, "rollout_correction.bypass_old_logprob_for_rollout", default=False)
+            and rollout.name == "vllm"):
+        from verl.workers.rollout.vllm_rollout import log_probs_mode
+
+        if not log_probs_mode(rollout)[1]:
+            errors.append("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true with vLLM sampling "
+                          f"top_p={rollout.get('top_p')} / top_k={rollout.get('top_k')} at temperature "
+                          f"{rollout.get('temperature')}: vLLM's log-probs are then renormalised over the kept "
+                          "tokens, not the distribution the actor trains; sample with top_p=1 and top_k=-1 (or at "
+                          "temperature 1), or set bypass_old_logprob_for_rollout=false")
     if algo.no_think_rl:
         errors.append(
             "algorithm.no_think_rl=true is not supported: the generation manager keeps the model's "

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 GIB = 1024 ** 3
 FP32, BF16 = 4, 2
 # AdamW (torch.optim.AdamW, not fused/capturable) state per parameter tensor: exp_avg and
@@ -337,14 +339,17 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         "gathered layer (bf16)": layer_bf16, "reduce-scatter staging (bf16 + fp32)": staging,
         **head_bytes(shape, kept, backward=True)},
         estimated={"activations": _activations(shape, tokens, ckpt, backward=True)}))
-    # log-prob passes (old policy, and the reference's), each with its own dynamic-batching keys
-    lp_tokens, lp_kept = tokens_of(bool(arr.rollout.log_prob_use_dynamic_bsz),
-                                   int(arr.rollout.log_prob_max_token_len_per_gpu),
-                                   "actor_rollout_ref.rollout.log_prob_micro_batch_size")
-    phases.append(Phase("actor_log_prob", certain={
-        **others("actor params"), "actor params (fp32 shard)": actor_params, "gathered root unit (bf16)": root_bf16,
-        "gathered layer (bf16)": layer_bf16, **head_bytes(shape, lp_kept, backward=False)},
-        estimated={"activations": _activations(shape, lp_tokens, ckpt, backward=False)}))
+    # log-prob passes (old policy, and the reference's), each with its own dynamic-batching keys; bypass
+    # mode (algorithm.rollout_correction) takes the old log-probs from the engine: no old-policy pass
+    if not OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_old_logprob_for_rollout", default=False):
+        lp_tokens, lp_kept = tokens_of(bool(arr.rollout.log_prob_use_dynamic_bsz),
+                                       int(arr.rollout.log_prob_max_token_len_per_gpu),
+                                       "actor_rollout_ref.rollout.log_prob_micro_batch_size")
+        phases.append(Phase("actor_log_prob", certain={
+            **others("actor params"), "actor params (fp32 shard)": actor_params,
+            "gathered root unit (bf16)": root_bf16, "gathered layer (bf16)": layer_bf16,
+            **head_bytes(shape, lp_kept, backward=False)},
+            estimated={"activations": _activations(shape, lp_tokens, ckpt, backward=False)}))
     if with_ref:
         ref_tokens, ref_kept = tokens_of(bool(arr.ref.log_prob_use_dynamic_bsz),
                                          int(arr.ref.log_prob_max_token_len_per_gpu),

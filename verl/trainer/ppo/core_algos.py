@@ -233,6 +233,9 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_probs: torch.Tens
 
 
 # --------------------------------------------------------------------------- losses
+LOG_RATIO_CLAMP = 20.0   # |log pi_theta - log pi_old| bound in the PPO ratio
+
+
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, cliprange: float,
                         loss_agg_mode: str = "token-mean", is_weights: torch.Tensor | None = None,
@@ -244,7 +247,9 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     clipped loss (verl/trainer/ppo/rollout_correction.py); None: all 1.
     """
     mask = response_mask.to(log_prob.dtype)
-    log_ratio = log_prob - old_log_prob
+    # bounded as veRL does: a token the old policy (in bypass mode the engine) found nearly
+    # impossible gives a large but finite ratio, never inf (0 * inf would be NaN in the loss)
+    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     ppo_kl = tf.masked_mean(-log_ratio, mask)
     unclipped = -advantages * ratio

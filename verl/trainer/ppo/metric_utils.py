@@ -32,7 +32,7 @@ def host_cpu_times(stat_file: str = "/proc/stat") -> tuple[float, float] | None:
             fields = f.readline().split()
     except OSError:
         return None
-    if len(fields) < 8 or fields[0] != "cpu":
+    if len(fields) < 9 or fields[0] != "cpu":
         return None
     user, nice, system, idle, iowait, irq, softirq, steal = (float(x) for x in fields[1:9])
     busy = user + nice + system + irq + softirq + steal

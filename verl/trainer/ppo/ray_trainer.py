@@ -466,9 +466,14 @@ class RayPPOTrainer:
         batch.batch[K.TOKEN_LEVEL_SCORES] = scores_BR.float()
         metrics.update(getattr(self.reward_fn, "last_metrics", {}) or {})
         if self.use_kl_in_reward:
+            kl_mask = batch.batch[K.RESPONSE_MASK]
+            if self._bypass_old_log_prob and K.CONTEXT_CUT_MASK in batch.batch.keys():
+                # the engine's log-prob of a token sampled from a cut context is not comparable with
+                # the reference's over the whole sequence: no KL penalty there (the loss skips it too)
+                kl_mask = kl_mask * (1 - batch.batch[K.CONTEXT_CUT_MASK].to(kl_mask.dtype))
             rewards_BR, kl_metrics = core_algos.apply_kl_penalty(
                 batch.batch[K.TOKEN_LEVEL_SCORES], batch.batch[K.OLD_LOG_PROBS], batch.batch[K.REF_LOG_PROB],
-                batch.batch[K.RESPONSE_MASK], self.kl_ctrl, self.config.algorithm.kl_penalty)
+                kl_mask, self.kl_ctrl, self.config.algorithm.kl_penalty)
             batch.batch[K.TOKEN_LEVEL_REWARDS] = rewards_BR
             metrics.update(kl_metrics)
         else:

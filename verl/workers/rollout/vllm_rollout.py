@@ -342,12 +342,16 @@ def _samples(params: RolloutParams) -> bool:
 
 
 def sampled_ids_and_log_probs(output: Any) -> tuple[list[int], list[float]]:
-    """A finished vLLM RequestOutput's sampled ids and each one's log-prob (0.0 where vLLM gave none)."""
+    """A finished vLLM RequestOutput's sampled ids and each one's log-prob (requested with
+    `logprobs=0`; an output without one per id is an error, not zeros: they are the rollout
+    correction's and bypass mode's anchor)."""
     completion = output.outputs[0]
     ids = list(completion.token_ids)
-    if completion.logprobs is None:
-        return ids, [0.0] * len(ids)
-    return ids, [float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids, strict=False)]
+    if ids and (completion.logprobs is None or len(completion.logprobs) != len(ids)):
+        given = "none" if completion.logprobs is None else len(completion.logprobs)
+        raise RuntimeError(f"vLLM returned {len(ids)} sampled ids but {given} log-probs for request "
+                           f"{getattr(output, 'request_id', '?')}: sampling must request logprobs=0")
+    return ids, [float(step[tok].logprob) for step, tok in zip(completion.logprobs or [], ids, strict=True)]
 
 
 class VLLMStepEngine:
