@@ -78,7 +78,8 @@ MODULES: dict[str, Module] = {
                         ("tests/llm_agent/test_generation.py", "tests/llm_agent/test_rollout_behaviours.py",
                          "tests/llm_agent/test_actions.py", "tests/llm_agent/test_tensor_helper.py",
                          "tests/llm_agent/test_tool_protocol.py", "tests/llm_agent/test_tool_engines.py",
-                         "tests/llm_agent/test_run_async.py"), fast=True),
+                         "tests/llm_agent/test_run_async.py", "tests/llm_agent/test_tools_edges.py",
+                         "tests/llm_agent/test_generation_edges.py"), fast=True),
 }
 
 
