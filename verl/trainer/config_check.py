@@ -372,18 +372,18 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
             "actor_rollout_ref.actor.use_kl_loss=True and algorithm.use_kl_in_reward=True: "
             "the KL to the reference is applied twice (as a loss and as a reward penalty)"
         )
+    from verl.trainer.ppo.rollout_correction import bypass_mode
     from verl.trainer.ppo.rollout_correction import config_errors as rollout_correction_errors
 
     errors.extend(rollout_correction_errors(algo.get("rollout_correction")))
-    if (OmegaConf.select(algo, "rollout_correction.bypass_old_logprob_for_rollout", default=False)
-            and cfg.do_search and not actor.state_masking):
+    bypass = bypass_mode(cfg)
+    if bypass and cfg.do_search and not actor.state_masking:
         errors.append("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true with "
                       "actor_rollout_ref.actor.state_masking=false: the observations are then in the loss, and the "
                       "engine, which did not sample them, has no log-prob of them to anchor their PPO ratio; keep "
                       "state_masking=true or set bypass_old_logprob_for_rollout=false")
     rollout = cfg.actor_rollout_ref.rollout
-    if (OmegaConf.select(algo, "rollout_correction.bypass_old_logprob_for_rollout", default=False)
-            and rollout.name == "vllm"):
+    if bypass and rollout.name == "vllm":
         from verl.workers.rollout.vllm_rollout import log_probs_mode
 
         if not log_probs_mode(rollout)[1]:

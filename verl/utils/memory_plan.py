@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 GIB = 1024 ** 3
 FP32, BF16 = 4, 2
 # AdamW (torch.optim.AdamW, not fused/capturable) state per parameter tensor: exp_avg and
@@ -341,7 +339,9 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         estimated={"activations": _activations(shape, tokens, ckpt, backward=True)}))
     # log-prob passes (old policy, and the reference's), each with its own dynamic-batching keys; bypass
     # mode (algorithm.rollout_correction) takes the old log-probs from the engine: no old-policy pass
-    if not OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_old_logprob_for_rollout", default=False):
+    from verl.trainer.ppo.rollout_correction import bypass_mode
+
+    if not bypass_mode(cfg):
         lp_tokens, lp_kept = tokens_of(bool(arr.rollout.log_prob_use_dynamic_bsz),
                                        int(arr.rollout.log_prob_max_token_len_per_gpu),
                                        "actor_rollout_ref.rollout.log_prob_micro_batch_size")

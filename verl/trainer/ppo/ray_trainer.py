@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.trainer import config_check
-from verl.trainer.ppo import checkpointing, core_algos
+from verl.trainer.ppo import checkpointing, core_algos, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
 from verl.utils import batch_keys as K
 from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
@@ -233,8 +233,7 @@ class RayPPOTrainer:
         self.critic_wg: Any = None
         self.pipelined = config_check.pipelined(config)
         # algorithm.rollout_correction bypass mode: old log-probs are the engine's, not recomputed
-        self._bypass_old_log_prob = bool(OmegaConf.select(
-            config, "algorithm.rollout_correction.bypass_old_logprob_for_rollout", default=False))
+        self._bypass_old_log_prob = rollout_correction.bypass_mode(config)
         self.rollout_world_size = config_check.rollout_world_size(config)
         self._producer: Any = None      # a pipelined run's RolloutProducer while fit() runs
         self._rollout_version = 0       # pipelined: the steps done when the rollout pool's weights were sent
@@ -508,9 +507,7 @@ class RayPPOTrainer:
         """algorithm.rollout_correction: IS weights (pi_old / pi_rollout) for the actor's policy loss
         and rejected tokens out of response_mask (so out of the losses), from the engine's log-probs
         and the actor's recomputed ones. Advantages were computed before, as for cut contexts."""
-        from verl.trainer.ppo.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
-
-        cfg = RolloutCorrectionConfig.from_config(self.config.algorithm.get("rollout_correction"))
+        cfg = rollout_correction.RolloutCorrectionConfig.from_config(self.config.algorithm.get("rollout_correction"))
         if self.pipelined and cfg.rollout_is is None and not cfg.bypass_old_logprob_for_rollout:
             # the decoupled loss: the PPO ratio against the weights at the start of the update (old
             # log-probs, the proximal policy), times truncated IS weights against the stale sampler
@@ -521,8 +518,9 @@ class RayPPOTrainer:
         # ratios over the tokens the engine sampled (loss_mask), also when state_masking=false puts
         # observations in response_mask
         policy = batch.batch[K.LOSS_MASK] if K.LOSS_MASK in batch.batch.keys() else None
-        corr = compute_rollout_correction(batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS],
-                                          batch.batch[K.RESPONSE_MASK], cfg, policy_mask=policy)
+        corr = rollout_correction.compute_rollout_correction(
+            batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS], batch.batch[K.RESPONSE_MASK], cfg,
+            policy_mask=policy)
         batch.batch[K.RESPONSE_MASK] = corr.response_mask
         if corr.weights is not None:
             batch.batch[K.ROLLOUT_IS_WEIGHTS] = corr.weights

@@ -77,6 +77,13 @@ class RolloutCorrectionConfig:
         return lower, upper
 
 
+def bypass_mode(config: Any) -> bool:
+    """Whether the trainer config (the whole tree) asks for bypass mode: the engine's log-probs as
+    the old log-probs, no old-log-prob pass."""
+    node = config.get("algorithm", {}).get("rollout_correction")
+    return RolloutCorrectionConfig.from_config(node).bypass_old_logprob_for_rollout
+
+
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
