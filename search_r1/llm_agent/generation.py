@@ -520,7 +520,7 @@ class LLMGenerationManager:
             meta_info={**meta, META_AGENT_CONFIG: dataclasses.asdict(self.config)})
         start = time.perf_counter()
         out = self.actor_rollout_wg.generate_trajectories(batch)
-        self._log_probs_match_actor &= bool(out.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True))
+        self._log_probs_match_actor = bool(out.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True))
         wall = time.perf_counter() - start
         rows = list(out.non_tensor_batch[AGENT_ROWS])
         per_row = list(out.non_tensor_batch[AGENT_STATS])
@@ -586,7 +586,7 @@ class LLMGenerationManager:
         if all(lps is not None for lps in row_log_probs):
             tensors[K.ROLLOUT_LOG_PROBS] = torch.tensor(
                 [lps + [0.0] * (width - len(lps)) for lps in row_log_probs], dtype=torch.float32)
-        reasons = Counter(row.stop_reason or "unfinished" for row in rows)
+        reasons = Counter(row.stop_reason for row in rows)   # an unfinished row (None) is in no count
         meta_info = {
             "turns_stats": [row.n_turns for row in rows],
             # Rows that ran out of budget without answering, as in the original.

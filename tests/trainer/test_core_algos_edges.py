@@ -147,3 +147,25 @@ def test_the_ppo_ratio_is_bounded_so_a_near_impossible_old_token_gives_a_finite_
     small, _, _ = core_algos.compute_policy_loss(torch.tensor([[-1.0]]), torch.tensor([[-0.9]]),
                                                  torch.tensor([[1.0]]), torch.ones(1, 1), cliprange=0.5)
     assert float(small) == pytest.approx(-math.exp(0.1))
+
+
+def test_the_ppo_log_ratio_is_bounded_below_too() -> None:
+    # the policy now finds nearly impossible a token the old policy sampled: the log-ratio stops at -bound
+    bound = core_algos.LOG_RATIO_CLAMP
+    old, new = torch.tensor([[-0.5]]), torch.tensor([[-0.5 - 3 * bound]])
+    _, _, ppo_kl = core_algos.compute_policy_loss(old, new, torch.tensor([[1.0]]), torch.ones(1, 1), cliprange=0.2)
+    assert float(ppo_kl) == pytest.approx(bound)
+
+
+def test_rollout_correction_weights_multiply_each_tokens_clipped_loss() -> None:
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.4]]))
+    new = torch.log(torch.tensor([[0.55, 0.2, 0.8]]))          # ratios 1.1, 1.0 and 2.0 (clipped to 1.2)
+    adv, mask = torch.ones(1, 3), torch.ones(1, 3)
+    weights = torch.tensor([[2.0, 0.5, 0.25]], dtype=torch.float64)
+    plain, clipfrac, kl = core_algos.compute_policy_loss(old, new, adv, mask, 0.2)
+    weighted, w_clipfrac, w_kl = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=weights)
+    assert float(plain) == pytest.approx(-(1.1 + 1.0 + 1.2) / 3)
+    assert float(weighted) == pytest.approx(-(1.1 * 2.0 + 1.0 * 0.5 + 1.2 * 0.25) / 3)
+    assert weighted.dtype == torch.float32
+    # the weights scale the loss only: clip fraction and KL are the unweighted ones
+    assert (float(w_clipfrac), float(w_kl)) == (float(clipfrac), float(kl))
