@@ -202,3 +202,45 @@ def test_padded_values_of_a_model_that_takes_no_mask_as_no_padding_equal_each_ro
     critic = make_critic(tiny_model_dir, optimizer=False)
     critic.critic_module = _MissingMaskMeansNoPadding(critic.critic_module)
     _assert_padded_values_equal_each_row_alone(critic, critic.critic_module.config.vocab_size)
+
+
+def test_packing_check_runs_once_per_critic(tiny_model_dir, monkeypatch):
+    """The check costs two extra forwards: the first packed forward runs it, later ones do not."""
+    from verl.workers.critic import dp_critic
+
+    calls = []
+    check = dp_critic.check_packing_isolates_sequences
+    monkeypatch.setattr(dp_critic, "check_packing_isolates_sequences",
+                        lambda *args, **kw: calls.append(1) or check(*args, **kw))
+    critic = make_critic(tiny_model_dir, model={"use_remove_padding": True})
+    data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=6, seed=3)
+    data.meta_info["micro_batch_size"] = 3
+    critic.compute_values(copy.copy(data))
+    critic.update_critic(copy.copy(data))
+    critic.compute_values(copy.copy(data))
+    assert len(calls) == 1
+
+
+def test_compute_values_balances_micro_batches_by_tokens_when_the_batch_asks(tiny_model_dir, monkeypatch):
+    critic = make_critic(tiny_model_dir)
+    rows_per_forward: list[int] = []
+    forward = critic._forward_micro_batch
+    monkeypatch.setattr(critic, "_forward_micro_batch",
+                        lambda micro: rows_per_forward.append(micro.batch_size[0]) or forward(micro))
+    data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=6, seed=3)
+    data.meta_info.update(micro_batch_size=6, max_token_len=14)
+    fixed = critic.compute_values(copy.copy(data))
+    assert rows_per_forward == [6]
+    rows_per_forward.clear()
+    data.meta_info["use_dynamic_bsz"] = True
+    dynamic = critic.compute_values(copy.copy(data))
+    assert len(rows_per_forward) > 1 and sum(rows_per_forward) == 6      # <= 14 real tokens per forward
+    torch.testing.assert_close(dynamic, fixed, rtol=1e-4, atol=1e-5)     # in the batch's row order
+
+
+def test_critic_update_frees_the_gradients(tiny_model_dir):
+    """After each optimizer step the gradients are freed, not kept as zeros (a model's worth of memory)."""
+    critic = make_critic(tiny_model_dir)
+    data = make_ppo_batch(critic.critic_module.config.vocab_size, batch_size=6, seed=3)
+    critic.update_critic(copy.copy(data))
+    assert all(p.grad is None for p in critic.critic_module.parameters())
