@@ -305,13 +305,16 @@ def test_split_observation_pieces_join_to_the_observation(tool_tok):
 # --- ToolTurns ----------------------------------------------------------------------------------
 
 
-TOOL_CONFIG = tools.parse_tool_config({"tools": [search_tool()]})
+def tool_config() -> tools.ToolConfig:
+    """Parsed per call, not at import: a mutation run imports this module once per test process, and
+    a module-level parse would run under whichever mutant happened to be active then."""
+    return tools.parse_tool_config({"tools": [search_tool()]})
 
 
 def gen_config(**overrides) -> GenerationConfig:
     fields = dict(max_turns=2, max_start_length=1024, max_prompt_length=2048, max_response_length=400,
                   max_total_response_length=400, max_obs_length=300, protocol="tool",
-                  tool_config=TOOL_CONFIG.to_dict(), max_assistant_turns=3, retrieval_max_retries=0)
+                  tool_config=tool_config().to_dict(), max_assistant_turns=3, retrieval_max_retries=0)
     fields.update(overrides)
     return GenerationConfig(**fields)
 
@@ -326,7 +329,7 @@ def call(*queries: str) -> str:
 
 
 def framing_len(tok) -> int:
-    return len(encode(tok, tools.ChatFraming(tok, TOOL_CONFIG.schemas).observation([""], False)))
+    return len(encode(tok, tools.ChatFraming(tok, tool_config().schemas).observation([""], False)))
 
 
 def test_max_obs_length_must_leave_room_for_a_tool_answer(tool_tok):
@@ -344,7 +347,7 @@ def test_observation_ids_use_the_tools_offered(aware_tok):
     row = _Row(prompt_ids=[])
     tt.apply_turn(row, res, ["R"], Counter(), None)
     obs = row.turns[0][1]
-    framing = tools.ChatFraming(aware_tok, TOOL_CONFIG.schemas)
+    framing = tools.ChatFraming(aware_tok, tool_config().schemas)
     assert obs == encode(aware_tok, framing.observation(["R"], False))
     assert "<tool_response tools=1>" in aware_tok.decode(obs)
 
@@ -433,7 +436,7 @@ def test_turn_without_call_or_answer_is_not_valid_and_ends_the_row(tool_tok):
 
 
 def test_observation_that_fits_exactly_is_whole_and_not_counted_truncated(tool_tok):
-    framing = tools.ChatFraming(tool_tok, TOOL_CONFIG.schemas)
+    framing = tools.ChatFraming(tool_tok, tool_config().schemas)
     whole = encode(tool_tok, framing.observation(["Paris is the capital"], False))
     tt = turns(tool_tok, max_obs_length=len(whole))
     row, stats = _Row(prompt_ids=[1]), Counter()
@@ -458,7 +461,7 @@ def test_truncated_observations_are_counted_and_keep_the_eos_rule(tool_tok):
 
 
 def test_observation_reaching_the_budget_ends_the_row(tool_tok):
-    framing = tools.ChatFraming(tool_tok, TOOL_CONFIG.schemas)
+    framing = tools.ChatFraming(tool_tok, tool_config().schemas)
     turn = encode(tool_tok, call("a"))
     obs = encode(tool_tok, framing.observation(["R"], False))
     for budget, reason, obs_kept in ((len(turn) + len(obs), actions.CONTEXT_FULL, []),
