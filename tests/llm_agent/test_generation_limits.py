@@ -191,6 +191,24 @@ def test_failed_retrieval_tool_message_names_the_error(tool_tokenizer):
     assert out.meta_info["search_failures"] == 1
 
 
+def test_async_failed_retrieval_tool_message_names_the_error(tool_tokenizer):
+    import asyncio
+
+    from search_r1.llm_agent.async_generation import AsyncAgentLoop
+
+    class FailingAsyncClient:
+        async def retrieve(self, queries: list[str], topk: Any = None, return_scores: Any = False) -> Any:
+            raise RetrievalError("index exploded on shard 3")
+
+    tok = tool_tokenizer
+    manager = _tool_manager(tok, mode="async")
+    res = manager._tool.cut_turn(encode(tok, call(["capital of France"])), frozenset({tok.eos_token_id}))
+    stats: Counter[str] = Counter()
+    answers = asyncio.run(AsyncAgentLoop(manager, None, FailingAsyncClient(), frozenset())._act(res, stats))
+    assert len(answers) == 1 and "Search error: index exploded on shard 3" in answers[0]
+    assert stats["search_failures"] == 1
+
+
 # --- the engine meta and the composed batch ----------------------------------------------------------
 
 
