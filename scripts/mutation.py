@@ -54,7 +54,6 @@ COPIED = ("verl", "search_r1", "scripts", "tests")
 class Module:
     mutate: tuple[str, ...]   # glob patterns (mutmut's only_mutate)
     tests: tuple[str, ...]    # the test files that cover it
-    fast: bool = True         # tested by the fast runner unless --no-fast (see run_fast)
 
 
 # Smallest first: a partial run still reports the cheap modules.
@@ -149,7 +148,7 @@ def summarise(root: Path, python: str) -> dict:
     return stats
 
 
-def run_module(name: str, module: Module, workdir: Path, python: str, max_children: int, fast: bool = False) -> dict:
+def run_module(name: str, module: Module, workdir: Path, python: str, max_children: int, fast: bool = True) -> dict:
     root = prepare(name, module, workdir)
     start = time.monotonic()
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path,
                         default=Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "search_r1_mutation")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel (default 1)")
-    parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
                         help="test the mutants in long-lived pytest workers (the default); "
                              "--no-fast: mutmut's own runner, one process per mutant")
     parser.add_argument("--list", action="store_true", help="print the modules and their tests, run nothing")
@@ -249,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.modules or list(MODULES)
     if args.list:
         for name in names:
-            runner = "fast" if MODULES[name].fast else "mutmut"
-            print(f"{name}: mutates {' '.join(MODULES[name].mutate)}; tests {' '.join(MODULES[name].tests)}; "
-                  f"runner {runner}")
+            print(f"{name}: mutates {' '.join(MODULES[name].mutate)}; tests {' '.join(MODULES[name].tests)}")
         return 0
     python = sys.executable
     ensure_mutmut(python)
@@ -266,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for name in names:
         print(f"[mutation] {name}: running (log in {args.workdir / name / 'mutmut-run.log'})", flush=True)
-        fast = MODULES[name].fast if args.fast is None else args.fast
-        stats = run_module(name, MODULES[name], args.workdir, python, args.max_children, fast)
+        stats = run_module(name, MODULES[name], args.workdir, python, args.max_children, args.fast)
         print(report(stats), flush=True)
         summary.append(stats)
         (args.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
