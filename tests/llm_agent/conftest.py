@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench.rollout import serve_bm25
-from tests.llm_agent.helpers import CORPUS
+from tests.llm_agent.helpers import CORPUS, with_template
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +17,14 @@ def tokenizer():
     from verl.utils.tiny_model import DEFAULT_TEXTS, train_bpe_tokenizer
 
     return train_bpe_tokenizer(list(DEFAULT_TEXTS) + [c["contents"] for c in CORPUS], vocab_size=700)
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(tokenizer):
+    """The tiny tokenizer with a chat template that renders tools and tool messages (Qwen2.5's shape)."""
+    from verl.utils.tiny_model import TOOL_CHAT_TEMPLATE
+
+    return with_template(tokenizer, TOOL_CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,15 @@ def prompt_ids(tokenizer, key: str, instructions: str = "Answer the given questi
     return encode(tokenizer, text)
 
 
+def with_template(tokenizer, template: str):
+    """A copy of `tokenizer` with `template` as its chat template."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
 def make_gen_batch(tokenizer, keys: list[str], **meta) -> tuple[DataProto, torch.Tensor]:
     """A left-padded generation batch for `keys`, and its input_ids (the prompts)."""
     ids, mask = left_pad([prompt_ids(tokenizer, k) for k in keys], tokenizer.pad_token_id)

@@ -9,7 +9,6 @@ Fast and offline: scripted engines, in-memory retrieval clients and worker group
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 from typing import Any
 
@@ -21,21 +20,12 @@ from search_r1.llm_agent import actions, tools
 from search_r1.llm_agent.generation import AGENT_ROWS, AGENT_STATS, LLMGenerationManager
 from search_r1.llm_agent.tensor_helper import left_pad
 from search_r1.llm_agent.trajectory import _Row
-from search_r1.search.client import RetrievalError
 from search_r1.search.schema import Hit
 from tests.llm_agent.helpers import encode, make_gen_batch
-from tests.llm_agent.test_generation_edges import tags_config, tool_config
+from tests.llm_agent.test_generation_edges import _AsyncClient, _Client, _row_ids, tags_config, tool_config
 from tests.llm_agent.test_tool_protocol import call, response_of, tool_batch
 from verl.protocol import DataProto
 from verl.utils import batch_keys as K
-from verl.utils.tiny_model import TOOL_CHAT_TEMPLATE
-
-
-@pytest.fixture(scope="module")
-def tool_tokenizer(tokenizer):
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = TOOL_CHAT_TEMPLATE
-    return tok
 
 
 def _row_with_turns(prompt: list[int], *lengths: int) -> _Row:
@@ -137,16 +127,6 @@ def _tool_run(tok: Any, engine: Any, keys: list[str], client: Any = None, **over
     return manager.run_llm_loop(*tool_batch(tok, keys, schemas))
 
 
-class _Client:
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-
-    def retrieve(self, queries: list[str], topk: Any = None, return_scores: Any = False) -> list[list[Hit]]:
-        if self.fail:
-            raise RetrievalError("index exploded on shard 3")
-        return [[Hit.from_contents("0", f'"{q}"\nabout {q}', 1.0)] for q in queries]
-
-
 def test_tool_rollout_keeps_the_engines_log_probs_on_policy_tokens(tool_tokenizer):
     tok = tool_tokenizer
     search = encode(tok, call(["capital of France"]))
@@ -187,7 +167,7 @@ def test_failed_retrieval_tool_message_names_the_error(tool_tokenizer):
     out = _tool_run(tok, ScriptedRollout(tok, {"q1": [search, answer]}), ["q1"], client=_Client(fail=True))
     ids, loss = response_of(out, 0)
     observation = tok.decode([t for t, m in zip(ids, loss, strict=True) if m == 0])
-    assert "Search error: index exploded on shard 3" in observation
+    assert "Search error: index exploded" in observation
     assert out.meta_info["search_failures"] == 1
 
 
@@ -196,16 +176,12 @@ def test_async_failed_retrieval_tool_message_names_the_error(tool_tokenizer):
 
     from search_r1.llm_agent.async_generation import AsyncAgentLoop
 
-    class FailingAsyncClient:
-        async def retrieve(self, queries: list[str], topk: Any = None, return_scores: Any = False) -> Any:
-            raise RetrievalError("index exploded on shard 3")
-
     tok = tool_tokenizer
     manager = _tool_manager(tok, mode="async")
     res = manager._tool.cut_turn(encode(tok, call(["capital of France"])), frozenset({tok.eos_token_id}))
     stats: Counter[str] = Counter()
-    answers = asyncio.run(AsyncAgentLoop(manager, None, FailingAsyncClient(), frozenset())._act(res, stats))
-    assert len(answers) == 1 and "Search error: index exploded on shard 3" in answers[0]
+    answers = asyncio.run(AsyncAgentLoop(manager, None, _AsyncClient(fail=True), frozenset())._act(res, stats))
+    assert len(answers) == 1 and "Search error: index exploded" in answers[0]
     assert stats["search_failures"] == 1
 
 
@@ -258,7 +234,7 @@ def test_async_rollout_of_one_row_reports_its_retrieval_wait(tokenizer):
     assert out.meta_info["timing_s"]["retrieval"] == pytest.approx(0.75)
     assert out.meta_info["search_failures"] == 1 and out.meta_info["generated_tokens"] == 2
     assert out.meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] is True
-    assert _row_ids(out) == [10, 11]
+    assert _row_ids(out, 0) == [10, 11]
 
 
 def test_async_rollout_averages_the_retrieval_wait_and_passes_the_engines_match_flag(tokenizer):
@@ -273,7 +249,3 @@ def test_async_rollout_averages_the_retrieval_wait_and_passes_the_engines_match_
         LLMGenerationManager(tokenizer, _TrajectoryGroup(rows[:1], stats[:1]), tags_config(mode="async")).run_llm_loop(
             gen_batch, prompts)
 
-
-def _row_ids(out: Any, row: int = 0) -> list[int]:
-    n = int(out.batch[K.ATTENTION_MASK][row, out.batch[K.PROMPTS].shape[1]:].sum())
-    return out.batch[K.RESPONSES][row, :n].tolist()

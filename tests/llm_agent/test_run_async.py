@@ -38,7 +38,6 @@ from tests.llm_agent.helpers import encode, make_gen_batch
 from tests.llm_agent.test_rollout_behaviours import ScriptedStepEngine, make_config
 from tests.llm_agent.test_tool_protocol import (
     RECIPE_TOOL_CONFIG,
-    _with_template,
     call,
     response_of,
     tool_batch,
@@ -49,7 +48,6 @@ from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import MeshRank
 from verl.utils import batch_keys as K
-from verl.utils.tiny_model import TOOL_CHAT_TEMPLATE
 from verl.workers.fsdp_workers import ROLLOUT_MESH, ActorRolloutRefWorker
 
 RANKS = 2
@@ -263,9 +261,9 @@ def test_workers_returning_another_row_count_is_an_error(tokenizer, retrieval_ur
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_search_call_without_a_query_list_is_answered_with_the_tool_error(tokenizer, mode):
+def test_search_call_without_a_query_list_is_answered_with_the_tool_error(tool_tokenizer, mode):
     """The model reads veRL SearchTool's error text; the retriever (here down) is never asked."""
-    tok = _with_template(tokenizer, TOOL_CHAT_TEMPLATE)
+    tok = tool_tokenizer
     tool_config = tools.parse_tool_config(yaml.safe_load(RECIPE_TOOL_CONFIG.format(url=_dead_url())))
     bad = encode(tok, call("capital of France"))          # a string, not a list of queries
     answer = encode(tok, "<answer> Paris </answer>") + [tok.eos_token_id]

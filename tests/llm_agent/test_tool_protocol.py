@@ -15,10 +15,9 @@ from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManage
 from search_r1.search.client import RetrievalClient
 from search_r1.search.schema import Hit
 from tests.conftest import free_port
-from tests.llm_agent.helpers import encode
+from tests.llm_agent.helpers import encode, with_template
 from verl.protocol import DataProto
 from verl.utils import batch_keys as K
-from verl.utils.tiny_model import TOOL_CHAT_TEMPLATE
 
 # veRL's examples/sglang_multiturn/config/tool_config/search_tool_config.yaml, as its users have it.
 RECIPE_TOOL_CONFIG = """\
@@ -61,15 +60,6 @@ def verl_search_tool_text(api_response: dict) -> str:
             text += "Doc " + str(i + 1) + " (Title: " + lines[0] + ")\n" + "\n".join(lines[1:]) + "\n\n"
         per_query.append(text.strip())
     return json.dumps({"result": "\n---\n".join(per_query)}, ensure_ascii=False)
-
-
-@pytest.fixture(scope="module")
-def tool_tokenizer(tokenizer):
-    import copy
-
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = TOOL_CHAT_TEMPLATE
-    return tok
 
 
 @pytest.fixture
@@ -178,16 +168,10 @@ def test_chat_framing_is_what_the_template_renders_for_the_whole_conversation(to
 
 def test_a_template_without_tool_messages_is_refused(tokenizer):
     with pytest.raises(ValueError, match="does not render 'tool' messages"):
-        tools.ChatFraming(_with_template(tokenizer, "{% for m in messages %}{% if m['role'] != 'tool' %}"
+        tools.ChatFraming(with_template(tokenizer, "{% for m in messages %}{% if m['role'] != 'tool' %}"
                                          "{{ m['content'] }}{% endif %}{% endfor %}"))
 
 
-def _with_template(tokenizer, template):
-    import copy
-
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
-    return tok
 
 
 # --- the manager in the tool protocol ------------------------------------------------------------

@@ -5,7 +5,6 @@ checked on exact texts, token ids, masks and counters."""
 
 from __future__ import annotations
 
-import copy
 import json
 from collections import Counter
 
@@ -16,7 +15,7 @@ from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManage
 from search_r1.llm_agent.tool_turns import ToolTurns
 from search_r1.llm_agent.trajectory import _Row
 from search_r1.search.schema import Hit
-from tests.llm_agent.helpers import encode
+from tests.llm_agent.helpers import encode, with_template
 from verl.utils.tiny_model import TOOL_CHAT_TEMPLATE
 
 URL = "http://127.0.0.1:1/retrieve"
@@ -27,17 +26,6 @@ def search_tool(name: str = "search", **config) -> dict:
             "config": {"retrieval_service_url": URL, **config},
             "tool_schema": {"type": "function", "function": {"name": name, "description": "Searches.",
                                                              "parameters": {"type": "object", "properties": {}}}}}
-
-
-def with_template(tokenizer, template: str):
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
-    return tok
-
-
-@pytest.fixture(scope="module")
-def tool_tok(tokenizer):
-    return with_template(tokenizer, TOOL_CHAT_TEMPLATE)
 
 
 # A template whose text between turns depends on the tools offered (the tool answer names them).
@@ -280,19 +268,19 @@ def test_framing_renders_with_the_tools_offered(aware_tok):
     assert prompt + turn + observation == whole
 
 
-def test_tokenizer_without_eos_text_keeps_the_end_of_turn(tool_tok):
+def test_tokenizer_without_eos_text_keeps_the_end_of_turn(tool_tokenizer):
     for attrs in ({}, {"eos_token": None}):
-        framing = tools.ChatFraming(_Proxy(tool_tok, **attrs))
+        framing = tools.ChatFraming(_Proxy(tool_tokenizer, **attrs))
         assert framing.observation(["R"], ended_with_eos=True) == framing.observation(["R"], ended_with_eos=False)
         assert framing.observation(["R"], True).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\nR\n")
     from tokenizers import AddedToken
 
-    framing = tools.ChatFraming(_Proxy(tool_tok, eos_token=AddedToken("<|im_end|>", special=True)))
+    framing = tools.ChatFraming(_Proxy(tool_tokenizer, eos_token=AddedToken("<|im_end|>", special=True)))
     assert framing.observation(["R"], True).startswith("<|im_end|>\n")
 
 
-def test_split_observation_pieces_join_to_the_observation(tool_tok):
-    framing = tools.ChatFraming(tool_tok)
+def test_split_observation_pieces_join_to_the_observation(tool_tokenizer):
+    framing = tools.ChatFraming(tool_tokenizer)
     for ended in (False, True):
         pieces = framing.split_observation(["A", "B"], ended)
         assert "".join(text for text, _ in pieces) == framing.observation(["A", "B"], ended)
@@ -332,13 +320,13 @@ def framing_len(tok) -> int:
     return len(encode(tok, tools.ChatFraming(tok, tool_config().schemas).observation([""], False)))
 
 
-def test_max_obs_length_must_leave_room_for_a_tool_answer(tool_tok):
-    n = framing_len(tool_tok)
+def test_max_obs_length_must_leave_room_for_a_tool_answer(tool_tokenizer):
+    n = framing_len(tool_tokenizer)
     with pytest.raises(ValueError) as err:
-        turns(tool_tok, max_obs_length=n)
+        turns(tool_tokenizer, max_obs_length=n)
     assert str(err.value) == (f"max_obs_length ({n}) leaves no room for a tool answer: the chat template's text "
                               f"around one tool message is {n} tokens")
-    assert turns(tool_tok, max_obs_length=n + 1).config.max_obs_length == n + 1
+    assert turns(tool_tokenizer, max_obs_length=n + 1).config.max_obs_length == n + 1
 
 
 def test_observation_ids_use_the_tools_offered(aware_tok):
@@ -352,28 +340,28 @@ def test_observation_ids_use_the_tools_offered(aware_tok):
     assert "<tool_response tools=1>" in aware_tok.decode(obs)
 
 
-def test_cut_turn_keeps_ids_up_to_the_first_call(tool_tok):
-    tt = turns(tool_tok)
-    eos = frozenset({tool_tok.eos_token_id})
-    first = encode(tool_tok, "<think> t </think>\n" + call("a"))
+def test_cut_turn_keeps_ids_up_to_the_first_call(tool_tokenizer):
+    tt = turns(tool_tokenizer)
+    eos = frozenset({tool_tokenizer.eos_token_id})
+    first = encode(tool_tokenizer, "<think> t </think>\n" + call("a"))
     for tail in ("\n<|im_end|>\n<|im_start|>user\nmore", "\n" + call("b")):
-        res = tt.cut_turn(first + encode(tool_tok, tail), eos)
-        assert res.kept_ids == first and res.generated == len(first) + len(encode(tool_tok, tail))
+        res = tt.cut_turn(first + encode(tool_tokenizer, tail), eos)
+        assert res.kept_ids == first and res.generated == len(first) + len(encode(tool_tokenizer, tail))
         assert res.calls == (tools.ToolCall("search", {"query_list": ["a"]}),) and res.queries == ("a",)
         assert res.action.kind == "search" and not res.emitted_eos
 
 
-def test_cut_turn_kinds(tool_tok):
-    tt = turns(tool_tok, max_parallel_calls=3)
-    eos_id = tool_tok.eos_token_id
+def test_cut_turn_kinds(tool_tokenizer):
+    tt = turns(tool_tokenizer, max_parallel_calls=3)
+    eos_id = tool_tokenizer.eos_token_id
     eos = frozenset({eos_id})
-    two = encode(tool_tok, call("a", "b") + call("c")) + [eos_id]
+    two = encode(tool_tokenizer, call("a", "b") + call("c")) + [eos_id]
     res = tt.cut_turn(two, eos)
     assert res.kept_ids == two and res.emitted_eos and res.queries == ("a", "b", "c")
     assert res.action.kind == "search"
-    res = tt.cut_turn(encode(tool_tok, "<answer> Paris </answer>") + [eos_id], eos)
+    res = tt.cut_turn(encode(tool_tokenizer, "<answer> Paris </answer>") + [eos_id], eos)
     assert res.action.kind == "answer" and res.calls == () and res.emitted_eos
-    res = tt.cut_turn(encode(tool_tok, "<think> hmm"), eos)
+    res = tt.cut_turn(encode(tool_tokenizer, "<think> hmm"), eos)
     assert res.action.kind == "invalid" and res.calls == () and not res.emitted_eos
 
 
@@ -381,24 +369,24 @@ def hits(*titles: str) -> list[Hit]:
     return [Hit.from_contents(t, f"{t}\n{t} text", 1.0) for t in titles]
 
 
-def test_answers_take_each_calls_hits_in_order(tool_tok):
-    tt = turns(tool_tok, max_parallel_calls=3, max_tool_response_length=None)
-    res = tt.cut_turn(encode(tool_tok, call("a") + call("b") + call("c")), frozenset())
+def test_answers_take_each_calls_hits_in_order(tool_tokenizer):
+    tt = turns(tool_tokenizer, max_parallel_calls=3, max_tool_response_length=None)
+    res = tt.cut_turn(encode(tool_tokenizer, call("a") + call("b") + call("c")), frozenset())
     got = tt.answers(res, [hits("A"), hits("B"), hits("C")], None, Counter())
     assert got == [tools.render_search_results([hits(t)]) for t in "ABC"]
 
 
-def test_failed_retrieval_messages(tool_tok):
-    tt = turns(tool_tok)
-    res = tt.cut_turn(encode(tool_tok, call("a")), frozenset())
+def test_failed_retrieval_messages(tool_tokenizer):
+    tt = turns(tool_tokenizer)
+    res = tt.cut_turn(encode(tool_tokenizer, call("a")), frozenset())
     assert tt.answers(res, None, "boom", Counter()) == ['{"result": "Search error: boom"}']
     assert tt.answers(res, None, None, Counter()) == [
         '{"result": "Search error: the retrieval server did not answer"}']
 
 
-def test_answers_are_cut_on_the_configured_side(tool_tok):
-    tt = turns(tool_tok, max_tool_response_length=10, tool_response_truncate_side="left")
-    res = tt.cut_turn(encode(tool_tok, call("a")), frozenset())
+def test_answers_are_cut_on_the_configured_side(tool_tokenizer):
+    tt = turns(tool_tokenizer, max_tool_response_length=10, tool_response_truncate_side="left")
+    res = tt.cut_turn(encode(tool_tokenizer, call("a")), frozenset())
     stats = Counter()
     assert tt.answers(res, None, "boom", stats) == ['{"result":...(truncated)']
     assert stats["tool_response_truncated"] == 1
@@ -411,8 +399,8 @@ def apply(tt, row, text, answers, stats, eos=False, log_probs=None):
     return res
 
 
-def test_apply_turn_counts_over_turns(tool_tok):
-    tt = turns(tool_tok)
+def test_apply_turn_counts_over_turns(tool_tokenizer):
+    tt = turns(tool_tokenizer)
     row, stats = _Row(prompt_ids=[1]), Counter()
     apply(tt, row, call("a"), ["R1"], stats)
     assert (row.n_valid_actions, row.n_tool_rounds, row.n_searches) == (1, 1, 1)
@@ -425,8 +413,8 @@ def test_apply_turn_counts_over_turns(tool_tok):
     assert (stats["tool_calls"], stats["tool_call_errors"]) == (3, 1)
 
 
-def test_turn_without_call_or_answer_is_not_valid_and_ends_the_row(tool_tok):
-    tt = turns(tool_tok)
+def test_turn_without_call_or_answer_is_not_valid_and_ends_the_row(tool_tokenizer):
+    tt = turns(tool_tokenizer)
     row = _Row(prompt_ids=[1])
     apply(tt, row, "<think> no idea", None, Counter(), eos=True)
     assert (row.n_valid_actions, row.stop_reason) == (0, actions.EOS)
@@ -435,38 +423,38 @@ def test_turn_without_call_or_answer_is_not_valid_and_ends_the_row(tool_tok):
     assert (row.n_valid_actions, row.stop_reason) == (0, actions.CONTEXT_FULL)
 
 
-def test_observation_that_fits_exactly_is_whole_and_not_counted_truncated(tool_tok):
-    framing = tools.ChatFraming(tool_tok, tool_config().schemas)
-    whole = encode(tool_tok, framing.observation(["Paris is the capital"], False))
-    tt = turns(tool_tok, max_obs_length=len(whole))
+def test_observation_that_fits_exactly_is_whole_and_not_counted_truncated(tool_tokenizer):
+    framing = tools.ChatFraming(tool_tokenizer, tool_config().schemas)
+    whole = encode(tool_tokenizer, framing.observation(["Paris is the capital"], False))
+    tt = turns(tool_tokenizer, max_obs_length=len(whole))
     row, stats = _Row(prompt_ids=[1]), Counter()
     apply(tt, row, call("a"), ["Paris is the capital"], stats)
     assert row.turns[0][1] == whole and stats["obs_truncated"] == 0
 
 
-def test_truncated_observations_are_counted_and_keep_the_eos_rule(tool_tok):
-    n = framing_len(tool_tok)
+def test_truncated_observations_are_counted_and_keep_the_eos_rule(tool_tokenizer):
+    n = framing_len(tool_tokenizer)
     # Two calls a turn: the turn runs to the model's EOS, which the observation does not repeat.
-    tt = turns(tool_tok, max_obs_length=n + 3, max_tool_response_length=None, max_parallel_calls=2)
+    tt = turns(tool_tokenizer, max_obs_length=n + 3, max_tool_response_length=None, max_parallel_calls=2)
     row, stats = _Row(prompt_ids=[1]), Counter()
     long = "Paris is the capital of France and its largest city. " * 3
     apply(tt, row, call("a"), [long], stats, eos=True)
     obs = row.turns[0][1]
-    assert tool_tok.decode(obs).startswith("\n<|im_start|>user\n<tool_response>\n")     # no second <|im_end|>
-    assert tool_tok.decode(obs).endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert tool_tokenizer.decode(obs).startswith("\n<|im_start|>user\n<tool_response>\n")     # no second <|im_end|>
+    assert tool_tokenizer.decode(obs).endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert len(obs) == n + 3 and stats["obs_truncated"] == 1
     apply(tt, row, call("b"), [long], stats)
     apply(tt, row, call("c"), ["ok"], stats)
     assert stats["obs_truncated"] == 2
 
 
-def test_observation_reaching_the_budget_ends_the_row(tool_tok):
-    framing = tools.ChatFraming(tool_tok, tool_config().schemas)
-    turn = encode(tool_tok, call("a"))
-    obs = encode(tool_tok, framing.observation(["R"], False))
+def test_observation_reaching_the_budget_ends_the_row(tool_tokenizer):
+    framing = tools.ChatFraming(tool_tokenizer, tool_config().schemas)
+    turn = encode(tool_tokenizer, call("a"))
+    obs = encode(tool_tokenizer, framing.observation(["R"], False))
     for budget, reason, obs_kept in ((len(turn) + len(obs), actions.CONTEXT_FULL, []),
                                      (len(turn) + len(obs) + 1, None, obs)):
-        tt = turns(tool_tok, max_total_response_length=budget)
+        tt = turns(tool_tokenizer, max_total_response_length=budget)
         row = _Row(prompt_ids=[1])
         apply(tt, row, call("a"), ["R"], Counter())
         assert row.turns == [(turn, obs_kept)] and row.stop_reason == reason
@@ -474,17 +462,17 @@ def test_observation_reaching_the_budget_ends_the_row(tool_tok):
         assert tt.remaining(row) == budget - row.response_len
 
 
-def test_apply_turn_keeps_the_engines_log_probs(tool_tok):
-    tt = turns(tool_tok)
+def test_apply_turn_keeps_the_engines_log_probs(tool_tokenizer):
+    tt = turns(tool_tokenizer)
     row = _Row(prompt_ids=[1])
-    turn = encode(tool_tok, call("a"))
+    turn = encode(tool_tokenizer, call("a"))
     lps = [-0.5] * len(turn)
     apply(tt, row, call("a"), ["R"], Counter(), log_probs=lps)
     assert row.response_log_probs() == lps + [0.0] * len(row.turns[0][1])
 
 
-def test_remaining_budget(tool_tok):
-    tt = turns(tool_tok, max_total_response_length=50)
+def test_remaining_budget(tool_tokenizer):
+    tt = turns(tool_tokenizer, max_total_response_length=50)
     row = _Row(prompt_ids=[1])
     assert tt.remaining(row) == 50
     row.append_turn(list(range(10)), [])
