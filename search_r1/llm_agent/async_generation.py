@@ -21,7 +21,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from search_r1.llm_agent.generation import LLMGenerationManager, _Row, _TurnResult
+from search_r1.llm_agent.generation import LLMGenerationManager
+from search_r1.llm_agent.trajectory import _Row, _TurnResult
 
 # Request seed = f(call seed, row, turn): what a row samples does not depend on timing.
 _ROW_STRIDE = 1_000_003
