@@ -76,7 +76,8 @@ class AsyncAgentLoop:
             stats["context_cuts"] += int(cut)
             if cut and row.cut_from < 0:
                 row.cut_from = row.response_len
-            completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn))
+            completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn),
+                                                    max_tokens=manager._response_length([row]))
             sampled, log_probs = manager._clip_to_budget(row, list(completion.token_ids), completion.log_probs)
             res = manager._cut_turn(sampled, self.eos_token_ids)
             observation = None

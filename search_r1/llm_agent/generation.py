@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -251,9 +251,21 @@ class LLMGenerationManager:
         return actions.stop_if_context_full(row.response_len, self.config.max_response_length + self.config.max_obs_length,
                                             self.config.max_total_response_length)
 
+    def _response_length(self, rows: Sequence[_Row]) -> int:
+        """The decode budget of one engine call carrying `rows` (its `response_length`; the async loop's
+        `max_tokens`, one row a call). Tags: `max_response_length` (a turn that would not fit stopped the
+        row before it, `_stop_before_turn`). Tool: what is left of the row's budget of all turns; an engine
+        call takes one length, so a sync call carrying several rows asks for the largest remainder and
+        each row keeps only its own (`_clip_to_budget`): one call per turn, and the call lasts as long
+        as its longest row whatever the others were given."""
+        if self._tool is None:
+            return self.config.max_response_length
+        return min(self.config.max_response_length, max(self._tool.remaining(row) for row in rows))
+
     def _clip_to_budget(self, row: _Row, sampled: list[int], log_probs: list[float] | None
                         ) -> tuple[list[int], list[float] | None]:
-        """Tool protocol: a turn keeps at most what is left of the row's budget (cut by position)."""
+        """Tool protocol: a turn keeps at most what is left of the row's budget (cut by position), so
+        nothing sampled past it is kept, trained on or counted, whatever length the engine was asked for."""
         if self._tool is None:
             return sampled, log_probs
         room = self._tool.remaining(row)
@@ -332,11 +344,7 @@ class LLMGenerationManager:
                 if cut and rows[i].cut_from < 0:
                     rows[i].cut_from = rows[i].response_len
 
-            turn_meta = meta
-            if self._tool is not None:
-                # A turn may use what is left of the budget; the longest remainder bounds this call.
-                longest = max(self._tool.remaining(rows[i]) for i in active)
-                turn_meta = {**meta, K.META_RESPONSE_LENGTH: min(self.config.max_response_length, longest)}
+            turn_meta = {**meta, K.META_RESPONSE_LENGTH: self._response_length([rows[i] for i in active])}
             version = self.turn_version() if self.turn_version is not None else 0
             start = time.perf_counter()
             sampled, sampled_log_probs = self._generate(contexts, turn_meta)
