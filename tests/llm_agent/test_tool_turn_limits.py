@@ -2,7 +2,9 @@
 
 - the decode budget: each engine request asks for what is left of the row's budget of all turns
   (`data.max_response_length`), not the whole budget; a row keeps and counts nothing past its own;
-  where the budget does not bind, the rollout is the same whatever the budget.
+  where the budget does not bind, the rollout is the same whatever the budget;
+- one round of tool messages shares `max_obs_length` between its answers (never past it);
+- `max_parallel_calls` runs the first calls of a turn and drops the rest (no tool message), as veRL.
 
 A scripted engine stands in for the model (no model can search here); retrieval is the project's
 BM25 server over HTTP; the async rollout runs through the real `AsyncEngine`, worker dispatch and
@@ -21,6 +23,7 @@ from scripts.bench.rollout import ScriptedRollout
 from search_r1.llm_agent import actions, tools
 from search_r1.llm_agent.async_generation import run_shard
 from search_r1.llm_agent.generation import LLMGenerationManager
+from search_r1.search.client import RetrievalClient
 from tests.llm_agent.helpers import encode
 from tests.llm_agent.test_rollout_behaviours import ScriptedStepEngine
 from tests.llm_agent.test_run_async import _Workers
@@ -172,3 +175,59 @@ def test_the_tag_protocol_asks_every_async_request_for_max_response_length(token
     config = make_config(retrieval_url, max_turns=2, mode="async", max_response_length=40)
     _, _, engine = run_async(tokenizer, {"q1": [search_stream(tokenizer)] * 3}, ["q1"], config)
     assert engine.max_tokens == [40, 40, 40]
+
+
+# --- one round of tool messages shares max_obs_length ---------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_long_tool_answers_share_the_observation_room(tool_tokenizer, retrieval_url, mode):
+    tok = tool_tokenizer
+    eos = tok.eos_token_id
+    queries = ("capital of France", "Eiffel Tower")
+    two = encode(tok, call([queries[0]]) + "\n" + call([queries[1]])) + [eos]
+    answer = encode(tok, "<answer> Paris </answer>") + [eos]
+    framing = tools.ChatFraming(tok, _tools(retrieval_url).schemas)
+    client = RetrievalClient(retrieval_url, topk=3)
+    texts = [tools.render_search_results(client.retrieve([q])) for q in queries]
+    pieces = [(encode(tok, text), is_content) for text, is_content in framing.split_observation(texts, True)]
+    framing_len = sum(len(ids) for ids, is_content in pieces if not is_content)
+    share = 40                        # each answer is far longer than this (checked below)
+    max_obs = framing_len + 2 * share + 1
+    config = _config(retrieval_url, max_parallel_calls=2, max_tool_response_length=None, max_obs_length=max_obs,
+                     max_response_length=4000, max_total_response_length=4000, max_prompt_length=8000, mode=mode)
+    out = _rollout(tok, {"q1": [two, answer]}, ["q1"], config)
+    ids, loss = response_of(out, 0)
+    obs = ids[len(two): len(ids) - len(answer)]
+    assert loss == [1] * len(two) + [0] * len(obs) + [1] * len(answer)
+    assert all(len(ids) > 2 * share for ids, is_content in pieces if is_content)
+    # Each answer keeps its first `share` tokens; the framing (tags, next assistant opening) is whole.
+    assert obs == [tok_ for ids, is_content in pieces for tok_ in (ids[:share] if is_content else ids)]
+    assert len(obs) == max_obs - 1 <= max_obs
+    assert out.meta_info["obs_truncated"] == 1 and out.meta_info["valid_search_stats"] == [2]
+
+
+# --- max_parallel_calls --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_calls_past_max_parallel_calls_are_not_run(tool_tokenizer, retrieval_url, mode):
+    """Three calls, max_parallel_calls=2: the first two are run and answered; the third is not run and
+    gets no tool message (veRL's tool agent loop drops it the same way), its text stays in the turn."""
+    tok = tool_tokenizer
+    eos = tok.eos_token_id
+    queries = ("capital of France", "Eiffel Tower", "capital of Germany")
+    three = encode(tok, "\n".join(call([q]) for q in queries)) + [eos]
+    answer = encode(tok, "<answer> Paris </answer>") + [eos]
+    config = _config(retrieval_url, max_parallel_calls=2, max_tool_response_length=None, max_obs_length=2000,
+                     max_response_length=4000, max_total_response_length=4000, max_prompt_length=8000, mode=mode)
+    out = _rollout(tok, {"q1": [three, answer]}, ["q1"], config)
+    client = RetrievalClient(retrieval_url, topk=3)
+    texts = [tools.render_search_results(client.retrieve([q])) for q in queries[:2]]
+    observation = encode(tok, tools.ChatFraming(tok, _tools(retrieval_url).schemas).observation(texts, True))
+    ids, loss = response_of(out, 0)
+    assert ids == three + observation + answer
+    assert loss == [1] * len(three) + [0] * len(observation) + [1] * len(answer)
+    meta = out.meta_info
+    assert (meta["tool_calls"], meta["tool_call_errors"], meta["valid_search_stats"]) == (2, 0, [2])
+    assert meta["stop_reasons"][actions.ANSWERED] == 1
