@@ -80,7 +80,7 @@ MODULES: dict[str, Module] = {
                          "tests/llm_agent/test_tool_protocol.py", "tests/llm_agent/test_tool_engines.py",
                          "tests/llm_agent/test_run_async.py", "tests/llm_agent/test_tools_edges.py",
                          "tests/llm_agent/test_generation_edges.py",
-                         "tests/llm_agent/test_generation_limits.py")),
+                         "tests/llm_agent/test_generation_limits.py", "tests/llm_agent/test_tool_turn_limits.py")),
 }
 
 

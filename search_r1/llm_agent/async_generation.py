@@ -21,7 +21,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from search_r1.llm_agent.generation import LLMGenerationManager, _Row, _TurnResult
+from search_r1.llm_agent.generation import LLMGenerationManager
+from search_r1.llm_agent.trajectory import _Row, _TurnResult
 
 # Request seed = f(call seed, row, turn): what a row samples does not depend on timing.
 _ROW_STRIDE = 1_000_003
@@ -75,7 +76,8 @@ class AsyncAgentLoop:
             stats["context_cuts"] += int(cut)
             if cut and row.cut_from < 0:
                 row.cut_from = row.response_len
-            completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn))
+            completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn),
+                                                    max_tokens=manager._response_length([row]))
             sampled, log_probs = manager._clip_to_budget(row, list(completion.token_ids), completion.log_probs)
             res = manager._cut_turn(sampled, self.eos_token_ids)
             observation = None

@@ -29,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from search_r1.llm_agent import actions
+from search_r1.llm_agent.generation_config import GenerationConfig
 from search_r1.llm_agent.tensor_helper import (
     left_pad,
     masked_rows,
@@ -44,123 +44,11 @@ from search_r1.llm_agent.tensor_helper import (
     real_tokens,
     right_pad,
 )
+from search_r1.llm_agent.token_text import TokenText
+from search_r1.llm_agent.tool_turns import ToolTurns, turn_limit
 from search_r1.llm_agent.trajectory import _Row, _TurnResult
 from search_r1.search.schema import Hit
 from verl.utils import batch_keys as K
-
-
-@dataclass
-class GenerationConfig:
-    """Rollout settings; field names follow the original Search-R1 `GenerationConfig`.
-
-    `num_gpus` is kept for compatibility only: the worker group pads batches that do
-    not divide by its size, so the manager never pads by hand.
-    `max_total_response_length` bounds all turns of a row together (None: bounded
-    only by the turn count); a row that could not fit one more turn stops with
-    reason `context_full`.
-    """
-
-    max_turns: int
-    max_start_length: int
-    max_prompt_length: int
-    max_response_length: int
-    max_obs_length: int
-    num_gpus: int = 1
-    no_think_rl: bool = False
-    search_url: str | None = None
-    topk: int = 3
-    retrieval_timeout: float = 30.0
-    retrieval_max_retries: int = 3
-    stop: tuple[str, ...] = actions.STOP_STRINGS
-    max_total_response_length: int | None = None
-    # sync: one engine call per turn for all rows; async: one coroutine per trajectory in each
-    # rollout worker (async_generation.py, docs/agent.md "Sync and async rollout").
-    mode: str = "sync"
-    # "tags": the original's <search>/<answer> text protocol (actions.py); "tool": native tool calls
-    # through the chat template, veRL upstream's recipe (tools.py; multi_turn.enable). docs/agent.md.
-    protocol: str = "tags"
-    tool_config: dict | None = None            # tools.ToolConfig.to_dict() (plain types: it travels to workers)
-    max_assistant_turns: int | None = None     # tool protocol: turns of the model (None: bounded by the budget)
-    max_user_turns: int | None = None          # tool protocol: rounds of tool answers
-    max_parallel_calls: int = 1                # tool calls run per turn; 1: the turn stops at </tool_call>
-    max_tool_response_length: int | None = 256  # characters of one tool answer (veRL's default), then cut
-    tool_response_truncate_side: str = "middle"
-    # Requests in flight to the retrieval server per rollout worker in async mode (None: the client's default).
-    retrieval_concurrency: int | None = None
-    # retriever.serve=ray: the Ray Serve application that answers searches (replaces search_url and the
-    # tool config's retrieval_service_url with ray-serve://<app>; search_r1/search/ray_serve.py).
-    serve_app: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.protocol not in ("tags", "tool"):
-            raise ValueError(f"GenerationConfig.protocol must be 'tags' or 'tool', got {self.protocol!r}")
-        if self.protocol == "tool":
-            self._check_tool_settings()
-        if self.serve_app:
-            from search_r1.search.ray_serve import serve_url
-
-            self.search_url = serve_url(self.serve_app)
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"GenerationConfig.mode (actor_rollout_ref.rollout.mode) must be 'sync' or 'async', "
-                             f"got {self.mode!r}")
-        for name in ("max_start_length", "max_prompt_length", "max_response_length", "max_obs_length", "topk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GenerationConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_turns < 0:
-            raise ValueError(f"GenerationConfig.max_turns must be >= 0, got {self.max_turns}")
-        if self.max_start_length >= self.max_prompt_length:
-            raise ValueError(
-                f"GenerationConfig.max_start_length ({self.max_start_length}) must be < max_prompt_length "
-                f"({self.max_prompt_length}): the rolling context keeps the whole prompt plus recent turns"
-            )
-        if self.no_think_rl:
-            raise ValueError(
-                "GenerationConfig.no_think_rl (algorithm.no_think_rl) is not supported: it re-encodes "
-                "decoded policy text, which breaks token-exact rollouts"
-            )
-        turn_budget = self.max_response_length + self.max_obs_length
-        # (The tool protocol's budget is veRL's: all turns together; a turn may use all that is left.)
-        if (self.protocol == "tags" and self.max_total_response_length is not None
-                and self.max_total_response_length < turn_budget):
-            raise ValueError(
-                f"GenerationConfig.max_total_response_length ({self.max_total_response_length}) must fit one turn: "
-                f"max_response_length + max_obs_length = {turn_budget}"
-            )
-        self.stop = tuple(self.stop)
-
-    def _check_tool_settings(self) -> None:
-        from search_r1.llm_agent import tools
-
-        if not self.tool_config:
-            raise ValueError("GenerationConfig.tool_config (multi_turn.tool_config_path) is required with protocol='tool'")
-        if self.max_total_response_length is None:
-            raise ValueError("GenerationConfig.max_total_response_length (data.max_response_length, the budget of all "
-                             "turns) is required with protocol='tool'")
-        for name in ("max_assistant_turns", "max_user_turns"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"GenerationConfig.{name} (multi_turn.{name}) must be >= 1 or null, got {value}")
-        if self.max_parallel_calls < 1:
-            raise ValueError(f"GenerationConfig.max_parallel_calls (multi_turn.max_parallel_calls) must be >= 1, "
-                             f"got {self.max_parallel_calls}")
-        if self.tool_response_truncate_side not in tools.TRUNCATE_SIDES:
-            raise ValueError(f"GenerationConfig.tool_response_truncate_side must be one of {tools.TRUNCATE_SIDES}, "
-                             f"got {self.tool_response_truncate_side!r}")
-        # One call a turn: stop the engine at its end (no compute after it). More: the turn runs to EOS.
-        self.stop = (tools.TOOL_CALL_CLOSE,) if self.max_parallel_calls == 1 else ()
-        # The search tool's own settings win over retriever.*: the tool config is what the recipe configures.
-        search = tools.ToolConfig.from_dict(self.tool_config).search_settings()
-        if search is not None:
-            self.search_url = search.retrieval_service_url
-            self.topk = int(search.topk)
-            self.retrieval_timeout = float(search.timeout)
-            if self.retrieval_concurrency is None:
-                # veRL's num_workers / rate_limit cap the requests in flight over the whole job; split evenly
-                # over the rollout workers (each runs its own client).
-                cap = min(int(search.num_workers), int(search.rate_limit)) if search.enable_global_rate_limit \
-                    else int(search.num_workers)
-                self.retrieval_concurrency = max(1, cap // max(1, self.num_gpus))
-
 
 # generate_trajectories' contract: the config goes in meta_info, rows and counters come back per row.
 META_AGENT_CONFIG = "agent_config"
@@ -191,15 +79,14 @@ class LLMGenerationManager:
         self._log_probs_match_actor = True
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("tokenizer must define both pad_token_id and eos_token_id")
-        self._tool = None
+        self.text = TokenText(tokenizer)
+        self._tool: ToolTurns | None = None
         if config.protocol == "tool":
-            from search_r1.llm_agent.tool_turns import ToolTurns
-
-            self._tool = ToolTurns(self, config)
+            self._tool = ToolTurns(self.text, config)
             return
-        self._close_ids = self._encode(actions.INFORMATION_CLOSE)
-        self._invalid_ids = self._encode(actions.INVALID_ACTION_NOTICE)
-        self._budget_ids = self._encode(actions.SEARCH_BUDGET_NOTICE)
+        self._close_ids = self.text.encode(actions.INFORMATION_CLOSE)
+        self._invalid_ids = self.text.encode(actions.INVALID_ACTION_NOTICE)
+        self._budget_ids = self.text.encode(actions.SEARCH_BUDGET_NOTICE)
         for name, ids in (("the invalid-action notice", self._invalid_ids),
                           ("the search-budget notice", self._budget_ids),
                           ("the </information> closing", self._close_ids)):
@@ -207,25 +94,7 @@ class LLMGenerationManager:
                 raise ValueError(f"max_obs_length ({config.max_obs_length}) is shorter than {name} "
                                  f"({len(ids)} tokens)")
 
-    # --- text <-> tokens --------------------------------------------------------
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def _shortest_prefix(self, sampled: list[int], complete: Any) -> list[int]:
-        """The shortest prefix of `sampled` whose decoded text satisfies `complete` (true for the
-        whole); the predicate is monotone in the prefix length, so O(log n) decodes."""
-        lo, hi = 1, len(sampled)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if complete(self._decode(sampled[:mid])):
-                hi = mid
-            else:
-                lo = mid + 1
-        return sampled[:lo]
+    # --- cut and observe (tags; the tool protocol delegates) ------------------------
 
     def _cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
         """Keep the sampled ids up to the token that completes the first action.
@@ -236,12 +105,12 @@ class LLMGenerationManager:
         """
         if self._tool is not None:
             return self._tool.cut_turn(sampled, eos_token_ids)
-        text = self._decode(sampled)
+        text = self.text.decode(sampled)
         action = actions.parse_action(text)
         kept = sampled
         if action.is_valid and text[action.end:]:
-            kept = self._shortest_prefix(sampled, actions.has_complete_action)
-            action = actions.parse_action(self._decode(kept))
+            kept = self.text.shortest_prefix(sampled, actions.has_complete_action)
+            action = actions.parse_action(self.text.decode(kept))
         emitted_eos = bool(kept) and kept[-1] in eos_token_ids
         queries = (action.content,) if action.kind == "search" else ()
         return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled),
@@ -253,9 +122,9 @@ class LLMGenerationManager:
         Returns (ids, truncated).
         """
         if not text.endswith(actions.INFORMATION_CLOSE):
-            ids = self._encode(text)
+            ids = self.text.encode(text)
             return ids[: self.config.max_obs_length], len(ids) > self.config.max_obs_length
-        body = self._encode(text[: -len(actions.INFORMATION_CLOSE)])
+        body = self.text.encode(text[: -len(actions.INFORMATION_CLOSE)])
         room = self.config.max_obs_length - len(self._close_ids)
         if len(body) <= room:
             return body + self._close_ids, False
@@ -372,8 +241,6 @@ class LLMGenerationManager:
 
     def _turn_limit(self) -> int:
         if self._tool is not None:
-            from search_r1.llm_agent.tool_turns import turn_limit
-
             return turn_limit(self.config)
         return self.config.max_turns + 1
 
@@ -384,9 +251,21 @@ class LLMGenerationManager:
         return actions.stop_if_context_full(row.response_len, self.config.max_response_length + self.config.max_obs_length,
                                             self.config.max_total_response_length)
 
+    def _response_length(self, rows: Sequence[_Row]) -> int:
+        """The decode budget of one engine call carrying `rows` (its `response_length`; the async loop's
+        `max_tokens`, one row a call). Tags: `max_response_length` (a turn that would not fit stopped the
+        row before it, `_stop_before_turn`). Tool: what is left of the row's budget of all turns; an engine
+        call takes one length, so a sync call carrying several rows asks for the largest remainder and
+        each row keeps only its own (`_clip_to_budget`): one call per turn, and the call lasts as long
+        as its longest row whatever the others were given."""
+        if self._tool is None:
+            return self.config.max_response_length
+        return min(self.config.max_response_length, max(self._tool.remaining(row) for row in rows))
+
     def _clip_to_budget(self, row: _Row, sampled: list[int], log_probs: list[float] | None
                         ) -> tuple[list[int], list[float] | None]:
-        """Tool protocol: a turn keeps at most what is left of the row's budget (cut by position)."""
+        """Tool protocol: a turn keeps at most what is left of the row's budget (cut by position), so
+        nothing sampled past it is kept, trained on or counted, whatever length the engine was asked for."""
         if self._tool is None:
             return sampled, log_probs
         room = self._tool.remaining(row)
@@ -465,11 +344,7 @@ class LLMGenerationManager:
                 if cut and rows[i].cut_from < 0:
                     rows[i].cut_from = rows[i].response_len
 
-            turn_meta = meta
-            if self._tool is not None:
-                # A turn may use what is left of the budget; the longest remainder bounds this call.
-                longest = max(self._tool.remaining(rows[i]) for i in active)
-                turn_meta = {**meta, K.META_RESPONSE_LENGTH: min(self.config.max_response_length, longest)}
+            turn_meta = {**meta, K.META_RESPONSE_LENGTH: self._response_length([rows[i] for i in active])}
             version = self.turn_version() if self.turn_version is not None else 0
             start = time.perf_counter()
             sampled, sampled_log_probs = self._generate(contexts, turn_meta)

@@ -28,26 +28,24 @@ manager's, shared with the tag protocol. What differs, and lives here:
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from search_r1.llm_agent import actions, tools
 from search_r1.llm_agent.actions import Action
+from search_r1.llm_agent.generation_config import GenerationConfig
+from search_r1.llm_agent.token_text import TokenText
 from search_r1.llm_agent.trajectory import _Row, _TurnResult
 from search_r1.search.schema import Hit
-
-if TYPE_CHECKING:
-    from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
 
 
 class ToolTurns:
     """Cut, observation and stop rules of one manager in the tool protocol."""
 
-    def __init__(self, manager: LLMGenerationManager, config: GenerationConfig) -> None:
-        self.manager = manager
+    def __init__(self, text: TokenText, config: GenerationConfig) -> None:
+        self.text = text
         self.config = config
         self.tool_config = tools.ToolConfig.from_dict(config.tool_config or {})
         self.tool_names = self.tool_config.tool_names
-        self.framing = tools.ChatFraming(manager.tokenizer, self.tool_config.schemas)
+        self.framing = tools.ChatFraming(text.tokenizer, self.tool_config.schemas)
         framing_len = len(self._observation_ids([""], ended_with_eos=False)[0])
         if framing_len >= config.max_obs_length:
             raise ValueError(f"max_obs_length ({config.max_obs_length}) leaves no room for a tool answer: the chat "
@@ -56,12 +54,12 @@ class ToolTurns:
     # --- cut --------------------------------------------------------------------------
 
     def cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
-        decode = self.manager._decode
+        decode = self.text.decode
         text = decode(sampled)
         kept = sampled
         close = tools.TOOL_CALL_CLOSE
         if self.config.max_parallel_calls == 1 and close in text and text[text.index(close) + len(close):]:
-            kept = self.manager._shortest_prefix(sampled, lambda prefix: close in prefix)
+            kept = self.text.shortest_prefix(sampled, lambda prefix: close in prefix)
             text = decode(kept)
         calls = tuple(tools.parse_tool_calls(text, self.tool_names)[: self.config.max_parallel_calls])
         queries: list[str] = []
@@ -121,7 +119,7 @@ class ToolTurns:
         """The observation's ids, the whole text tokenized at once (as an SFT row's observation segment
         is); when over max_obs_length, the framing and the tool contents are tokenized apart and the
         contents shortened (evenly) so the framing stays whole. Returns (ids, truncated)."""
-        encode = self.manager._encode
+        encode = self.text.encode
         whole = encode(self.framing.observation(texts, ended_with_eos))
         if len(whole) <= self.config.max_obs_length:
             return whole, False

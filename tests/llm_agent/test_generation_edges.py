@@ -311,7 +311,7 @@ class _BosTokenizer:
 
 def test_observations_are_encoded_without_special_tokens(tokenizer):
     manager = LLMGenerationManager(_BosTokenizer(tokenizer), None, tags_config())
-    assert manager._encode(actions.SEARCH_BUDGET_NOTICE) == encode(tokenizer, actions.SEARCH_BUDGET_NOTICE)
+    assert manager.text.encode(actions.SEARCH_BUDGET_NOTICE) == encode(tokenizer, actions.SEARCH_BUDGET_NOTICE)
     ids, truncated = manager._observation_ids(actions.render_search_failure())
     assert 999 not in ids and not truncated
 
@@ -521,11 +521,11 @@ def test_token_versions_cover_an_empty_response(tokenizer):
 
 
 def test_shortest_prefix_finds_the_first_satisfying_length(tokenizer):
-    manager = LLMGenerationManager(tokenizer, None, tags_config())
+    text = LLMGenerationManager(tokenizer, None, tags_config()).text
     sampled = list(range(10, 30))
     for n in (1, 2, 3, 7, 19, 20):
-        target = len(manager._decode(sampled[:n]))
-        found = manager._shortest_prefix(sampled, lambda text, target=target: len(text) >= target)
+        target = len(text.decode(sampled[:n]))
+        found = text.shortest_prefix(sampled, lambda decoded, target=target: len(decoded) >= target)
         assert found == sampled[:n], n
 
 
@@ -544,7 +544,7 @@ class _AsyncEngine:
     def __init__(self, streams: list[list[int]]) -> None:
         self.streams, self.seeds = list(streams), []
 
-    async def generate(self, context: list[int], seed: int) -> Completion:
+    async def generate(self, context: list[int], seed: int, max_tokens: int | None = None) -> Completion:
         self.seeds.append(seed)
         ids = self.streams.pop(0)
         return Completion(token_ids=ids, log_probs=[-1.0] * len(ids))

@@ -21,7 +21,7 @@ from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManage
 from search_r1.llm_agent.tensor_helper import left_pad
 from tests.llm_agent.helpers import encode, make_gen_batch, prompt_ids
 from verl.utils import batch_keys as K
-from verl.workers.rollout.async_engine import Completion
+from verl.workers.rollout.async_engine import Completion, request_max_tokens
 
 
 def make_config(url: str, **overrides: Any) -> GenerationConfig:
@@ -33,24 +33,29 @@ def make_config(url: str, **overrides: Any) -> GenerationConfig:
 
 class ScriptedStepEngine:
     """A continuous-batching step engine (`async_engine.StepEngine`) that replays scripts: each
-    step finishes every request in flight. Records each request's (prompt ids, seed)."""
+    step finishes every request in flight, cut at the request's `max_tokens` as a real engine cuts
+    it. Records each request's (prompt ids, seed) and its decode budget (`max_tokens`)."""
 
     def __init__(self, tokenizer: Any, scripts: dict[str, list[list[int]]], config: GenerationConfig) -> None:
         self.scripted = ScriptedRollout(tokenizer, scripts)
         self.meta = {K.META_RESPONSE_LENGTH: config.max_response_length, K.META_EOS_TOKEN_ID: tokenizer.eos_token_id,
                      K.META_STOP: list(config.stop)}
         self.requests: list[tuple[list[int], int]] = []
-        self._in_flight: dict[str, list[int]] = {}
+        self.max_tokens: list[int] = []
+        self._in_flight: dict[str, tuple[list[int], int]] = {}
 
-    def add(self, request_id: str, prompt_ids: list[int], seed: int) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], seed: int, max_tokens: int | None = None) -> None:
+        budget = request_max_tokens(request_id, max_tokens, self.meta[K.META_RESPONSE_LENGTH])
         self.requests.append((list(prompt_ids), seed))
-        self._in_flight[request_id] = list(prompt_ids)
+        self.max_tokens.append(budget)
+        self._in_flight[request_id] = (list(prompt_ids), budget)
 
     def has_unfinished(self) -> bool:
         return bool(self._in_flight)
 
     def step(self) -> list[tuple[str, Completion]]:
-        done = [(rid, self.scripted.emit(ids, self.meta)) for rid, ids in self._in_flight.items()]
+        done = [(rid, self.scripted.emit(ids, {**self.meta, K.META_RESPONSE_LENGTH: budget}))
+                for rid, (ids, budget) in self._in_flight.items()]
         self._in_flight.clear()
         return [(rid, Completion(token_ids=ids, log_probs=[-1.0] * len(ids))) for rid, ids in done]
 

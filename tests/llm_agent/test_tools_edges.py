@@ -11,7 +11,8 @@ from collections import Counter
 import pytest
 
 from search_r1.llm_agent import actions, tools
-from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
+from search_r1.llm_agent.generation_config import GenerationConfig
+from search_r1.llm_agent.token_text import TokenText
 from search_r1.llm_agent.tool_turns import ToolTurns
 from search_r1.llm_agent.trajectory import _Row
 from search_r1.search.schema import Hit
@@ -309,7 +310,7 @@ def gen_config(**overrides) -> GenerationConfig:
 
 def turns(tok, **overrides) -> ToolTurns:
     config = gen_config(**overrides)
-    return ToolTurns(LLMGenerationManager(tok, None, config), config)
+    return ToolTurns(TokenText(tok), config)
 
 
 def call(*queries: str) -> str:
@@ -393,8 +394,8 @@ def test_answers_are_cut_on_the_configured_side(tool_tokenizer):
 
 
 def apply(tt, row, text, answers, stats, eos=False, log_probs=None):
-    ids = encode(tt.manager.tokenizer, text) + ([tt.manager.tokenizer.eos_token_id] if eos else [])
-    res = tt.cut_turn(ids, frozenset({tt.manager.tokenizer.eos_token_id}))
+    ids = encode(tt.text.tokenizer, text) + ([tt.text.tokenizer.eos_token_id] if eos else [])
+    res = tt.cut_turn(ids, frozenset({tt.text.tokenizer.eos_token_id}))
     tt.apply_turn(row, res, answers, stats, log_probs)
     return res
 

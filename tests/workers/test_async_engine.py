@@ -171,7 +171,7 @@ class _FailingStepEngine:
         self.aborted: list[str] = []
         self.steps = 0
 
-    def add(self, request_id, prompt_ids, seed):
+    def add(self, request_id, prompt_ids, seed, max_tokens=None):
         self.live.append(request_id)
 
     def has_unfinished(self):

@@ -7,7 +7,7 @@ awaits `generate(prompt_ids, seed)` and gets its own completion back as soon as 
 done, while the others keep decoding.
 
     engine = AsyncEngine(rollout.step_engine(params))   # HFRollout or vLLMRollout
-    completion = await engine.generate(prompt_ids, seed=1234)
+    completion = await engine.generate(prompt_ids, seed=1234, max_tokens=100)
     completion.token_ids, completion.log_probs
 
 Each request samples from its own generator seeded by the caller, so what a trajectory
@@ -35,8 +35,20 @@ class Completion:
     log_probs: list[float]
 
 
+def request_max_tokens(request_id: str, max_tokens: int | None, response_length: int) -> int:
+    """A request's decode budget: `max_tokens` (the trajectory's remaining budget), at most the
+    engine's `response_length`; None: that length."""
+    if max_tokens is None:
+        return int(response_length)
+    if not 1 <= int(max_tokens) <= int(response_length):
+        raise ValueError(f"request {request_id}: max_tokens must be in [1, response_length={response_length}], "
+                         f"got {max_tokens}")
+    return int(max_tokens)
+
+
 class StepEngine(Protocol):
-    def add(self, request_id: str, prompt_ids: Sequence[int], seed: int) -> None: ...
+    # max_tokens: this request's decode budget (None: the engine's response_length; see request_max_tokens).
+    def add(self, request_id: str, prompt_ids: Sequence[int], seed: int, max_tokens: int | None = None) -> None: ...
 
     def has_unfinished(self) -> bool: ...
 
@@ -51,17 +63,18 @@ class AsyncEngine:
 
     def __init__(self, engine: StepEngine) -> None:
         self.engine = engine
-        self._pending: list[tuple[str, list[int], int]] = []
+        self._pending: list[tuple[str, list[int], int, int | None]] = []
         self._futures: dict[str, asyncio.Future[Completion]] = {}
         self._ids = itertools.count()
         self._runner: asyncio.Task[None] | None = None
         self.steps = 0
 
-    async def generate(self, prompt_ids: Sequence[int], seed: int) -> Completion:
+    async def generate(self, prompt_ids: Sequence[int], seed: int, max_tokens: int | None = None) -> Completion:
+        """The request's completion: at most `max_tokens` ids (None: the engine's response_length)."""
         request_id = str(next(self._ids))
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._futures[request_id] = future
-        self._pending.append((request_id, list(prompt_ids), int(seed)))
+        self._pending.append((request_id, list(prompt_ids), int(seed), max_tokens))
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
         return await future
@@ -73,8 +86,8 @@ class AsyncEngine:
                 # back) submit its next request, so it joins this step rather than the next.
                 await asyncio.sleep(0)
                 pending, self._pending = self._pending, []
-                for request_id, prompt_ids, seed in pending:
-                    self.engine.add(request_id, prompt_ids, seed)
+                for request_id, prompt_ids, seed, max_tokens in pending:
+                    self.engine.add(request_id, prompt_ids, seed, max_tokens)
                 if not self.engine.has_unfinished():
                     continue
                 finished = self.engine.step()

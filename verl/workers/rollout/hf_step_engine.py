@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from verl.workers.rollout.async_engine import Completion
+from verl.workers.rollout.async_engine import Completion, request_max_tokens
 from verl.workers.rollout.sampling import (
     SamplingParams,
     StopStringMatcher,
@@ -64,6 +64,7 @@ class HFStepEngine:
         self._keep_last = {"logits_to_keep": 1} if accepts_logits_to_keep else {}
         self._waiting: list[tuple[str, list[int], int]] = []
         self._live: list[_Live] = []
+        self._max_tokens: dict[str, int] = {}          # request id -> its decode budget
         self._cache: Any = None
         self._mask: torch.Tensor | None = None        # (B, T)
         self._next_pos: torch.Tensor | None = None    # (B, 1)
@@ -71,9 +72,10 @@ class HFStepEngine:
         self._eos = set(params.eos_token_ids)
         self.device = next(module.parameters()).device
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], seed: int) -> None:
+    def add(self, request_id: str, prompt_ids: Sequence[int], seed: int, max_tokens: int | None = None) -> None:
         if not prompt_ids:
             raise ValueError(f"request {request_id}: empty prompt")
+        self._max_tokens[request_id] = request_max_tokens(request_id, max_tokens, self.params.response_length)
         self._waiting.append((request_id, list(prompt_ids), seed))
 
     def has_unfinished(self) -> bool:
@@ -82,6 +84,8 @@ class HFStepEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         """Drop these requests, waiting or decoding (a failed call must leave nothing behind)."""
         gone = set(request_ids)
+        for request_id in gone:
+            self._max_tokens.pop(request_id, None)
         self._waiting = [item for item in self._waiting if item[0] not in gone]
         keep = [row for row, live in enumerate(self._live) if live.request_id not in gone]
         if len(keep) < len(self._live):
@@ -100,10 +104,11 @@ class HFStepEngine:
         for row, (live, token, log_prob) in enumerate(zip(self._live, tokens.tolist(), token_log_probs, strict=True)):
             live.sampled.append(token)
             live.log_probs.append(log_prob)
-            done = (len(live.sampled) >= self.params.response_length
+            done = (len(live.sampled) >= self._max_tokens[live.request_id]
                     or (not self.params.ignore_eos and token in self._eos)
                     or self.matcher.completes_stop(live.sampled))
             if done:
+                del self._max_tokens[live.request_id]
                 finished.append((live.request_id, Completion(live.sampled, live.log_probs)))
             else:
                 keep.append(row)

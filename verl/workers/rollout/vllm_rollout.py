@@ -36,7 +36,7 @@ from torch import nn
 
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
-from verl.workers.rollout.async_engine import Completion
+from verl.workers.rollout.async_engine import Completion, request_max_tokens
 from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
 from verl.workers.rollout.sampling import SamplingParams as RolloutParams
 from verl.workers.rollout.sampling import sampling_params_from
@@ -370,11 +370,14 @@ class VLLMStepEngine:
         self.prefix = prefix
         self.seeded = seeded
 
-    def add(self, request_id: str, prompt_ids: Any, seed: int) -> None:
+    def add(self, request_id: str, prompt_ids: Any, seed: int, max_tokens: int | None = None) -> None:
         params = self.params
-        if self.seeded:
+        if self.seeded or max_tokens is not None:
             params = params.clone()
+        if self.seeded:
             params.seed = int(seed)
+        if max_tokens is not None:
+            params.max_tokens = request_max_tokens(request_id, max_tokens, self.params.max_tokens)
         self.engine.add_request(self.prefix + request_id, {"prompt_token_ids": list(prompt_ids)}, params)
 
     def has_unfinished(self) -> bool:
