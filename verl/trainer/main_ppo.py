@@ -61,6 +61,15 @@ CONFIG_DIR = Path(__file__).parent / "config"
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def resolve_checkpoint_dir(config: DictConfig) -> str:
+    """`trainer.default_local_dir` as an absolute path (`~` expanded), set in `config` (in place) and
+    returned: resolved once, here in the driver, before any worker exists, so that every rank writes
+    where the driver reads instead of resolving a relative path against its own working directory."""
+    path = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
+    config.trainer.default_local_dir = path
+    return path
+
+
 def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer",
                    config_dir: str | Path | None = None) -> DictConfig:
     """The config `python -m verl.trainer.main_ppo [--config-path <config_dir> --config-name <config_name>]
@@ -254,6 +263,7 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     # their batch sizes in place, and an interpolation (critic.ppo_mini_batch_size ->
     # actor.ppo_mini_batch_size) would otherwise read the actor's already divided value.
     OmegaConf.resolve(config)
+    resolve_checkpoint_dir(config)
     use_gpu = _has_gpu(config)
     validate_config(config, has_gpu=use_gpu)
     # rollout.name=auto: vLLM where there is a GPU and vllm, the HF loop otherwise (the CPU default).
