@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,24 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Rol
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "config"
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Every worker's environment unless the user's own says otherwise (`worker_env`); why each is set, and
+# which of veRL's variables (verl/trainer/constants_ppo.py) are not: docs/multinode.md "Worker environment".
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",            # one process per device: no OpenMP pool per worker fighting over cores
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",  # no Rust thread pool (and no fork-after-use warning) in workers
+    "NCCL_DEBUG": "WARN",               # an NCCL failure prints NCCL's own reason, not only torch's error code
+    "VLLM_LOGGING_LEVEL": "WARN",       # every engine's per-wake INFO lines would flood the driver's log
+}
+
+
+def worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The `env_vars` of the workers' Ray runtime_env: WORKER_ENV, where a variable set in the driver's
+    environment keeps the driver's value. Ray's runtime_env env_vars override what a worker inherits from
+    its node's raylet, so this is how a user's `export NCCL_DEBUG=INFO` (before `python -m
+    verl.trainer.main_ppo`) reaches every worker on every node instead of being replaced by the default."""
+    environ = os.environ if environ is None else environ
+    return {key: environ.get(key, default) for key, default in WORKER_ENV.items()}
 
 
 def resolve_checkpoint_dir(config: DictConfig) -> str:
@@ -229,7 +247,7 @@ def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
 
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    runtime_env = {"env_vars": worker_env()}
     address = cluster_address(config)
     if address:
         ray.init(address=address, runtime_env=runtime_env)
