@@ -177,9 +177,20 @@ def deploy_retriever(config: DictConfig) -> None:
     """`retriever.serve=ray`: start the retrieval server as a Ray Serve application on the cluster, one
     replica per node by default, and wait (at most `retriever.health_wait_s`) until every replica serves
     (search_r1/search/ray_serve.py)."""
-    from search_r1.search.ray_serve import ServeSettings, deploy
+    import ray
 
-    deploy(ServeSettings.from_config(config.retriever))
+    from search_r1.search.ray_serve import ServeSettings, deploy
+    from search_r1.search.serve_checks import nodes_from_ray, replica_gpu_error
+
+    settings = ServeSettings.from_config(config.retriever)
+    # The cluster's nodes are known now: a replica must not take a GPU the workers (placed after it) need.
+    nodes = ray.nodes()
+    custom = {k: v for k, v in settings.replica_resources.items() if k not in ("num_cpus", "num_gpus")}
+    error = replica_gpu_error(settings.replica_resources.get("num_gpus", 0.0), custom,
+                              per_node_need(config, nodes).get("GPU", 0.0), nodes_from_ray(nodes))
+    if error:
+        raise ConfigError(error + " No retrieval replica and no worker was started.")
+    deploy(settings)
 
 
 REPLICAS_FILE = "retrieval_replicas.json"
