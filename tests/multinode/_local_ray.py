@@ -77,18 +77,22 @@ class LocalRayCluster:
         # Ray's socket paths live under --temp-dir and must stay under 108 bytes: a short folder.
         self.temp_root = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
 
-    def add_node(self, num_cpus: int) -> None:
+    def add_node(self, num_cpus: int, wrap: list[str] = (), resources: dict[str, float] | None = None) -> None:
+        """Start a node; `wrap` runs `ray start` through another command (e.g. `unshare` for a node with
+        file systems of its own), `resources` adds custom Ray resources to tell the node apart."""
         index = len(self.procs)
         temp_dir = self.temp_root / f"n{index}"
         common = ["--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
                   f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+        if resources:
+            common.append(f"--resources={json.dumps(resources)}")
         if index == 0:
             args = ["--head", f"--port={self.port}", f"--ray-client-server-port={self.client_port}",
                     "--include-dashboard=false"]
         else:
             args = [f"--address={self.address}"]
         log = open(self.root / f"node{index}.log", "w")   # noqa: SIM115 -- the node outlives this call
-        self.procs.append(subprocess.Popen([RAY, "start", *args, *common], stdout=log, stderr=subprocess.STDOUT,
+        self.procs.append(subprocess.Popen([*wrap, RAY, "start", *args, *common], stdout=log, stderr=subprocess.STDOUT,
                                            env=ray_env(), cwd=REPO, start_new_session=True))
         self.sessions.append(self.procs[-1].pid)
 

@@ -86,6 +86,32 @@ def test_auto_resume_skips_a_corrupt_newest_checkpoint_naming_the_file(manager, 
     assert str(newest / SHARD) in caplog.text and "global_step_1 (step 1)" in caplog.text
 
 
+def test_auto_resume_falls_back_to_the_newest_intact_checkpoint_not_the_oldest(manager, tmp_path, caplog) -> None:
+    for step in (1, 2):
+        _save(manager, tmp_path, step)
+    newest = _save(manager, tmp_path, 3)
+    _truncate(newest / SHARD)
+    with caplog.at_level(logging.WARNING, logger=ck.__name__):
+        assert ck.find_resume_dir(tmp_path, "auto") == tmp_path / "global_step_2"
+    assert "global_step_2 (step 2)" in caplog.text
+    (tmp_path / ck.LATEST_FILE).unlink()      # the same order from the folders alone
+    assert ck.find_resume_dir(tmp_path, "auto") == tmp_path / "global_step_2"
+
+
+def test_a_half_written_manifest_is_corrupt_never_a_checkpoint_without_one(manager, tmp_path, caplog) -> None:
+    _save(manager, tmp_path, 1)
+    newest = _save(manager, tmp_path, 2)
+    _truncate(newest / MANIFEST_FILE)           # the JSON cut short: unreadable, but there
+    check = verify_manifest(newest)
+    assert check.has_manifest and not check.intact
+    assert check.summary().startswith(f"{newest / MANIFEST_FILE}: unreadable manifest (")
+    with caplog.at_level(logging.WARNING, logger=ck.__name__):
+        assert ck.find_resume_dir(tmp_path, "auto") == tmp_path / "global_step_1"
+    assert "no manifest.json" not in caplog.text
+    with pytest.raises(CorruptCheckpointError, match="unreadable manifest"):
+        ck.find_resume_dir(tmp_path, str(newest))
+
+
 def test_an_explicit_corrupt_checkpoint_stops_naming_the_file_and_the_way_out(manager, tmp_path: Path) -> None:
     _save(manager, tmp_path, 1)
     newest = _save(manager, tmp_path, 2)

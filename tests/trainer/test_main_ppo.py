@@ -478,14 +478,17 @@ def test_check_search_failures_stops_above_the_limit_only() -> None:
     from verl.trainer.ppo.ray_trainer import SearchFailureError, check_search_failures
 
     cfg = compose_config(["retriever.url=http://10.0.0.9:8000/retrieve"])
-    check_search_failures({"env/search_failure_fraction": 0.5}, cfg, "x")          # at the limit: goes on
+    assert cfg.retriever.max_failure_fraction == 0.05   # the default: 1 search in 20 may fail (after retries)
+    check_search_failures({"env/search_failure_fraction": 0.05}, cfg, "x")         # at the limit: goes on
     check_search_failures({}, cfg, "x")                                            # no search, nothing to check
+    with pytest.raises(SearchFailureError, match=r"=0\.062 .* exceeds retriever.max_failure_fraction=0\.05"):
+        check_search_failures({"env/search_failure_fraction": 1 / 16}, cfg, "x")   # 1 of 16 failed: stops
     with pytest.raises(SearchFailureError) as info:
         check_search_failures({"val/env/search_failure_fraction": 0.75, "val/env/search_failures": 3.0}, cfg,
                               "validation at step 4", "val/env/")
     assert isinstance(info.value, RuntimeError)
     assert str(info.value).startswith("val/env/search_failure_fraction=0.750 (val/env/search_failures=3) in the "
-                                      "validation at step 4 exceeds retriever.max_failure_fraction=0.5")
+                                      "validation at step 4 exceeds retriever.max_failure_fraction=0.05")
     assert "GET http://10.0.0.9:8000/health" in str(info.value)
     off = compose_config(["retriever.max_failure_fraction=1.0"])
     check_search_failures({"env/search_failure_fraction": 1.0}, off, "x")
@@ -519,7 +522,7 @@ def test_a_rollout_whose_searches_fail_stops_the_run_before_the_update(tiny_mode
         trainer.train_step(next(iter(trainer.train_dataloader)))
     message = str(info.value)
     assert message.startswith("env/search_failure_fraction=1.000 (env/search_failures=8) in the rollout of "
-                              "training step 1 exceeds retriever.max_failure_fraction=0.5")
+                              "training step 1 exceeds retriever.max_failure_fraction=0.05")
     assert f"GET http://127.0.0.1:{port}/health" in message
     assert trainer.actor_rollout_wg.updates == []        # nothing was trained on the failure notices
 

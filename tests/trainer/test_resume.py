@@ -41,6 +41,16 @@ def test_only_the_last_k_checkpoints_are_kept(tmp_path: Path) -> None:
     assert ck.load_driver_state(tmp_path / "global_step_4").extra == {"kl_coef": 0.5}
 
 
+def test_checkpoints_are_ordered_by_step_number_not_by_name(tmp_path: Path) -> None:
+    # By name global_step_10 sorts before global_step_8: keeping "the last two" would then delete 10.
+    for step in (8, 9, 10):
+        _save(tmp_path, step, keep=2)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["global_step_9", "global_step_10"]
+    assert not (tmp_path / "global_step_8").exists()
+    (tmp_path / ck.LATEST_FILE).unlink()     # without the pointer the folders alone say which is newest
+    assert ck.find_resume_dir(tmp_path, "auto") == tmp_path / "global_step_10"
+
+
 def test_resume_modes(tmp_path: Path) -> None:
     _save(tmp_path, 1)
     _save(tmp_path, 2)

@@ -134,8 +134,8 @@ def test_grpo_step_with_search_against_a_real_server_uses_kl_loss_and_no_critic(
 def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_rollout(
         ray_cluster, search_world: SearchWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up probe finds a live server, which then goes away: the first rollout's searches
-    all fail, and the run stops there (retriever.max_failure_fraction=0.5) instead of training on
-    failure notices."""
+    all fail, and the run stops there (above the default retriever.max_failure_fraction=0.05) instead
+    of training on failure notices."""
     from contextlib import ExitStack
 
     from search_r1.search.retrieval_server import create_app
@@ -161,7 +161,7 @@ def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_
     assert probed == [f"{url}/health"]
     message = str(info.value)
     assert message.startswith("env/search_failure_fraction=1.000 (env/search_failures=")
-    assert "in the rollout of training step 1 exceeds retriever.max_failure_fraction=0.5" in message
+    assert "in the rollout of training step 1 exceeds retriever.max_failure_fraction=0.05" in message
     assert f"retriever.url={url}/retrieve: GET {url}/health" in message
     # stopped before the update: no step was logged, no checkpoint written
     metrics_file = tmp_path / "ckpt" / "logs" / "metrics.jsonl"

@@ -466,9 +466,12 @@ def _check_retriever_serve(cfg: DictConfig, errors: list[str]) -> None:
         check_server_args(server_args)
     except ValueError as err:
         errors.append(str(err))
-    if server_args.get("faiss_gpu") and float(retriever.replica_resources.num_gpus) <= 0:
+        server_args = None   # not a command line the replicas would start with: nothing to size
+    if server_args is not None and server_args.get("faiss_gpu") and float(retriever.replica_resources.num_gpus) <= 0:
         errors.append("retriever.server_args.faiss_gpu=true needs retriever.replica_resources.num_gpus > 0: a replica "
                       "without a GPU of its own sees none (and a node whose GPUs all train has none to give)")
+    elif server_args is not None:
+        _check_retriever_replica_sizes(cfg, server_args, errors)
     try:
         import_serve()
     except ImportError as err:
@@ -476,6 +479,38 @@ def _check_retriever_serve(cfg: DictConfig, errors: list[str]) -> None:
     if cfg.actor_rollout_ref.rollout.get("mode", "sync") == "sync":
         logger.warning("retriever.serve=ray with rollout.mode=sync: the driver searches for every row, so only the "
                        "replica on the driver's node answers; rollout.mode=async spreads searches over the nodes")
+
+
+def _check_retriever_replica_sizes(cfg: DictConfig, server_args: dict, errors: list[str]) -> None:
+    """A replica's CPUs must answer a turn's searches over a dense Flat index within retriever.timeout;
+    a local run's replicas must not ask for a GPU the workers take (search_r1/search/serve_checks.py;
+    on a joined cluster the driver checks the GPUs against ray.nodes() before it deploys)."""
+    from search_r1.search import serve_checks
+
+    retriever = cfg.retriever
+    rollouts = rollouts_per_step(cfg)
+    if cfg.actor_rollout_ref.rollout.get("mode", "sync") == "sync":
+        queries, why = rollouts, (f"rollout.mode=sync: the driver sends every row's search of a turn, "
+                                  f"{rollouts} rollouts, to its own node's replica")
+    else:
+        replicas = int(retriever.replicas) if retriever.replicas is not None else int(cfg.trainer.nnodes)
+        queries = -(-rollouts // max(1, replicas))
+        why = f"rollout.mode=async: {rollouts} rollouts searching at once over {replicas} replica(s)"
+    error = serve_checks.replica_cpu_error(server_args, float(retriever.replica_resources.num_cpus), queries,
+                                           float(retriever.timeout), why)
+    if error:
+        errors.append(error)
+    if cluster_address(cfg) is None and float(retriever.replica_resources.num_gpus) > 0:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and gpus > 0)
+        # a local Ray is this machine (custom resources are the deploy's to report: it has none)
+        node = serve_checks.NodeGpus("this machine (a local Ray)", float(gpus), {})
+        error = serve_checks.replica_gpu_error(float(retriever.replica_resources.num_gpus), {},
+                                               float(cfg.trainer.n_gpus_per_node) if on_gpu else 0.0, [node])
+        if error:
+            errors.append(error)
 
 
 def _check_max_model_len(cfg: DictConfig, errors: list[str]) -> None:

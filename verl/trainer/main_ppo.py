@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,33 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Rol
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "config"
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Every worker's environment unless the user's own says otherwise (`worker_env`); why each is set, and
+# which of veRL's variables (verl/trainer/constants_ppo.py) are not: docs/multinode.md "Worker environment".
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",            # one process per device: no OpenMP pool per worker fighting over cores
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",  # no Rust thread pool (and no fork-after-use warning) in workers
+    "NCCL_DEBUG": "WARN",               # an NCCL failure prints NCCL's own reason, not only torch's error code
+    "VLLM_LOGGING_LEVEL": "WARN",       # every engine's per-wake INFO lines would flood the driver's log
+}
+
+
+def worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The `env_vars` of the workers' Ray runtime_env: WORKER_ENV, where a variable set in the driver's
+    environment keeps the driver's value. Ray's runtime_env env_vars override what a worker inherits from
+    its node's raylet, so this is how a user's `export NCCL_DEBUG=INFO` (before `python -m
+    verl.trainer.main_ppo`) reaches every worker on every node instead of being replaced by the default."""
+    environ = os.environ if environ is None else environ
+    return {key: environ.get(key, default) for key, default in WORKER_ENV.items()}
+
+
+def resolve_checkpoint_dir(config: DictConfig) -> str:
+    """`trainer.default_local_dir` as an absolute path (`~` expanded), set in `config` (in place) and
+    returned: resolved once, here in the driver, before any worker exists, so that every rank writes
+    where the driver reads instead of resolving a relative path against its own working directory."""
+    path = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
+    config.trainer.default_local_dir = path
+    return path
 
 
 def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer",
@@ -150,9 +177,20 @@ def deploy_retriever(config: DictConfig) -> None:
     """`retriever.serve=ray`: start the retrieval server as a Ray Serve application on the cluster, one
     replica per node by default, and wait (at most `retriever.health_wait_s`) until every replica serves
     (search_r1/search/ray_serve.py)."""
-    from search_r1.search.ray_serve import ServeSettings, deploy
+    import ray
 
-    deploy(ServeSettings.from_config(config.retriever))
+    from search_r1.search.ray_serve import ServeSettings, deploy
+    from search_r1.search.serve_checks import nodes_from_ray, replica_gpu_error
+
+    settings = ServeSettings.from_config(config.retriever)
+    # The cluster's nodes are known now: a replica must not take a GPU the workers (placed after it) need.
+    nodes = ray.nodes()
+    custom = {k: v for k, v in settings.replica_resources.items() if k not in ("num_cpus", "num_gpus")}
+    error = replica_gpu_error(settings.replica_resources.get("num_gpus", 0.0), custom,
+                              per_node_need(config, nodes).get("GPU", 0.0), nodes_from_ray(nodes))
+    if error:
+        raise ConfigError(error + " No retrieval replica and no worker was started.")
+    deploy(settings)
 
 
 REPLICAS_FILE = "retrieval_replicas.json"
@@ -220,7 +258,7 @@ def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
 
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": dict(WORKER_ENV)}
+    runtime_env = {"env_vars": worker_env()}
     address = cluster_address(config)
     if address:
         ray.init(address=address, runtime_env=runtime_env)
@@ -254,6 +292,7 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     # their batch sizes in place, and an interpolation (critic.ppo_mini_batch_size ->
     # actor.ppo_mini_batch_size) would otherwise read the actor's already divided value.
     OmegaConf.resolve(config)
+    resolve_checkpoint_dir(config)
     use_gpu = _has_gpu(config)
     validate_config(config, has_gpu=use_gpu)
     # rollout.name=auto: vLLM where there is a GPU and vllm, the HF loop otherwise (the CPU default).

@@ -33,6 +33,7 @@ from verl.utils import device as device_utils
 from verl.utils import fsdp_utils
 from verl.utils.attention import attn_implementation
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+from verl.utils.checkpoint.shared_dir import RankMarker, write_rank_marker
 from verl.utils.device import get_device_name, get_dist_backend
 from verl.utils.model import get_model_flops_info, load_causal_lm, load_value_model
 from verl.utils.tokenizer import eos_token_ids
@@ -509,6 +510,12 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._weights_version += 1
         self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
         return step
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def write_checkpoint_probe(self, root: str, probe_id: str) -> RankMarker:
+        """Write this rank's marker (rank, host, pid) under `root`: before the first save the driver
+        checks that it sees every rank's (verl/utils/checkpoint/shared_dir.py). Needs no model."""
+        return write_rank_marker(root, probe_id, self.rank)
 
     # ---------------------------------------------------------- weight sync (trainer.pipeline)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

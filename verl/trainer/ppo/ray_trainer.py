@@ -662,9 +662,24 @@ class RayPPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
+    _checked_checkpoint_root: str | None = None   # the root every rank was seen writing into
+
+    def verify_checkpoint_root(self) -> None:
+        """Before the first save or load: every rank writes a marker into trainer.default_local_dir
+        and this driver must see them all (verl/utils/checkpoint/shared_dir.py); SharedDirError
+        naming the ranks and the key otherwise. Once per root."""
+        from verl.utils.checkpoint.shared_dir import verify_shared_dir
+
+        root = str(self.config.trainer.default_local_dir)
+        if self._checked_checkpoint_root == root:
+            return
+        verify_shared_dir(root, self.actor_rollout_wg.write_checkpoint_probe)
+        self._checked_checkpoint_root = root
+
     def save_checkpoint(self) -> Path:
         trainer = self.config.trainer
         root = Path(trainer.default_local_dir)
+        self.verify_checkpoint_root()
         tmp = checkpointing.begin_checkpoint(root, self.global_step)
         hf_path = str(tmp / "hf") if trainer.save_hf_model else None
         self.actor_rollout_wg.save_checkpoint(str(tmp / "actor"), self.global_step, hf_path)
@@ -680,9 +695,13 @@ class RayPPOTrainer:
     def load_checkpoint(self) -> Path | None:
         """Resume per trainer.resume_mode; returns the folder loaded, or None for a fresh start."""
         trainer = self.config.trainer
+        if int(trainer.save_freq) > 0:
+            # at start-up, not after the first save_freq steps: a run that could never resume stops now
+            self.verify_checkpoint_root()
         folder = checkpointing.find_resume_dir(trainer.default_local_dir, str(trainer.resume_mode))
         if folder is None:
             return None
+        self.verify_checkpoint_root()   # the workers read their shards from where this driver found them
         state = checkpointing.load_driver_state(folder)
         try:
             self.actor_rollout_wg.load_checkpoint(str(folder / "actor"))
