@@ -34,6 +34,8 @@
 #                      on the cluster, one replica per node (retriever.serve=ray, docs/multinode.md),
 #                      over index_file / corpus_file (or file_path), retriever_name, retriever_path:
 #                      this script appends those overrides to the command
+#   RETRIEVER_CPUS     serve=ray: CPUs of each replica (default 32: a wiki-18 e5 Flat index needs >= 23 to
+#                      answer a 512-query turn within retriever.timeout; the config check says so if too few)
 #   RAY_AUTH_MODE      exported as is; default "disabled" (token auth needs the same token file
 #                      on every node: set RAY_AUTH_MODE=token with a shared ~/.ray/auth_token)
 set -euo pipefail
@@ -138,7 +140,7 @@ if [ "${RETRIEVER_SERVE:-}" = ray ]; then
     set -- "$@" retriever.serve=ray "+retriever.server_args.index_path=$serve_index" \
         "+retriever.server_args.corpus_path=$serve_corpus" "+retriever.server_args.retriever_name=${retriever_name:-e5}" \
         "+retriever.server_args.retriever_model=${retriever_path:-intfloat/e5-base-v2}" \
-        "retriever.health_wait_s=$retriever_wait"
+        "retriever.replica_resources.num_cpus=${RETRIEVER_CPUS:-32}" "retriever.health_wait_s=$retriever_wait"
 elif [ -n "${RETRIEVER_SERVE:-}" ]; then
     die "RETRIEVER_SERVE=${RETRIEVER_SERVE}: the only value is ray (unset it for the job's own retrieval server)"
 fi

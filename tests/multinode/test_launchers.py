@@ -228,6 +228,8 @@ def test_documented_sbatch_commands_compose_a_config_that_holds_on_their_nodes(
             "index_path": "/shared/wiki/e5_Flat.index", "corpus_path": "/shared/wiki/wiki-18.jsonl",
             "retriever_name": "e5", "retriever_model": "intfloat/e5-base-v2"}
         assert cfg.retriever.health_wait_s == 900       # RETRIEVER_WAIT_S's default: every node loads the index
+        # RETRIEVER_CPUS's default: a wiki-18 e5 Flat replica needs >= 23 CPUs (search/serve_checks.py)
+        assert cfg.retriever.replica_resources.num_cpus == 32
     else:
         assert cfg.retriever.serve is None
 
