@@ -128,6 +128,8 @@ def load_sharded_model(build: Callable[[], nn.Module], path: str, mesh: Any, dev
                 continue   # a persistent buffer the checkpoint lacks keeps its constructed value
             _copy_into(target, full, entry.names[0])
             del full
+    logger.info("%s: %d tensors (%.2f GiB as stored) received from rank %d; initialised fresh: %s", path,
+                len(report.loaded), report.broadcast_bytes / 2**30, src, report.fresh or "none")
     return module, report
 
 
