@@ -3,21 +3,35 @@
     actor = load_causal_lm(cfg.model.path, cfg.model.override_config, torch.float32)
     critic = load_value_model(cfg.model.path, cfg.model.override_config, torch.float32)
     info = get_model_flops_info(actor)    # hidden size, layers, parameter count, for MFU
+
+`load_*` read the weights in this process (`from_pretrained`: the whole model, for one process).
+The workers instead build the architecture with `build_*` on the meta device and receive their
+shards from rank 0 (`verl/utils/sharded_init.py`), so no rank holds the whole model.
+
+Attention: `attn_implementation` (verl/utils/attention.py: flash_attention_2 for packed batches
+on CUDA) is passed to Hugging Face; if it refuses it, packing (`use_remove_padding`) is an error
+naming the key, and otherwise the model's default kernel is used, with a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.modeling_outputs import TokenClassifierOutput
 
+from verl.utils.attention import FLASH_ATTN_INSTALL
+
 logger = logging.getLogger(__name__)
+
+ACTOR_PACKING_KEY = "actor_rollout_ref.model.use_remove_padding"
+CRITIC_PACKING_KEY = "critic.model.use_remove_padding"
 
 
 def _plain_dict(override_config: Any) -> dict[str, Any]:
@@ -41,28 +55,59 @@ def load_model_config(path: str, override_config: Any = None, **extra: Any) -> A
     return config
 
 
+def value_model_config(path: str, override_config: Any = None) -> Any:
+    """The critic's config: one label (the value), and classifier_dropout 0 unless overridden:
+    dropout on the value head would make values random in training mode and differ between the
+    compute and update passes."""
+    overrides = {"classifier_dropout": 0.0, **_plain_dict(override_config)}
+    return load_model_config(path, overrides, num_labels=1)
+
+
 def load_causal_lm(path: str, override_config: Any = None, dtype: torch.dtype = torch.float32,
-                   attn_implementation: str | None = None) -> nn.Module:
-    """The policy (or reference) model: AutoModelForCausalLM in `dtype`."""
-    config = load_model_config(path, override_config)
-    return _from_pretrained(AutoModelForCausalLM, path, config, dtype, attn_implementation)
+                   attn_implementation: str | None = None, use_remove_padding: bool = False) -> nn.Module:
+    """The policy (or reference) model: AutoModelForCausalLM in `dtype`, weights read here."""
+    # A fresh config per attempt: Hugging Face writes the refused attn_implementation into it.
+    return _instantiate(
+        lambda attn: AutoModelForCausalLM.from_pretrained(
+            path, config=load_model_config(path, override_config), dtype=dtype, **attn),
+        attn_implementation, use_remove_padding, ACTOR_PACKING_KEY)
 
 
-def _from_pretrained(auto_cls: Any, path: str, config: Any, dtype: torch.dtype,
-                     attn_implementation: str | None) -> nn.Module:
-    kwargs: dict[str, Any] = {"config": config, "dtype": dtype}
+def build_causal_lm(path: str, override_config: Any = None, attn_implementation: str | None = None,
+                    use_remove_padding: bool = False) -> nn.Module:
+    """The policy's architecture in fp32 with its constructor's weights (none under
+    `sharded_init.parameters_on_meta`): the checkpoint is loaded separately."""
+    return _instantiate(
+        lambda attn: AutoModelForCausalLM.from_config(load_model_config(path, override_config),
+                                                      dtype=torch.float32, **attn),
+        attn_implementation, use_remove_padding, ACTOR_PACKING_KEY)
+
+
+def _instantiate(make: Callable[[dict[str, Any]], nn.Module], attn_implementation: str | None,
+                 use_remove_padding: bool, packing_key: str) -> nn.Module:
+    """make({"attn_implementation": ...}), or make({}) for the model's default kernel when
+    Hugging Face refuses the one asked for and no packing depends on it."""
     if not attn_implementation:
-        return auto_cls.from_pretrained(path, **kwargs)
+        return make({})
     try:
-        return auto_cls.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+        return make({"attn_implementation": attn_implementation})
     except (ImportError, ValueError) as err:
-        # e.g. flash-attn built for another CUDA: sdpa is slower but equally correct.
-        logger.warning("attn_implementation=%s unavailable (%s); using the default", attn_implementation, err)
-        return auto_cls.from_pretrained(path, **kwargs)
+        if use_remove_padding:
+            # Packed rows need the varlen kernel: sdpa would attend across the packed sequences
+            # (one causal window over the whole micro-batch) or fail later with a shape error.
+            raise ValueError(
+                f"{packing_key}=True needs attn_implementation={attn_implementation!r}, which Hugging Face "
+                f"refused ({type(err).__name__}: {err}); install flash-attn with `{FLASH_ATTN_INSTALL}` (after a "
+                f"CUDA torch; docs/training.md, 'Installing on GPUs'), or set {packing_key}=False") from err
+        # e.g. flash-attn built for another CUDA: sdpa is slower but equally correct without packing.
+        logger.warning("attn_implementation=%s unavailable (%s); using the model's default", attn_implementation, err)
+        return make({})
 
 
 class CausalLMWithValueHead(nn.Module):
     """Fallback critic for architectures with no token-classification class: backbone + linear value head."""
+
+    base_model_prefix = "model"   # the backbone's weights are "model.*", as in a causal-LM checkpoint
 
     def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
         super().__init__()
@@ -81,22 +126,41 @@ class CausalLMWithValueHead(nn.Module):
 
 
 def load_value_model(path: str, override_config: Any = None, dtype: torch.dtype = torch.float32,
-                     attn_implementation: str | None = None) -> nn.Module:
-    """Critic: AutoModelForTokenClassification with one label (the value), else backbone + value head.
+                     attn_implementation: str | None = None, use_remove_padding: bool = False) -> nn.Module:
+    """Critic: AutoModelForTokenClassification with one label (the value), else backbone + value
+    head; weights read here (the value head is initialised fresh: seed the RNG first)."""
+    # A fresh config per attempt: Hugging Face writes the refused attn_implementation into it.
+    def config() -> Any:
+        return value_model_config(path, override_config)
 
-    classifier_dropout defaults to 0: dropout on the value head would make values
-    random in training mode and differ between the compute and update passes.
-    """
-    overrides = {"classifier_dropout": 0.0, **_plain_dict(override_config)}
-    config = load_model_config(path, overrides, num_labels=1)
-    from transformers import AutoModel
+    if _has_token_classification(config()):
+        return _instantiate(
+            lambda attn: AutoModelForTokenClassification.from_pretrained(path, config=config(), dtype=dtype, **attn),
+            attn_implementation, use_remove_padding, CRITIC_PACKING_KEY)
+    backbone = _instantiate(lambda attn: AutoModel.from_pretrained(path, config=config(), dtype=dtype, **attn),
+                            attn_implementation, use_remove_padding, CRITIC_PACKING_KEY)
+    return CausalLMWithValueHead(backbone, backbone.config.hidden_size).to(dtype)
+
+
+def build_value_model(path: str, override_config: Any = None, attn_implementation: str | None = None,
+                      use_remove_padding: bool = False) -> nn.Module:
+    """The critic's architecture in fp32 (`load_value_model`'s), without reading the checkpoint."""
+    def config() -> Any:
+        return value_model_config(path, override_config)
+
+    if _has_token_classification(config()):
+        return _instantiate(
+            lambda attn: AutoModelForTokenClassification.from_config(config(), dtype=torch.float32, **attn),
+            attn_implementation, use_remove_padding, CRITIC_PACKING_KEY)
+    backbone = _instantiate(lambda attn: AutoModel.from_config(config(), dtype=torch.float32, **attn),
+                            attn_implementation, use_remove_padding, CRITIC_PACKING_KEY)
+    return CausalLMWithValueHead(backbone, backbone.config.hidden_size).to(torch.float32)
+
+
+def _has_token_classification(config: Any) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
-    if config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
-        return _from_pretrained(AutoModelForTokenClassification, path, config, dtype, attn_implementation)
-    # No token-classification class is registered for this architecture.
-    backbone = _from_pretrained(AutoModel, path, config, dtype, attn_implementation)
-    return CausalLMWithValueHead(backbone, config.hidden_size).to(dtype)
+    return config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ step); each worker turns them into per-rank sizes in __init__, veRL style.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -35,7 +35,8 @@ from verl.utils.attention import attn_implementation
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.checkpoint.shared_dir import RankMarker, write_rank_marker
 from verl.utils.device import get_device_name, get_dist_backend
-from verl.utils.model import get_model_flops_info, load_causal_lm, load_value_model
+from verl.utils.model import build_causal_lm, build_value_model, get_model_flops_info
+from verl.utils.sharded_init import load_sharded_model
 from verl.utils.tokenizer import eos_token_ids
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
@@ -174,16 +175,31 @@ class _FSDPWorkerBase(Worker):
     def _attn_implementation(self, use_remove_padding: bool) -> str | None:
         return attn_implementation(self.device, use_remove_padding)
 
-    def _wrap(self, module: nn.Module, model_cfg: Any, trainable: bool) -> nn.Module:
-        """Gradient checkpointing, freezing, then FSDP2 over every decoder layer and the root."""
+    def _prepare(self, module: nn.Module, model_cfg: Any, trainable: bool) -> None:
+        """Gradient checkpointing or freezing: what must be set before FSDP2 wraps the model."""
         if trainable and model_cfg.get("enable_gradient_checkpointing", False):
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
             module.requires_grad_(False)
+
+    def _wrap(self, module: nn.Module, model_cfg: Any, trainable: bool) -> nn.Module:
+        """An already loaded model: prepared, then FSDP2 over every decoder layer and the root."""
+        self._prepare(module, model_cfg, trainable)
         mixed_precision = fsdp_utils.gpu_mixed_precision() if self.device == "cuda" else None
         module = fsdp_utils.apply_fsdp2(module, self.device_mesh, mixed_precision)
         if self.device == "cuda":
             module.to(self.device)
+        return module
+
+    def _load_sharded(self, build: Callable[[], nn.Module], model_cfg: Any, trainable: bool) -> nn.Module:
+        """`build()` on the meta device, prepared and sharded with FSDP2; rank 0 alone reads the
+        checkpoint and streams it to every rank's shard (verl/utils/sharded_init.py: no rank ever
+        holds the whole model). Weights the checkpoint lacks (the value head) are seeded with 0."""
+        mixed_precision = fsdp_utils.gpu_mixed_precision() if self.device == "cuda" else None
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+        module, _ = load_sharded_model(build, model_cfg.path, self.device_mesh, device,
+                                       prepare=lambda m: self._prepare(m, model_cfg, trainable),
+                                       mixed_precision=mixed_precision, seed=0)
         return module
 
     # Offload: params / grads / optimizer state live on the host between calls when asked.
@@ -248,10 +264,10 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self.actor_module = self.actor_optimizer = self.actor_lr_scheduler = None
         self._weights_version = 0   # bumped by every change of the actor's weights
         if self._is_actor or self._is_rollout:
-            # Same seed on every rank: any freshly initialised weight is identical everywhere.
-            torch.manual_seed(0)
-            module = load_causal_lm(model_cfg.path, model_cfg.get("override_config"), torch.float32, attn)
-            self.actor_module = self._wrap(module, model_cfg, trainable=self._is_actor)
+            torch.manual_seed(0)   # as before the sharded load: the same RNG state on every rank after init
+            self.actor_module = self._load_sharded(
+                lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
+                model_cfg, trainable=self._is_actor)
             if self._is_actor:
                 self.actor_optimizer, self.actor_lr_scheduler = fsdp_utils.build_optimizer(
                     self.actor_module, self.config.actor.optim)
@@ -271,9 +287,9 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                                          device_index=device_index)
             self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
         if self._is_ref:
-            torch.manual_seed(0)
-            ref = load_causal_lm(model_cfg.path, model_cfg.get("override_config"), torch.float32, attn)
-            self.ref_module = self._wrap(ref, model_cfg, trainable=False)
+            self.ref_module = self._load_sharded(
+                lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
+                model_cfg, trainable=False)
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module, None,
                                                    use_remove_padding=use_rmpad)
             self._offload(self.ref_module, None, self.config.ref.fsdp_config)
@@ -619,10 +635,11 @@ class CriticWorker(_FSDPWorkerBase):
         model_cfg = self.config.model
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.get("tokenizer_path") or model_cfg.path)
         use_rmpad = bool(model_cfg.get("use_remove_padding", False))
-        torch.manual_seed(0)
-        module = load_value_model(model_cfg.path, model_cfg.get("override_config"), torch.float32,
-                                  self._attn_implementation(use_rmpad))
-        self.critic_module = self._wrap(module, model_cfg, trainable=True)
+        attn = self._attn_implementation(use_rmpad)
+        torch.manual_seed(0)   # the RNG state the critic's shuffles start from: the same on every rank
+        self.critic_module = self._load_sharded(
+            lambda: build_value_model(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
+            model_cfg, trainable=True)
         self.critic_optimizer, self.critic_lr_scheduler = fsdp_utils.build_optimizer(
             self.critic_module, self.config.optim)
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer,
