@@ -104,11 +104,11 @@ def test_ratios_are_bounded_to_exp_20() -> None:
 def test_the_policy_loss_is_weighted_token_by_token() -> None:
     old, new = torch.zeros(2, 3), torch.full((2, 3), 0.1)
     adv, mask = torch.tensor([[1.0, -1.0, 2.0], [0.5, 1.0, 0.0]]), MASK.float()
-    plain, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2)
-    ones, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=torch.ones(2, 3))
+    plain, _, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2)
+    ones, _, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=torch.ones(2, 3))
     assert float(ones) == pytest.approx(float(plain))
     weights = torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.2, 0.0]])
-    weighted, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=weights)
+    weighted, _, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=weights)
     ratio = math.exp(0.1)
     per_token = [[-1 * min(ratio, 1.2), 1 * ratio, -2 * min(ratio, 1.2)], [-0.5 * min(ratio, 1.2), -1 * min(ratio, 1.2)]]
     w = [[2.0, 0.5, 1.0], [1.5, 1.2]]

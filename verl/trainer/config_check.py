@@ -372,6 +372,10 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
             "actor_rollout_ref.actor.use_kl_loss=True and algorithm.use_kl_in_reward=True: "
             "the KL to the reference is applied twice (as a loss and as a reward penalty)"
         )
+    clip_ratio_c = actor.get("clip_ratio_c", 3.0)
+    if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, (int, float)) or not clip_ratio_c > 1:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_c={clip_ratio_c!r} must be a number > 1 (the dual-clip "
+                      "bound: for a negative advantage A a token's loss is at most -A * clip_ratio_c; veRL's default 3)")
     from verl.trainer.ppo.rollout_correction import bypass_mode
     from verl.trainer.ppo.rollout_correction import config_errors as rollout_correction_errors
 
