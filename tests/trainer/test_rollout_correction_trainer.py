@@ -1,6 +1,7 @@
 """The driver's rollout-correction glue (RayPPOTrainer._reward_masks_advantages): rejection before the
 advantages, so rejected tokens shape no statistic of the kept ones, while a rejected token that
-carries the outcome reward still passes it back. No workers: the stage runs in the driver on a hand-made batch."""
+carries the outcome reward still passes it back; and a pipelined run's default token IS only when no
+other correction is chosen. No workers: the stage runs in the driver on a hand-made batch."""
 
 from __future__ import annotations
 
@@ -73,3 +74,30 @@ def test_a_rejected_token_carrying_the_reward_still_passes_it_back_but_shapes_no
     low, high = (1 - 2.2) / std, (3 - 2.2) / std
     torch.testing.assert_close(batch.batch[K.ADVANTAGES], torch.tensor([[low, low, 0.0], [high, high, high]]))
     torch.testing.assert_close(batch.batch[K.RETURNS], torch.tensor([[1.0, 1.0, 0.0], [3.0, 3.0, 3.0]]))
+
+
+@pytest.mark.parametrize(("overrides", "weights", "mask"), [
+    # no correction chosen: the pipeline's default token IS (ratios e^0.5 = 1.65 and e^1 truncated to 2)
+    ([], [[1.0, math.exp(0.5), 2.0]], [[1, 1, 1]]),
+    # rejection only: no IS is added; the token above 2 is rejected
+    ([f"{PREFIX}.rollout_rs=token", f"{PREFIX}.rollout_rs_threshold=2.0"], None, [[1, 1, 0]]),
+    # the default IS turned off explicitly: nothing at all
+    ([f"{PREFIX}.rollout_is=null"], None, [[1, 1, 1]]),
+])
+def test_a_pipeline_adds_token_is_only_when_no_correction_is_chosen(overrides: list[str], weights: list | None,
+                                                                    mask: list) -> None:
+    trainer = _trainer(["algorithm.adv_estimator=grpo", *overrides], torch.zeros(1, 3), pipelined=True)
+    batch = _batch(torch.tensor([[0.0, 0.5, 1.0]]), torch.ones(1, 3, dtype=torch.long), ["a"])
+    metrics: dict[str, float] = {}
+    trainer._apply_rollout_correction(batch, metrics)
+    assert batch.batch[K.RESPONSE_MASK].tolist() == mask
+    if weights is None:
+        assert K.ROLLOUT_IS_WEIGHTS not in batch.batch.keys()
+        assert "rollout_corr/is_weight_mean" not in metrics
+    else:
+        torch.testing.assert_close(batch.batch[K.ROLLOUT_IS_WEIGHTS], torch.tensor(weights))
+    # the same config in a sync run adds nothing by default
+    sync = _trainer(["algorithm.adv_estimator=grpo"], torch.zeros(1, 3))
+    batch = _batch(torch.tensor([[0.0, 0.5, 1.0]]), torch.ones(1, 3, dtype=torch.long), ["a"])
+    sync._apply_rollout_correction(batch, metrics)
+    assert K.ROLLOUT_IS_WEIGHTS not in batch.batch.keys()

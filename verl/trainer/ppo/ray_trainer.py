@@ -17,7 +17,6 @@ driver RNG and KL-controller state, so a resumed run continues exactly.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import uuid
 from collections.abc import Iterator
@@ -521,13 +520,12 @@ class RayPPOTrainer:
 
     def _apply_rollout_correction(self, batch: DataProto, metrics: dict[str, float]) -> None:
         """algorithm.rollout_correction: IS weights (pi_old / pi_rollout) for the actor's policy loss
-        and rejected tokens out of response_mask (so out of the losses), from the engine's log-probs
-        and the actor's recomputed ones. Advantages were computed before, as for cut contexts."""
-        cfg = rollout_correction.RolloutCorrectionConfig.from_config(self.config.algorithm.get("rollout_correction"))
-        if self.pipelined and cfg.rollout_is is None and not cfg.bypass_old_logprob_for_rollout:
-            # the decoupled loss: the PPO ratio against the weights at the start of the update (old
-            # log-probs, the proximal policy), times truncated IS weights against the stale sampler
-            cfg = dataclasses.replace(cfg, rollout_is="token")
+        and rejected tokens out of response_mask (so out of the losses and, computed next, out of the
+        advantages' statistics), from the engine's log-probs and the actor's recomputed ones. A
+        pipelined run's `rollout_is: auto` (the default) is token IS unless another correction is
+        chosen (RolloutCorrectionConfig.from_config)."""
+        cfg = rollout_correction.RolloutCorrectionConfig.from_config(
+            self.config.algorithm.get("rollout_correction"), pipelined=self.pipelined)
         if not cfg.enabled:
             return
         _require_rollout_log_probs(batch)
