@@ -25,10 +25,14 @@ def _loss(log_prob: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: to
 def test_negative_advantage_loss_stops_at_clip_ratio_c_times_minus_a() -> None:
     # ratios 10, 1.5 and 10; advantages -1, -2, +1; a padding position whose log-probs are NaN / -inf
     old = torch.tensor([[0.0, 0.0, 0.0, float("nan")]])
-    new = torch.tensor([[math.log(10.0), math.log(1.5), math.log(10.0), float("-inf")]])
+    new = torch.tensor([[math.log(10.0), math.log(1.5), math.log(10.0), float("-inf")]], requires_grad=True)
     adv = torch.tensor([[-1.0, -2.0, 1.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
     pg_loss, clipfrac, ppo_kl, clipfrac_lower = core_algos.compute_policy_loss(old, new, adv, mask, EPS)
+    # the gradient: 0 where a clip holds the loss (tokens 0 and 2) and on padding (not NaN: the NaN
+    # log-ratio there is selected out before the exp, not multiplied by 0 after it); token 1: -A r / 3
+    pg_loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 2.0 * 1.5 / 3, 0.0, 0.0]]))
     # token 0: max(-A r, -A clip(r)) = max(10, 1.2) = 10, above -A c = 3: 3 (dual-clipped)
     # token 1: max(3, 2.4) = 3, below -A c = 6: 3 (not dual-clipped)
     # token 2: A > 0: max(-10, -1.2) = -1.2 (the ordinary clip; no dual clip for A > 0)
@@ -37,7 +41,7 @@ def test_negative_advantage_loss_stops_at_clip_ratio_c_times_minus_a() -> None:
     assert clipfrac.item() == pytest.approx(1 / 3)                     # token 2's clipped term is active
     assert ppo_kl.item() == pytest.approx(-(math.log(10) + math.log(1.5) + math.log(10)) / 3)
     # without the bound (clip_ratio_c huge) token 0 would weigh its ratio, 10
-    unbounded = core_algos.compute_policy_loss(old, new, adv, mask, EPS, clip_ratio_c=1e9)
+    unbounded = core_algos.compute_policy_loss(old, new.detach(), adv, mask, EPS, clip_ratio_c=1e9)
     assert unbounded[0].item() == pytest.approx((10.0 + 3.0 - 1.2) / 3)
     assert unbounded[3].item() == 0.0
 
