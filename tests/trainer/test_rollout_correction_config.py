@@ -122,3 +122,12 @@ def test_auto_is_token_is_in_a_pipeline_that_chose_no_other_correction(keys: dic
     # no node at all: every key at its default (auto)
     assert RolloutCorrectionConfig.from_config(None, pipelined=True).rollout_is == "token"
     assert RolloutCorrectionConfig.from_config({"rollout_rs": "token"}, pipelined=True).rollout_is is None
+
+
+def test_a_config_built_directly_takes_resolved_levels_only() -> None:
+    # `auto` needs to know whether the run is pipelined: only from_config resolves it; built directly
+    # it would otherwise fall through to the sequence branch of compute_rollout_correction
+    with pytest.raises(RolloutCorrectionConfigError, match="rollout_is='auto': token, sequence or None"):
+        RolloutCorrectionConfig(rollout_is="auto")
+    with pytest.raises(RolloutCorrectionConfigError, match="rollout_rs='tokens'"):
+        RolloutCorrectionConfig(rollout_rs="tokens")

@@ -75,6 +75,15 @@ class RolloutCorrectionConfig:
     rollout_token_veto_threshold: float | None = None
     bypass_old_logprob_for_rollout: bool = False
 
+    def __post_init__(self) -> None:
+        if self.rollout_is not in ("token", "sequence", None):
+            raise RolloutCorrectionConfigError(
+                f"RolloutCorrectionConfig.rollout_is={self.rollout_is!r}: token, sequence or None (`auto` is "
+                "resolved by from_config, which knows whether the run is pipelined)")
+        if self.rollout_rs not in RS_LEVELS:
+            raise RolloutCorrectionConfigError(f"RolloutCorrectionConfig.rollout_rs={self.rollout_rs!r}: one of "
+                                               f"{list(RS_LEVELS)}")
+
     @classmethod
     def from_config(cls, node: Any, pipelined: bool = False) -> RolloutCorrectionConfig:
         """From `algorithm.rollout_correction` (a mapping; None: every key at its default), `rollout_is:
