@@ -146,7 +146,7 @@ def test_policy_loss_clips_large_ratio_with_positive_advantage():
     new = torch.log(torch.tensor([[1.5, 1.1, math.exp(5.0)]]))
     adv = torch.ones(1, 3)
     mask = torch.tensor([[1, 1, 0]])
-    pg_loss, clipfrac, ppo_kl = core_algos.compute_policy_loss(old, new, adv, mask, cliprange=0.2)
+    pg_loss, clipfrac, ppo_kl, _ = core_algos.compute_policy_loss(old, new, adv, mask, cliprange=0.2)
     # token 0: max(-1.5, -1.2) = -1.2 (clipped); token 1: -1.1 -> mean = -1.15
     assert pg_loss.item() == pytest.approx(-1.15)
     assert clipfrac.item() == pytest.approx(0.5)
@@ -157,7 +157,7 @@ def test_policy_loss_clips_large_ratio_with_positive_advantage():
 def test_policy_loss_clips_small_ratio_with_negative_advantage():
     old = torch.zeros(1, 1)
     new = torch.log(torch.tensor([[0.5]]))
-    pg_loss, clipfrac, _ = core_algos.compute_policy_loss(old, new, -torch.ones(1, 1), torch.ones(1, 1), 0.2)
+    pg_loss, clipfrac, _, _ = core_algos.compute_policy_loss(old, new, -torch.ones(1, 1), torch.ones(1, 1), 0.2)
     # unclipped: -(-1)*0.5 = 0.5 ; clipped: -(-1)*0.8 = 0.8 -> max = 0.8 (pessimistic)
     assert pg_loss.item() == pytest.approx(0.8)
     assert clipfrac.item() == 1.0

@@ -111,7 +111,7 @@ def test_grpo_epsilon_is_added_to_a_tiny_std():
 def test_policy_loss_ratio_is_new_over_old_probability():
     old = torch.log(torch.tensor([[0.5, 0.2]]))
     new = torch.log(torch.tensor([[0.55, 0.2]]))              # ratios 1.1 and 1.0, both inside the clip
-    pg_loss, clipfrac, ppo_kl = core_algos.compute_policy_loss(old, new, torch.ones(1, 2), torch.ones(1, 2), 0.2)
+    pg_loss, clipfrac, ppo_kl, _ = core_algos.compute_policy_loss(old, new, torch.ones(1, 2), torch.ones(1, 2), 0.2)
     assert pg_loss.item() == pytest.approx(-(1.1 + 1.0) / 2)
     assert clipfrac.item() == 0.0
     assert ppo_kl.item() == pytest.approx(-math.log(1.1) / 2)
@@ -138,13 +138,13 @@ def test_the_ppo_ratio_is_bounded_so_a_near_impossible_old_token_gives_a_finite_
     old = torch.tensor([[-200.0, -1.0]])
     new = torch.tensor([[-0.5, -1.0]])
     adv, mask = torch.tensor([[0.0, -1.0]]), torch.ones(1, 2)
-    loss, _, ppo_kl = core_algos.compute_policy_loss(old, new, adv, mask, cliprange=0.2)
+    loss, _, ppo_kl, _ = core_algos.compute_policy_loss(old, new, adv, mask, cliprange=0.2)
     assert torch.isfinite(loss) and torch.isfinite(ppo_kl)
     bound = core_algos.LOG_RATIO_CLAMP
     assert float(ppo_kl) == pytest.approx(-bound / 2)        # mean of -clamp(199.5) and -0
     assert float(loss) == pytest.approx((0.0 + 1.0) / 2)     # token 2: ratio 1, advantage -1
     # inside the bound nothing changes: the ratio is exp(new - old) exactly
-    small, _, _ = core_algos.compute_policy_loss(torch.tensor([[-1.0]]), torch.tensor([[-0.9]]),
+    small, _, _, _ = core_algos.compute_policy_loss(torch.tensor([[-1.0]]), torch.tensor([[-0.9]]),
                                                  torch.tensor([[1.0]]), torch.ones(1, 1), cliprange=0.5)
     assert float(small) == pytest.approx(-math.exp(0.1))
 
@@ -153,7 +153,7 @@ def test_the_ppo_log_ratio_is_bounded_below_too() -> None:
     # the policy now finds nearly impossible a token the old policy sampled: the log-ratio stops at -bound
     bound = core_algos.LOG_RATIO_CLAMP
     old, new = torch.tensor([[-0.5]]), torch.tensor([[-0.5 - 3 * bound]])
-    _, _, ppo_kl = core_algos.compute_policy_loss(old, new, torch.tensor([[1.0]]), torch.ones(1, 1), cliprange=0.2)
+    _, _, ppo_kl, _ = core_algos.compute_policy_loss(old, new, torch.tensor([[1.0]]), torch.ones(1, 1), cliprange=0.2)
     assert float(ppo_kl) == pytest.approx(bound)
 
 
@@ -162,8 +162,8 @@ def test_rollout_correction_weights_multiply_each_tokens_clipped_loss() -> None:
     new = torch.log(torch.tensor([[0.55, 0.2, 0.8]]))          # ratios 1.1, 1.0 and 2.0 (clipped to 1.2)
     adv, mask = torch.ones(1, 3), torch.ones(1, 3)
     weights = torch.tensor([[2.0, 0.5, 0.25]], dtype=torch.float64)
-    plain, clipfrac, kl = core_algos.compute_policy_loss(old, new, adv, mask, 0.2)
-    weighted, w_clipfrac, w_kl = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=weights)
+    plain, clipfrac, kl, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2)
+    weighted, w_clipfrac, w_kl, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=weights)
     assert float(plain) == pytest.approx(-(1.1 + 1.0 + 1.2) / 3)
     assert float(weighted) == pytest.approx(-(1.1 * 2.0 + 1.0 * 0.5 + 1.2 * 0.25) / 3)
     assert weighted.dtype == torch.float32

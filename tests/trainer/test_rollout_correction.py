@@ -90,6 +90,51 @@ def test_veto_rejects_a_row_with_one_very_unlikely_token() -> None:
     assert torch.equal(out.response_mask, MASK)
 
 
+def test_the_veto_reads_the_unbounded_ratio_below_exp_minus_20() -> None:
+    # issue 32 item 13: ratios elsewhere are bounded to [e^-20, e^20]; a veto threshold below e^-20
+    # (1e-12 ~ e^-27.6) must still reject a row whose token ratio is e^-30, and only such a row
+    old = OLD.clone()
+    old[1, 1] = ROLLOUT[1, 1] - 30.0                                     # ratio e^-30 = 9.4e-14 in row 1
+    old[0, 2] = ROLLOUT[0, 2] - 25.0                                     # ratio e^-25 = 1.4e-11 in row 0
+    out = compute_rollout_correction(old, ROLLOUT, MASK, RolloutCorrectionConfig(rollout_token_veto_threshold=1e-12))
+    assert out.response_mask.tolist() == [[1, 1, 1], [0, 0, 0]]
+    assert out.metrics["rollout_corr/veto_seq_frac"] == pytest.approx(0.5)
+
+
+def test_minus_inf_and_nan_log_probs_outside_the_policy_tokens_change_nothing() -> None:
+    # -inf (an engine's log-prob of padding) or NaN at masked positions: (x * 0) would be NaN and the
+    # row's sum with it; selected out, the weights, masks and metrics equal the clean batch's
+    response_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    policy = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])                 # row 0, column 1: an observation
+    old = torch.tensor([[math.log(0.6), -2.0, math.log(0.5), -1.0], [math.log(0.3), math.log(0.6), -1.0, -1.0]])
+    rollout = torch.tensor([[math.log(0.4), -2.0, math.log(0.5), -1.0], [math.log(0.2), math.log(0.5), -1.0, -1.0]])
+    dirty_old, dirty_rollout = old.clone(), rollout.clone()
+    dirty_rollout[0, 1], dirty_old[0, 3], dirty_rollout[0, 3] = float("-inf"), float("nan"), float("-inf")
+    dirty_old[1, 2], dirty_rollout[1, 3] = float("-inf"), float("nan")
+    for cfg in (RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=5.0),
+                RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=5.0, rollout_is_batch_normalize=True),
+                RolloutCorrectionConfig(rollout_rs="geometric", rollout_rs_threshold=1.3),
+                RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold=1.6,
+                                        rollout_token_veto_threshold=1e-3)):
+        clean = compute_rollout_correction(old, rollout, response_mask, cfg, policy_mask=policy)
+        dirty = compute_rollout_correction(dirty_old, dirty_rollout, response_mask, cfg, policy_mask=policy)
+        assert torch.equal(dirty.response_mask, clean.response_mask), cfg
+        if clean.weights is not None:
+            assert torch.isfinite(dirty.weights).all(), cfg
+            torch.testing.assert_close(dirty.weights, clean.weights)
+        assert dirty.metrics == pytest.approx(clean.metrics), cfg
+    # by hand: sequence weights 1.5 and 1.8 on every token in the loss (the observation included)
+    seq = compute_rollout_correction(dirty_old, dirty_rollout, response_mask,
+                                     RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=5.0),
+                                     policy_mask=policy)
+    torch.testing.assert_close(seq.weights, torch.tensor([[1.5, 1.5, 1.5, 0.0], [1.8, 1.8, 0.0, 0.0]]))
+    # geometric means 1.5 ** (1/2) = 1.22 and 1.8 ** (1/2) = 1.34: bound 1.3 rejects row 1
+    geo = compute_rollout_correction(dirty_old, dirty_rollout, response_mask,
+                                     RolloutCorrectionConfig(rollout_rs="geometric", rollout_rs_threshold=1.3),
+                                     policy_mask=policy)
+    assert geo.response_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+
+
 def test_ratios_are_bounded_to_exp_20() -> None:
     old = OLD.clone()
     old[0, 0] = ROLLOUT[0, 0] + 50.0
@@ -104,11 +149,11 @@ def test_ratios_are_bounded_to_exp_20() -> None:
 def test_the_policy_loss_is_weighted_token_by_token() -> None:
     old, new = torch.zeros(2, 3), torch.full((2, 3), 0.1)
     adv, mask = torch.tensor([[1.0, -1.0, 2.0], [0.5, 1.0, 0.0]]), MASK.float()
-    plain, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2)
-    ones, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=torch.ones(2, 3))
+    plain, _, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2)
+    ones, _, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=torch.ones(2, 3))
     assert float(ones) == pytest.approx(float(plain))
     weights = torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.2, 0.0]])
-    weighted, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=weights)
+    weighted, _, _, _ = core_algos.compute_policy_loss(old, new, adv, mask, 0.2, is_weights=weights)
     ratio = math.exp(0.1)
     per_token = [[-1 * min(ratio, 1.2), 1 * ratio, -2 * min(ratio, 1.2)], [-0.5 * min(ratio, 1.2), -1 * min(ratio, 1.2)]]
     w = [[2.0, 0.5, 1.0], [1.5, 1.2]]
@@ -144,6 +189,7 @@ def test_bypass_mode_is_accepted_and_read() -> None:
 
 @pytest.mark.parametrize(("override", "message"), [
     ("algorithm.rollout_correction.rollout_is=token", "rollout_is='token' with bypass_old_logprob_for_rollout=true"),
+    ("algorithm.rollout_correction.rollout_is=sequence", "rollout_is='sequence' with bypass_old_logprob_for_rollout"),
     ("algorithm.rollout_correction.rollout_rs=geometric", "rollout_rs='geometric' with bypass_old_logprob_for_rollout"),
     ("algorithm.rollout_correction.rollout_token_veto_threshold=1e-4", "rollout_token_veto_threshold=0.0001 with"),
     ("actor_rollout_ref.actor.state_masking=false", "state_masking=false: the observations are then in the loss"),
@@ -167,8 +213,8 @@ def test_a_lower_rejection_bound_above_the_upper_is_refused() -> None:
 def test_off_by_default() -> None:
     cfg = compose_config([])
     assert not RolloutCorrectionConfig.from_config(cfg.algorithm.rollout_correction).enabled
-    assert OmegaConf.to_container(cfg.algorithm.rollout_correction)["rollout_is"] is None
-
+    # auto: token IS in a pipelined run only (tests/trainer/test_rollout_correction_config.py)
+    assert OmegaConf.to_container(cfg.algorithm.rollout_correction)["rollout_is"] == "auto"
 
 
 def test_observation_tokens_in_the_loss_take_no_part_in_the_ratios() -> None:
@@ -181,9 +227,14 @@ def test_observation_tokens_in_the_loss_take_no_part_in_the_ratios() -> None:
     cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=5.0,
                                   rollout_token_veto_threshold=1e-3, rollout_rs="token", rollout_rs_threshold=5.0)
     out = compute_rollout_correction(old, rollout, response_mask, cfg, policy_mask=policy)
-    # row 0: 1.5 x 1 = 1.5 on its policy tokens; row 1: 1.5 x 1.2 = 1.8; observations weigh 1, padding 0
-    torch.testing.assert_close(out.weights, torch.tensor([[1.5, 1.0, 1.0, 1.5], [1.8, 1.8, 1.0, 0.0]]))
+    # row 0: 1.5 x 1 = 1.5; row 1: 1.5 x 1.2 = 1.8, on every token of the row in the loss: the
+    # observations too (the row was sampled under that weight); padding 0
+    torch.testing.assert_close(out.weights, torch.tensor([[1.5, 1.5, 1.5, 1.5], [1.8, 1.8, 1.8, 0.0]]))
     assert torch.equal(out.response_mask, response_mask)                 # e^-9 on observations vetoes nothing
+    # token IS: an observation has no ratio of its own and weighs 1
+    token = compute_rollout_correction(old, rollout, response_mask, RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=5.0), policy_mask=policy)
+    torch.testing.assert_close(token.weights, torch.tensor([[1.5, 1.0, 1.0, 1.0], [1.5, 1.2, 1.0, 0.0]]))
     # a row rejected as a whole leaves the loss with its observations
     cfg = RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold=1.6)
     out = compute_rollout_correction(old, rollout, response_mask, cfg, policy_mask=policy)

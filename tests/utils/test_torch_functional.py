@@ -107,6 +107,42 @@ def test_agg_loss_modes_weigh_rows_differently():
         tf.agg_loss(loss, mask, "token-median")
 
 
+def test_seq_mean_losses_leave_out_rows_with_no_token_in_the_loss():
+    # row 1 lost every token (rollout-correction rejection): it is not a row of the mean
+    loss = torch.tensor([[1.0, 3.0, 0.0], [7.0, 7.0, 7.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert tf.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((4.0 + 2.0) / 2)
+    assert tf.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2.0 + 2.0) / 2)
+    assert tf.agg_loss(loss, mask, "token-mean").item() == pytest.approx(6.0 / 3)
+    assert tf.rows_with_tokens(mask) == 2
+    # no row left: 0, not NaN
+    for mode in tf.LOSS_AGG_MODES:
+        assert tf.agg_loss(loss, torch.zeros(3, 3), mode).item() == 0.0
+
+
+def test_masked_statistics_and_losses_are_blind_to_nan_and_inf_outside_the_mask():
+    values = torch.tensor([[1.0, float("nan"), 3.0], [float("-inf"), 2.0, float("inf")]], requires_grad=True)
+    mask = torch.tensor([[1, 0, 1], [0, 1, 0]])
+    assert tf.masked_sum(values, mask).item() == 6.0
+    assert tf.masked_mean(values, mask, axis=-1).tolist() == [2.0, 2.0]
+    for mode in tf.LOSS_AGG_MODES:
+        loss = tf.agg_loss(values, mask, mode)
+        assert torch.isfinite(loss), mode
+        (grad,) = torch.autograd.grad(loss, values)
+        assert torch.isfinite(grad).all() and (grad[mask == 0] == 0).all(), mode
+
+
+def test_micro_batch_share_of_seq_mean_counts_rows_with_a_loss_token():
+    # the caller passes rows_with_tokens of the micro-batch and of the mini-batch (over all ranks)
+    micro = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert tf.micro_batch_share(micro, 5.0, tf.rows_with_tokens(micro), 3, "seq-mean-token-sum") == 1 / 3
+    assert tf.micro_batch_share(micro, 5.0, tf.rows_with_tokens(micro), 3, "seq-mean-token-sum", dp_size=2) == 2 / 3
+    # a mini-batch rejected whole: share 0, not a division by zero
+    empty = torch.zeros(2, 3)
+    assert tf.micro_batch_share(empty, 0.0, tf.rows_with_tokens(empty), 0, "seq-mean-token-mean") == 0.0
+    assert tf.micro_batch_share(empty, 0.0, 0, 0, "token-mean") == 0.0
+
+
 def _lrs(scheduler, optimizer, steps):
     lrs = []
     for _ in range(steps):

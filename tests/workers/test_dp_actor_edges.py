@@ -8,6 +8,7 @@ gradients, and the error texts."""
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -224,6 +225,45 @@ def test_update_under_data_parallelism_weighs_micro_batches_by_the_global_mini_b
     assert step_norm(before, one) > 0
     for got, expected in zip(two.actor_module.parameters(), one.actor_module.parameters(), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean"])
+def test_a_row_rejected_whole_is_not_a_row_of_the_seq_mean_in_any_micro_batch_split(tiny_model_dir, mode):
+    """A row whose every token left response_mask (rollout-correction rejection) counts in neither the
+    loss's denominator nor a micro-batch's row share: the update equals the one without that row, with
+    the rows in one micro-batch or split 2 + 2 + (1 + the rejected one)."""
+    data = make_ppo_batch(_vocab(tiny_model_dir), batch_size=6, seed=11)
+    without = make_actor(tiny_model_dir, lr=1.0, ppo_mini_batch_size=5, ppo_micro_batch_size=2, loss_agg_mode=mode)
+    before = params(without)
+    without.update_policy(with_meta(data[:5]))
+    assert step_norm(before, without) > 0
+    data.batch[K.RESPONSE_MASK][5] = 0
+    for micro in (2, 6):
+        rejected = make_actor(tiny_model_dir, lr=1.0, ppo_mini_batch_size=6, ppo_micro_batch_size=micro,
+                              loss_agg_mode=mode)
+        rejected.update_policy(with_meta(data, **{K.META_MICRO_BATCH_SIZE: micro}))
+        for got, expected in zip(rejected.actor_module.parameters(), without.actor_module.parameters(), strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_the_dual_clip_bound_comes_from_the_config_and_is_reported(tiny_model_dir):
+    """Ratio e^5 on every token with A = -1: clip_ratio_c=3 holds each token's loss at 3 (no gradient,
+    pg_clipfrac_lower 1); a bound of 1000 lets the ratio through."""
+    data = make_ppo_batch(_vocab(tiny_model_dir), batch_size=3, seed=5)
+    probe = make_actor(tiny_model_dir, optimizer=False)
+    log_probs, _ = probe.compute_log_prob(with_meta(data))
+    data.batch[K.OLD_LOG_PROBS] = log_probs - 5.0
+    data.batch[K.ADVANTAGES] = -torch.ones_like(log_probs)
+    bounded = make_actor(tiny_model_dir, lr=1.0, clip_ratio_c=3.0)
+    before = params(bounded)
+    metrics = bounded.update_policy(with_meta(data))
+    assert metrics["actor/pg_loss"] == pytest.approx([3.0, 3.0])           # two micro-batches (2 + 1 rows)
+    assert metrics["actor/pg_clipfrac_lower"] == [1.0, 1.0]
+    assert metrics["actor/pg_clipfrac"] == [0.0, 0.0]
+    assert step_norm(before, bounded) == 0.0
+    loose = make_actor(tiny_model_dir, lr=1.0, clip_ratio_c=1000.0).update_policy(with_meta(data))
+    assert loose["actor/pg_loss"] == pytest.approx([math.exp(5.0)] * 2, rel=1e-4)
+    assert loose["actor/pg_clipfrac_lower"] == [0.0, 0.0]
 
 
 # ------------------------------------------------------------------ shuffle

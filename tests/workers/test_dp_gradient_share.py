@@ -47,22 +47,26 @@ class _GradientRecorder(torch.optim.SGD):
         self.grads.append(grads)
 
 
-def _config(mini_batch_size: int) -> Any:
+def _config(mini_batch_size: int, loss_agg_mode: str = "token-mean") -> Any:
     return OmegaConf.create({
         "ppo_mini_batch_size": mini_batch_size, "ppo_micro_batch_size": 1, "use_dynamic_bsz": False,
         "ppo_max_token_len_per_gpu": 64, "grad_clip": None, "clip_ratio": 0.2, "entropy_coeff": 0.01,
         "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
-        "loss_agg_mode": "token-mean", "ppo_epochs": 1, "shuffle": False,
+        "loss_agg_mode": loss_agg_mode, "ppo_epochs": 1, "shuffle": False,
     })
 
 
-def _batch(vocab: int) -> Any:
+def _batch(vocab: int, loss_agg_mode: str = "token-mean") -> Any:
     data = make_ppo_batch(vocab, batch_size=ROWS, seed=11)
     # A nonzero ratio and KL, so every loss term carries gradient.
     g = torch.Generator().manual_seed(3)
     data.batch[K.OLD_LOG_PROBS] = -3.0 - torch.rand(ROWS, data.batch[K.RESPONSES].shape[1], generator=g)
     data.batch[K.REF_LOG_PROB] = data.batch[K.OLD_LOG_PROBS] - 0.2
     data.meta_info.update({K.META_TEMPERATURE: 1.0})
+    if loss_agg_mode != "token-mean":
+        # a row rejected whole on rank 0 only: the ranks hold 2 and 3 rows of the seq-mean, and each
+        # must weigh its rows by the global count (5), not its own
+        data.batch[K.RESPONSE_MASK][1] = 0
     return data
 
 
@@ -82,26 +86,28 @@ def _load(role: str, model_dir: str) -> torch.nn.Module:
 
 
 def _update(module: torch.nn.Module, data: Any, mini_batch_size: int,
-            role: str = "actor") -> tuple[dict[str, torch.Tensor], float]:
+            role: str = "actor", loss_agg_mode: str = "token-mean") -> tuple[dict[str, torch.Tensor], float]:
     optimizer = _GradientRecorder(module)
     if role == "actor":
-        metrics = DataParallelPPOActor(_config(mini_batch_size), module, optimizer).update_policy(data)
+        metrics = DataParallelPPOActor(_config(mini_batch_size, loss_agg_mode), module,
+                                       optimizer).update_policy(data)
     else:
         metrics = DataParallelPPOCritic(_critic_config(mini_batch_size), module, optimizer).update_critic(data)
     assert len(optimizer.grads) == 1, "one mini-batch, one optimizer step"
     return optimizer.grads[0], metrics[f"{role}/grad_norm"][0]
 
 
-def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str, role: str = "actor") -> None:
+def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str, role: str = "actor",
+                     loss_agg_mode: str = "token-mean") -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=2)
-        data = _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
+        data = _batch(AutoConfig.from_pretrained(model_dir).vocab_size, loss_agg_mode)
         half = ROWS // 2
         shard = data[rank * half: (rank + 1) * half]
         module = apply_fsdp2(_load(role, model_dir), init_device_mesh("cpu", (2,)))
-        grads, norm = _update(module, shard, mini_batch_size=half, role=role)
+        grads, norm = _update(module, shard, mini_batch_size=half, role=role, loss_agg_mode=loss_agg_mode)
         if rank == 0:
             tokens = [float(data.batch[K.RESPONSE_MASK][r * half:(r + 1) * half].sum()) for r in range(2)]
             torch.save({"grads": grads, "norm": norm, "tokens": tokens}, os.path.join(result_dir, "two_rank.pt"))
@@ -112,17 +118,20 @@ def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str, role
         raise
 
 
-def _assert_two_ranks_match_one_process(role: str, model_dir: str, tmp_path: Any) -> None:
+def _assert_two_ranks_match_one_process(role: str, model_dir: str, tmp_path: Any,
+                                        loss_agg_mode: str = "token-mean") -> None:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_two_rank_update, args=(r, port, model_dir, str(tmp_path), role)) for r in range(2)]
+    procs = [ctx.Process(target=_two_rank_update, args=(r, port, model_dir, str(tmp_path), role, loss_agg_mode))
+             for r in range(2)]
     for p in procs:
         p.start()
 
     # Meanwhile the reference: the whole mini-batch in this process, no process group, no FSDP.
     torch.set_num_threads(1)
-    data = _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
-    ref_grads, ref_norm = _update(_load(role, model_dir), data, mini_batch_size=ROWS, role=role)
+    data = _batch(AutoConfig.from_pretrained(model_dir).vocab_size, loss_agg_mode)
+    ref_grads, ref_norm = _update(_load(role, model_dir), data, mini_batch_size=ROWS, role=role,
+                                  loss_agg_mode=loss_agg_mode)
 
     for p in procs:
         p.join(timeout=240)
@@ -145,6 +154,11 @@ def _assert_two_ranks_match_one_process(role: str, model_dir: str, tmp_path: Any
 @pytest.mark.slow   # two spawned ranks load torch and the model: ~100 s on a busy 2-core machine
 def test_two_rank_update_has_the_single_process_gradient(tiny_model_dir, tmp_path):
     _assert_two_ranks_match_one_process("actor", tiny_model_dir, tmp_path)
+
+
+@pytest.mark.slow   # as above
+def test_two_rank_seq_mean_update_with_a_row_rejected_whole_has_the_single_process_gradient(tiny_model_dir, tmp_path):
+    _assert_two_ranks_match_one_process("actor", tiny_model_dir, tmp_path, "seq-mean-token-sum")
 
 
 @pytest.mark.slow   # as above

@@ -372,26 +372,34 @@ def _check_algorithm(cfg: DictConfig, errors: list[str]) -> None:
             "actor_rollout_ref.actor.use_kl_loss=True and algorithm.use_kl_in_reward=True: "
             "the KL to the reference is applied twice (as a loss and as a reward penalty)"
         )
+    clip_ratio_c = actor.get("clip_ratio_c", 3.0)
+    if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, (int, float)) or not clip_ratio_c > 1:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_c={clip_ratio_c!r} must be a number > 1 (the dual-clip "
+                      "bound: for a negative advantage A a token's loss is at most -A * clip_ratio_c; veRL's default 3)")
     from verl.trainer.ppo.rollout_correction import bypass_mode
     from verl.trainer.ppo.rollout_correction import config_errors as rollout_correction_errors
 
-    errors.extend(rollout_correction_errors(algo.get("rollout_correction")))
-    bypass = bypass_mode(cfg)
+    correction = algo.get("rollout_correction")
+    correction_errors = rollout_correction_errors(correction)
+    errors.extend(correction_errors)
+    bypass = not correction_errors and bypass_mode(cfg)
+    # the spelling the user wrote (veRL's newer bypass_mode, or bypass_old_logprob_for_rollout)
+    bypass_key = "algorithm.rollout_correction." + (
+        "bypass_mode" if (correction or {}).get("bypass_mode") else "bypass_old_logprob_for_rollout")
     if bypass and cfg.do_search and not actor.state_masking:
-        errors.append("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true with "
-                      "actor_rollout_ref.actor.state_masking=false: the observations are then in the loss, and the "
-                      "engine, which did not sample them, has no log-prob of them to anchor their PPO ratio; keep "
-                      "state_masking=true or set bypass_old_logprob_for_rollout=false")
+        errors.append(f"{bypass_key}=true (bypass mode) with actor_rollout_ref.actor.state_masking=false: the "
+                      "observations are then in the loss, and the engine, which did not sample them, has no log-prob of them to anchor their PPO ratio; keep "
+                      "state_masking=true or turn bypass mode off")
     rollout = cfg.actor_rollout_ref.rollout
     if bypass and rollout.name == "vllm":
         from verl.workers.rollout.vllm_rollout import log_probs_mode
 
         if not log_probs_mode(rollout)[1]:
-            errors.append("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true with vLLM sampling "
+            errors.append(f"{bypass_key}=true (bypass mode) with vLLM sampling "
                           f"top_p={rollout.get('top_p')} / top_k={rollout.get('top_k')} at temperature "
                           f"{rollout.get('temperature')}: vLLM's log-probs are then renormalised over the kept "
                           "tokens, not the distribution the actor trains; sample with top_p=1 and top_k=-1 (or at "
-                          "temperature 1), or set bypass_old_logprob_for_rollout=false")
+                          "temperature 1), or turn bypass mode off")
     if algo.no_think_rl:
         errors.append(
             "algorithm.no_think_rl=true is not supported: the generation manager keeps the model's "

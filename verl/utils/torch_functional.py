@@ -23,8 +23,12 @@ _LOGPROB_CHUNK_ROWS = 1024
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Sum of `values` where `mask` is 1."""
-    return (values * mask).sum(dim=axis) if axis is not None else (values * mask).sum()
+    """Sum of `values` where `mask` is 1 (a 0/1 mask).
+
+    Selected, not multiplied: a NaN or inf outside the mask (a -inf log-prob on padding) would make
+    `values * mask` NaN there, and the sum with it."""
+    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return kept.sum(dim=axis) if axis is not None else kept.sum()
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
@@ -96,19 +100,26 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces).reshape(batch_shape)
 
 
+def rows_with_tokens(mask: torch.Tensor) -> int:
+    """Rows of a (B, R) mask with at least one token: the rows a seq-mean loss averages over (a row
+    whose every token was rejected or masked is not one of them)."""
+    return int((mask.sum(dim=-1) > 0).sum())
+
+
 def micro_batch_share(micro_mask: torch.Tensor, mini_mask_total: float, micro_rows: int, mini_rows: float,
                       loss_agg_mode: str, dp_size: int = 1) -> float:
     """The weight of one micro-batch's loss in its mini-batch's gradient.
 
     token-mean: its share of the mini-batch's loss tokens, so micro-batches of unequal token
     counts (dynamic batch size) sum to the token-mean of the whole mini-batch; the seq-mean
-    modes: its share of the rows. Under data parallelism pass the totals over all ranks
-    (`data_parallel_totals`) and their number: FSDP averages gradients over the ranks, so each
-    share is scaled by `dp_size` and the update is the global mini-batch's loss, whatever the
-    ranks' token counts."""
+    modes: its share of the rows, counting rows with at least one loss token only
+    (`rows_with_tokens`, as `agg_loss` does), so `micro_rows` and `mini_rows` are such counts.
+    Under data parallelism pass the totals over all ranks (`data_parallel_totals`) and their
+    number: FSDP averages gradients over the ranks, so each share is scaled by `dp_size` and the
+    update is the global mini-batch's loss, whatever the ranks' token counts."""
     if loss_agg_mode == "token-mean":
         return dp_size * float(micro_mask.sum()) / max(float(mini_mask_total), 1.0)
-    return dp_size * micro_rows / mini_rows
+    return dp_size * micro_rows / max(float(mini_rows), 1.0)
 
 
 def data_parallel_totals(tokens: float, rows: int, device: torch.device | str) -> tuple[float, float, int]:
@@ -166,13 +177,17 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     token-mean: mean over all masked tokens of the batch (long answers weigh more);
     seq-mean-token-sum: per-row sum, then mean over rows;
     seq-mean-token-mean: per-row mean, then mean over rows (each row weighs the same).
+    The seq-mean modes average over the rows with at least one masked token (as veRL): a row
+    whose tokens were all rejected (rollout correction) is out of the loss, denominator included.
+    No rows with tokens: 0.
     """
     if loss_agg_mode == "token-mean":
         return masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, loss_mask, axis=-1).mean()
-    if loss_agg_mode == "seq-mean-token-mean":
-        return masked_mean(loss_mat, loss_mask, axis=-1).mean()
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        per_row = (masked_sum(loss_mat, loss_mask, axis=-1) if loss_agg_mode == "seq-mean-token-sum"
+                   else masked_mean(loss_mat, loss_mask, axis=-1))
+        rows = loss_mask.sum(dim=-1) > 0
+        return masked_sum(per_row, rows) / rows.sum().clamp(min=1)
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r} (actor.loss_agg_mode); expected one of {LOSS_AGG_MODES}")
 
 

@@ -92,21 +92,34 @@ def _gae_unwhitened(token_level_rewards: torch.Tensor, values: torch.Tensor, res
     return advantages, returns
 
 
+def _kept(response_mask: torch.Tensor, kept_mask: torch.Tensor | None) -> torch.Tensor:
+    """The tokens the losses keep (response_mask after rollout-correction rejection and the
+    cut-context mask), as a float mask; None: all of `response_mask`."""
+    return (response_mask if kept_mask is None else kept_mask).float()
+
+
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
-                                 response_mask: torch.Tensor, gamma: float,
-                                 lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over policy tokens; advantages whitened over `response_mask`.  -> (advantages_BR, returns_BR)"""
+                                 response_mask: torch.Tensor, gamma: float, lam: float,
+                                 kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over policy tokens, whitened over the kept tokens.  -> (advantages_BR, returns_BR)
+
+    The recursion runs over `response_mask`, the trajectory as sampled, so a rejected token is
+    still a step and an outcome reward on it still reaches the tokens before it; the whitening
+    statistics come from `kept_mask` (None: `response_mask`) only, so a token out of the loss
+    does not move the advantages of the kept ones. Both outputs are 0 outside `kept_mask`."""
     with torch.no_grad():
         advantages, returns = _gae_unwhitened(token_level_rewards, values, response_mask, gamma, lam)
-        mask = response_mask.to(advantages.dtype)
-        advantages = tf.masked_whiten(advantages, mask) * mask
-    return advantages, returns
+        kept = _kept(response_mask, kept_mask).to(advantages.dtype)
+        advantages = tf.masked_whiten(advantages, kept) * kept
+    return advantages, returns * kept
 
 
-def _group_rows(index: np.ndarray) -> dict[Any, list[int]]:
+def _group_rows(index: np.ndarray, rows_kept: torch.Tensor) -> dict[Any, list[int]]:
+    """Rows per uid, the rows with a kept token only."""
     groups: dict[Any, list[int]] = defaultdict(list)
     for row, uid in enumerate(index):
-        groups[uid].append(row)
+        if bool(rows_kept[row]):
+            groups[uid].append(row)
     return groups
 
 
@@ -117,18 +130,22 @@ def _check_index(index: np.ndarray, batch: int) -> None:
 
 def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                    index: np.ndarray, epsilon: float = 1e-6,
-                                   norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-normalised outcome advantage: (score - group mean) / (group std + eps) on every policy token.
+                                   norm_adv_by_std_in_grpo: bool = True,
+                                   kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-normalised outcome advantage: (score - group mean) / (group std + eps) on every kept token.
 
     `index` holds a per-prompt uid for each row, so rows sampled from the same
     prompt form one group. A group of one has mean 0 and std 1 (its advantage
     is its raw score). std is the unbiased sample std, as in veRL / DeepSeekMath.
+    A row with no token in `kept_mask` (None: `response_mask`; a row rejected whole by the
+    rollout correction) is not a member of its group: its score moves no other row's advantage.
     """
     scores = token_level_rewards.sum(dim=-1)
     _check_index(index, scores.shape[0])
+    kept = _kept(response_mask, kept_mask).to(scores.dtype)
     with torch.no_grad():
-        normalised = torch.empty_like(scores)
-        for rows in _group_rows(index).values():
+        normalised = torch.zeros_like(scores)
+        for rows in _group_rows(index, kept.sum(-1) > 0).values():
             group = scores[rows]
             if len(rows) == 1:
                 mean, std = 0.0, 1.0
@@ -136,59 +153,70 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
                 mean, std = group.mean(), group.std()
             centred = group - mean
             normalised[rows] = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
-        advantages = normalised.unsqueeze(-1) * response_mask.to(scores.dtype)
+        advantages = normalised.unsqueeze(-1) * kept
     return advantages, advantages
 
 
 def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                   index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leave-one-out baseline: score_i - mean of the other scores in its group (a group of one: score_i)."""
+                                   index: np.ndarray,
+                                   kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out baseline: score_i - mean of the other scores in its group (a group of one: score_i).
+    Group members are the rows with a token in `kept_mask` (None: `response_mask`), as in GRPO."""
     scores = token_level_rewards.sum(dim=-1)
     _check_index(index, scores.shape[0])
+    kept = _kept(response_mask, kept_mask).to(scores.dtype)
     with torch.no_grad():
         baselined = scores.clone()
-        for rows in _group_rows(index).values():
+        for rows in _group_rows(index, kept.sum(-1) > 0).values():
             n = len(rows)
             if n > 1:
                 group = scores[rows]
                 baselined[rows] = group - (group.sum() - group) / (n - 1)
-        advantages = baselined.unsqueeze(-1) * response_mask.to(scores.dtype)
+        advantages = baselined.unsqueeze(-1) * kept
     return advantages, advantages
 
 
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                                  gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Discounted return-to-go over policy tokens (observation spans skipped), whitened over the mask."""
+                                                  gamma: float, kept_mask: torch.Tensor | None = None,
+                                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Discounted return-to-go over policy tokens (observation spans skipped), whitened over the kept
+    tokens (`kept_mask`, None: `response_mask`; the recursion runs over `response_mask`, as GAE's)."""
     with torch.no_grad():
-        mask = response_mask.to(token_level_rewards.dtype)
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros(token_level_rewards.shape[0], dtype=returns.dtype, device=returns.device)
         for t in reversed(range(token_level_rewards.shape[1])):
             on_policy = response_mask[:, t].bool()
             running = torch.where(on_policy, token_level_rewards[:, t] + gamma * running, running)
             returns[:, t] = torch.where(on_policy, running, torch.zeros_like(running))
-        advantages = tf.masked_whiten(returns, mask) * mask
-    return advantages, returns
+        kept = _kept(response_mask, kept_mask).to(returns.dtype)
+        advantages = tf.masked_whiten(returns, kept) * kept
+    return advantages, returns * kept
 
 
 def compute_advantage(adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                       values: torch.Tensor | None = None, index: np.ndarray | None = None,
-                      gamma: float = 1.0, lam: float = 1.0,
-                      norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch on `algorithm.adv_estimator`.  -> (advantages_BR, returns_BR)"""
+                      gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
+                      kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch on `algorithm.adv_estimator`.  -> (advantages_BR, returns_BR)
+
+    `response_mask`: the trajectory's tokens (the recursions run over them); `kept_mask`: those the
+    losses keep after rejection (None: all), over which every statistic (whitening, group
+    membership) is taken."""
     if adv_estimator == "gae":
         if values is None:
             raise ValueError("algorithm.adv_estimator=gae needs the batch key 'values' (a critic)")
-        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam,
+                                            kept_mask=kept_mask)
     if adv_estimator in ("grpo", "rloo") and index is None:
         raise ValueError(f"algorithm.adv_estimator={adv_estimator} needs the non-tensor key 'uid' as index")
     if adv_estimator == "grpo":
         return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
-                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, kept_mask=kept_mask)
     if adv_estimator == "rloo":
-        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, kept_mask=kept_mask)
     if adv_estimator == "reinforce_plus_plus":
-        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
+        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma,
+                                                             kept_mask=kept_mask)
     raise ValueError(f"unknown algorithm.adv_estimator {adv_estimator!r}; expected one of {ADV_ESTIMATORS}")
 
 
@@ -234,32 +262,49 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_probs: torch.Tens
 
 # --------------------------------------------------------------------------- losses
 LOG_RATIO_CLAMP = 20.0   # |log pi_theta - log pi_old| bound in the PPO ratio
+DEFAULT_CLIP_RATIO_C = 3.0   # actor.clip_ratio_c: the dual-clip bound (veRL's default)
 
 
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, cliprange: float,
                         loss_agg_mode: str = "token-mean", is_weights: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate.  -> (pg_loss, pg_clipfrac, ppo_kl), all scalars.
+                        clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO surrogate (veRL's).  -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), all scalars.
 
-    pg_clipfrac is the fraction of policy tokens whose clipped term was the active one.
+    Per token: max(-A r, -A clip(r, 1 - eps, 1 + eps)), and for A < 0 at most -A * clip_ratio_c
+    (Ye et al. 2019, arXiv:1912.09729): without that bound a token whose ratio is far above 1
+    (a stale pipeline batch, bypass mode's ratio against the engine) and whose advantage is
+    negative would scale its gradient by the ratio. Past the bound the token's loss is constant:
+    no gradient. pg_clipfrac is the fraction of policy tokens whose clipped term was the active one,
+    pg_clipfrac_lower the fraction held at the dual-clip bound.
     `is_weights` (B, R): rollout correction's pi_old / pi_rollout weights, multiplying each token's
     clipped loss (verl/trainer/ppo/rollout_correction.py); None: all 1.
+    Values outside `response_mask` never reach the loss or the metrics, NaN or inf included.
     """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (the dual-clip bound), got {clip_ratio_c}")
+    in_loss = response_mask.bool()
     mask = response_mask.to(log_prob.dtype)
+    # selected, not multiplied, so a -inf / NaN log-prob on padding gives ratio 1 there, not NaN;
     # bounded as veRL does: a token the old policy (in bypass mode the engine) found nearly
     # impossible gives a large but finite ratio, never inf (0 * inf would be NaN in the loss)
-    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = torch.where(in_loss, log_prob - old_log_prob, torch.zeros_like(log_prob))
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     ppo_kl = tf.masked_mean(-log_ratio, mask)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    per_token = torch.max(unclipped, clipped)
+    clip_loss = torch.max(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.min(clip_loss, dual_bound), clip_loss)
     if is_weights is not None:
         per_token = per_token * is_weights.to(per_token.dtype)
     pg_loss = tf.agg_loss(per_token, mask, loss_agg_mode)
     pg_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
-    return pg_loss, pg_clipfrac, ppo_kl
+    pg_clipfrac_lower = tf.masked_mean((torch.gt(clip_loss, dual_bound) & negative).to(mask.dtype), mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
 def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor,

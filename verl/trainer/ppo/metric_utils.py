@@ -109,15 +109,19 @@ def compute_rollout_log_prob_gap(batch: Any) -> dict[str, float]:
 
     The engine that sampled (vLLM, or the HF loop) and the trainer's forward should agree up to
     kernel rounding; a growing gap means the rollout is not the policy being trained (stale
-    weights, a different temperature, bf16 drift), which biases the PPO ratio. Rows sampled from a
-    cut rolling context are excluded (their context differed from the one the actor sees)."""
+    weights, a different temperature, bf16 drift), which biases the PPO ratio. Policy tokens are
+    `loss_mask`'s, the tokens the engine sampled (response_mask when the rollout wrote none): with
+    `actor.state_masking=false` response_mask holds observations too, which have no engine
+    log-prob. Tokens sampled from a cut rolling context are excluded (their context differed from
+    the one the actor sees)."""
     if K.ROLLOUT_LOG_PROBS not in batch.batch.keys() or K.OLD_LOG_PROBS not in batch.batch.keys():
         return {}
     if not batch.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True):
         # vLLM renormalised its log-probs over the top-k / top-p set at a temperature other than 1:
         # not the actor's full-softmax quantity, so a gap would measure the truncation, not drift.
         return {"rollout/log_prob_gap_comparable": 0.0}
-    mask = batch.batch[K.RESPONSE_MASK].bool()
+    sampled = K.LOSS_MASK if K.LOSS_MASK in batch.batch.keys() else K.RESPONSE_MASK
+    mask = batch.batch[sampled].bool()
     if K.CONTEXT_CUT_MASK in batch.batch.keys():
         mask = mask & ~batch.batch[K.CONTEXT_CUT_MASK].bool()
     if not bool(mask.any()):

@@ -17,7 +17,6 @@ driver RNG and KL-controller state, so a resumed run continues exactly.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import uuid
 from collections.abc import Iterator
@@ -478,23 +477,39 @@ class RayPPOTrainer:
         else:
             batch.batch[K.TOKEN_LEVEL_REWARDS] = batch.batch[K.TOKEN_LEVEL_SCORES]
 
-    def _compute_advantage(self, batch: DataProto) -> None:
+    def _compute_advantage(self, batch: DataProto, trajectory_mask: torch.Tensor) -> None:
+        """Advantages and returns. The recursions (GAE, REINFORCE++ returns) run over `trajectory_mask`,
+        the response_mask as rolled out, so a rejected or cut token is still a step of the trajectory
+        and an outcome reward on it still reaches the tokens before it; whitening and GRPO/RLOO group
+        membership read response_mask as the losses will (after rejection and the cut-context mask),
+        so tokens out of the loss do not move the advantages of the kept ones."""
         algo = self.config.algorithm
         advantages_BR, returns_BR = core_algos.compute_advantage(
-            algo.adv_estimator, batch.batch[K.TOKEN_LEVEL_REWARDS], batch.batch[K.RESPONSE_MASK],
+            algo.adv_estimator, batch.batch[K.TOKEN_LEVEL_REWARDS], trajectory_mask,
             values=batch.batch[K.VALUES] if self.use_critic else None,
             index=batch.non_tensor_batch[K.UID], gamma=float(algo.gamma), lam=float(algo.lam),
-            norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo))
+            norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo), kept_mask=batch.batch[K.RESPONSE_MASK])
         batch.batch[K.ADVANTAGES] = advantages_BR
         batch.batch[K.RETURNS] = returns_BR
+
+    def _reward_masks_advantages(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """Reward (and in-reward KL), then the loss masks (cut context, rollout-correction rejection),
+        then advantages: rejection before advantages, as veRL, so their statistics read the kept
+        tokens only (the recursions still run over the trajectory as rolled out)."""
+        self._compute_reward(batch, metrics)
+        trajectory_mask = batch.batch[K.RESPONSE_MASK]
+        self._mask_cut_context(batch, metrics)
+        self._apply_rollout_correction(batch, metrics)
+        self._compute_advantage(batch, trajectory_mask)
 
     def _mask_cut_context(self, batch: DataProto, metrics: dict[str, float]) -> None:
         """Keep tokens sampled from a cut rolling context out of the actor and critic updates.
 
         When the rolling context dropped old turns, the policy sampled the later tokens from a
         shorter context than the full sequence that old log-probs, values and the update see, so
-        their PPO ratio is not an importance ratio of the sampling policy. Advantages were computed
-        with those tokens in (the reward sits on the last policy token); only the losses skip them.
+        their PPO ratio is not an importance ratio of the sampling policy. Advantages are computed
+        after, with those tokens still steps of the recursion (the reward sits on the last policy
+        token) but out of the whitening statistics; the losses skip them.
         """
         if K.CONTEXT_CUT_MASK not in batch.batch.keys():
             return
@@ -505,13 +520,12 @@ class RayPPOTrainer:
 
     def _apply_rollout_correction(self, batch: DataProto, metrics: dict[str, float]) -> None:
         """algorithm.rollout_correction: IS weights (pi_old / pi_rollout) for the actor's policy loss
-        and rejected tokens out of response_mask (so out of the losses), from the engine's log-probs
-        and the actor's recomputed ones. Advantages were computed before, as for cut contexts."""
-        cfg = rollout_correction.RolloutCorrectionConfig.from_config(self.config.algorithm.get("rollout_correction"))
-        if self.pipelined and cfg.rollout_is is None and not cfg.bypass_old_logprob_for_rollout:
-            # the decoupled loss: the PPO ratio against the weights at the start of the update (old
-            # log-probs, the proximal policy), times truncated IS weights against the stale sampler
-            cfg = dataclasses.replace(cfg, rollout_is="token")
+        and rejected tokens out of response_mask (so out of the losses and, computed next, out of the
+        advantages' statistics), from the engine's log-probs and the actor's recomputed ones. A
+        pipelined run's `rollout_is: auto` (the default) is token IS unless another correction is
+        chosen (RolloutCorrectionConfig.from_config)."""
+        cfg = rollout_correction.RolloutCorrectionConfig.from_config(
+            self.config.algorithm.get("rollout_correction"), pipelined=self.pipelined)
         if not cfg.enabled:
             return
         _require_rollout_log_probs(batch)
@@ -588,10 +602,7 @@ class RayPPOTrainer:
             with mu.timer("values", timing):
                 batch = batch.union(self.critic_wg.compute_values(batch))
         with mu.timer("adv", timing):
-            self._compute_reward(batch, metrics)
-            self._compute_advantage(batch)
-            self._mask_cut_context(batch, metrics)
-            self._apply_rollout_correction(batch, metrics)
+            self._reward_masks_advantages(batch, metrics)
         if self.use_critic:
             with mu.timer("update_critic", timing):
                 critic_out = self.critic_wg.update_critic(batch)

@@ -168,15 +168,16 @@ class DataParallelPPOActor(BasePPOActor):
         return list(batch.split(mini_size))
 
     def _micro_batch_loss(self, micro: Any, temperature: float, metrics: dict[str, list[float]]) -> torch.Tensor:
-        """Clipped policy loss - entropy bonus (+ KL-to-reference loss), all over response_mask."""
+        """Clipped policy loss (dual-clip for negative advantages, `clip_ratio_c`) - entropy bonus
+        (+ KL-to-reference loss), all over response_mask."""
         cfg = self.config
         loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         response_mask = micro[K.RESPONSE_MASK].float()
         entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=True)
         is_weights = micro[K.ROLLOUT_IS_WEIGHTS] if K.ROLLOUT_IS_WEIGHTS in micro.keys() else None
-        pg_loss, pg_clipfrac, ppo_kl = core_algos.compute_policy_loss(
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = core_algos.compute_policy_loss(
             micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask, cfg.clip_ratio, loss_agg_mode,
-            is_weights)
+            is_weights, clip_ratio_c=float(cfg.get("clip_ratio_c", core_algos.DEFAULT_CLIP_RATIO_C)))
         entropy_loss = tf.agg_loss(entropy, response_mask, loss_agg_mode)
         policy_loss = pg_loss - float(cfg.get("entropy_coeff", 0.0)) * entropy_loss
         if cfg.get("use_kl_loss", False):
@@ -187,6 +188,7 @@ class DataParallelPPOActor(BasePPOActor):
             metrics["actor/kl_coef"].append(float(cfg.kl_loss_coef))
         metrics["actor/pg_loss"].append(pg_loss.item())
         metrics["actor/pg_clipfrac"].append(pg_clipfrac.item())
+        metrics["actor/pg_clipfrac_lower"].append(pg_clipfrac_lower.item())
         metrics["actor/ppo_kl"].append(ppo_kl.item())
         metrics["actor/entropy"].append(entropy_loss.item())
         return policy_loss
@@ -221,14 +223,17 @@ class DataParallelPPOActor(BasePPOActor):
                 # (with local totals it would be the mean of the ranks' losses, which depends on
                 # how the tokens fell between ranks).
                 mini_tokens, mini_rows, dp_size = tf.data_parallel_totals(
-                    float(mini[K.RESPONSE_MASK].sum()), mini.batch_size[0], mini[K.RESPONSE_MASK].device)
+                    float(mini[K.RESPONSE_MASK].sum()), tf.rows_with_tokens(mini[K.RESPONSE_MASK]),
+                    mini[K.RESPONSE_MASK].device)
                 for micro in micro_batches:
                     loss = self._micro_batch_loss(micro, temperature, metrics)
                     # Each micro-batch weighs its share of the mini-batch's tokens (token-mean) or
-                    # rows (seq-mean modes): the sum is the loss of the whole mini-batch, however
-                    # (dynamic batch size) the rows were split.
-                    share = tf.micro_batch_share(micro[K.RESPONSE_MASK], mini_tokens, micro.batch_size[0],
-                                                 mini_rows, cfg.get("loss_agg_mode", "token-mean"), dp_size)
+                    # rows with a loss token (seq-mean modes; a row rejected whole counts in neither):
+                    # the sum is the loss of the whole mini-batch, however (dynamic batch size) the
+                    # rows were split.
+                    share = tf.micro_batch_share(micro[K.RESPONSE_MASK], mini_tokens,
+                                                 tf.rows_with_tokens(micro[K.RESPONSE_MASK]), mini_rows,
+                                                 cfg.get("loss_agg_mode", "token-mean"), dp_size)
                     (loss * share).backward()
                 grad_norm, finite = self._optimizer_step()
                 grad_nonfinite += int(not finite)

@@ -109,7 +109,7 @@ class DataParallelPPOCritic:
                 mini_mask = self._loss_mask(mini)
                 # Totals over the data-parallel ranks: the update is the global mini-batch's loss.
                 mini_tokens, mini_rows, dp_size = tf.data_parallel_totals(
-                    float(mini_mask.sum()), mini.batch_size[0], mini_mask.device)
+                    float(mini_mask.sum()), tf.rows_with_tokens(mini_mask), mini_mask.device)
                 for micro in micro_batches:
                     response_mask = self._loss_mask(micro)
                     vpreds = self._forward_micro_batch(micro)
@@ -117,7 +117,7 @@ class DataParallelPPOCritic:
                         vpreds, micro[K.RETURNS], micro[K.VALUES], response_mask,
                         float(cfg.cliprange_value), loss_agg_mode)
                     # Token share (token-mean) or row share (seq-mean modes) of the mini-batch.
-                    share = tf.micro_batch_share(response_mask, mini_tokens, micro.batch_size[0],
+                    share = tf.micro_batch_share(response_mask, mini_tokens, tf.rows_with_tokens(response_mask),
                                                  mini_rows, loss_agg_mode, dp_size)
                     (vf_loss * share).backward()
                     metrics["critic/vf_loss"].append(vf_loss.item())
