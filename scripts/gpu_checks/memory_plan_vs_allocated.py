@@ -6,14 +6,18 @@ nothing downloaded), wraps it as the actor worker does (the worker's own `_wrap`
 random full-length batch of the configured shape:
 
 1. a log-prob pass, unmeasured: the old log-probs the update needs (the trainer's order);
-2. one actor update (one optimizer step), measured: phase `actor_update`;
-3. a log-prob pass, measured: phase `actor_log_prob`, with AdamW's state now resident, as in every
-   step after the first (the plan counts it resident).
+2. the actor's first update (one optimizer step), measured: `actor_update_first`, against the plan's
+   `plan_memory(..., first_update=True)` (AdamW creates its state inside this step: its backward holds none);
+3. a second update on the same batch, measured: `actor_update`, against the steady-state plan
+   (what preflight checks: the backward now holds AdamW's state);
+4. a log-prob pass, measured: `actor_log_prob`, with AdamW's state resident, as the plan counts it.
 
-Each measured call is bracketed by `torch.cuda.reset_peak_memory_stats()` / `max_memory_allocated()`.
-Prints ONE JSON object: per phase the plan's certain and estimated bytes (by entry and in total),
-the measured peak and measured / plan; the bytes the actor really holds (parameter shards, AdamW
-state) beside the plan's entries for them; what the passes computed; device, torch and transformers.
+Each measured call is bracketed by `torch.cuda.reset_peak_memory_stats()` / `max_memory_allocated()`,
+so each update's peak is its own. Prints ONE JSON object: per measured phase the plan's certain and
+estimated bytes (by entry and in total), its moments (an update: backward and optimizer step, with
+the one that binds), the measured peak and measured / plan; the bytes the actor really holds
+(parameter shards, AdamW state) beside the plan's entries for them; what the passes computed;
+device, torch and transformers.
 Measures the actor alone: a config whose actor phases also count a critic or a reference is refused.
 Not part of any test suite on a GPU; `--device cpu --tiny` runs the same path on CPU with measured
 values null (tests/utils/test_memory_plan_gpu_check.py).
@@ -75,9 +79,10 @@ TINY: dict[str, Any] = {**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 
                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
                         "max_position_embeddings": 4096, "sliding_window": 4096, "max_window_layers": 2,
                         "bos_token_id": 511, "eos_token_id": 511}
-MEASURED_PHASES = ("actor_update", "actor_log_prob")
+MEASURED_PHASES = ("actor_update", "actor_log_prob")     # plan phases; the update is measured twice
 # Entries of an actor phase that belong to the actor (the rest would be another model's resident state).
-_ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "gathered root unit", "reduce-scatter staging", "log-prob head")
+_ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "gathered next layer", "gathered root unit", "reduce-scatter staging",
+                         "log-prob head")
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,8 @@ def check_actor_only(plan: MemoryPlan) -> None:
     for phase in plan.phases:
         if phase.name not in MEASURED_PHASES:
             continue
-        others = [k for k in phase.certain if not k.startswith(_ACTOR_ENTRY_PREFIXES)]
+        entries = [k for moment in (phase, *phase.moments.values()) for k in moment.certain]
+        others = sorted({k for k in entries if not k.startswith(_ACTOR_ENTRY_PREFIXES)})
         if others:
             raise ValueError(f"plan phase {phase.name} counts {others}: this check builds the actor alone; keep "
                              "algorithm.adv_estimator=grpo, actor_rollout_ref.actor.use_kl_loss=false and "
@@ -263,6 +269,8 @@ def phase_report(phase: Phase, peak: Peak | None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "plan_certain": dict(phase.certain), "plan_estimated": dict(phase.estimated),
         "plan_certain_bytes": certain, "plan_estimated_bytes": estimated, "plan_bytes": phase.total,
+        "plan_binding": phase.binding or None,
+        "plan_moments_bytes": {name: moment.total for name, moment in phase.moments.items()},
         "measured_peak_bytes": None, "measured_over_plan": None, "measured_minus_certain_bytes": None,
         "allocated_before_bytes": None, "peak_reserved_bytes": None,
     }
@@ -282,6 +290,7 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
         cfg = compose_config(overrides)
         OmegaConf.resolve(cfg)
         plan = plan_memory(cfg, model_config=model_config)
+        first_plan = plan_memory(cfg, model_config=model_config, first_update=True)
         check_actor_only(plan)
         arr = cfg.actor_rollout_ref
         normalize_actor_batch_sizes(arr, "actor_rollout_ref", world_size=1)
@@ -291,8 +300,9 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
             tensors = random_batch(int(model_config["vocab_size"]), shape)
             tensors[K.OLD_LOG_PROBS] = compute_log_prob(actor, tensors)
             before = fingerprint(actor.module)
-            metrics, update_peak = run_measured(device, lambda: update_actor(actor, tensors))
+            metrics, first_peak = run_measured(device, lambda: update_actor(actor, tensors))
             after = fingerprint(actor.module)
+            second, update_peak = run_measured(device, lambda: update_actor(actor, tensors))
             log_probs_BR, log_prob_peak = run_measured(device, lambda: compute_log_prob(actor, tensors))
             held = held_bytes(actor)
             parameters = fsdp_utils.count_parameters(actor.module)
@@ -300,6 +310,7 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
         finally:
             dist.destroy_process_group()
     phases = {p.name: p for p in plan.phases}
+    first_update = next(p for p in first_plan.phases if p.name == "actor_update")
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -308,7 +319,8 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
         "shape": {**asdict(shape), "sequence_length": sequence_length(cfg)},
         "overrides": overrides,   # the model path in them named a temporary folder, gone now
         "plan_phases": [p.name for p in plan.phases], "plan_gib": plan.phase_gib(), "plan_notes": plan.notes,
-        "phases": {"actor_update": phase_report(phases["actor_update"], update_peak),
+        "phases": {"actor_update_first": phase_report(first_update, first_peak),
+                   "actor_update": phase_report(phases["actor_update"], update_peak),
                    "actor_log_prob": phase_report(phases["actor_log_prob"], log_prob_peak)},
         "held_bytes": held,
         "update": {"pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
@@ -316,6 +328,8 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
                    "response_tokens": int(tensors[K.RESPONSE_MASK].sum()),
                    "parameter_tensors_changed": sum(before[k] != after[k] for k in before),
                    "parameter_tensors": len(before)},
+        "second_update": {"pg_loss": second["actor/pg_loss"], "grad_norm": second["actor/grad_norm"],
+                          "grad_nonfinite": second["actor/grad_nonfinite"]},
         "log_prob": {"shape": list(log_probs_BR.shape), "mean": float(log_probs_BR.mean()),
                      "finite": bool(torch.isfinite(log_probs_BR).all())},
     }
