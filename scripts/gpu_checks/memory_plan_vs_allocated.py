@@ -26,10 +26,12 @@ values null (tests/utils/test_memory_plan_gpu_check.py).
     python scripts/gpu_checks/memory_plan_vs_allocated.py --micro 8 actor_rollout_ref.model.enable_gradient_checkpointing=true
     python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen2.5-3b/config.json
     python scripts/gpu_checks/memory_plan_vs_allocated.py --device cpu --tiny --prompt-length 16 --response-length 8
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --compose-only    # parse and plan, build nothing
 
 (from the repository root with the project installed, `pip install -e .`; or
 `python -m scripts.gpu_checks.memory_plan_vs_allocated ...`). Trailing `key=value` arguments are
-trainer-config overrides, applied after the ones the flags make.
+trainer-config overrides, applied after the ones the flags make; `--out FILE` also writes the JSON
+there (scripts/gpu_checks/run_all.sh reads it).
 """
 
 from __future__ import annotations
@@ -162,7 +164,9 @@ def init_single_rank(device: str) -> Any:
 def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
     """The actor as ActorRolloutRefWorker.init_model builds it, from config.json alone (random weights):
     fp32 model, the worker's `_wrap` (checkpointing, FSDP2, bf16 mixed precision on CUDA), AdamW and
-    its schedule, DataParallelPPOActor, then the worker's `_offload` (a no-op unless offload is set)."""
+    its schedule, DataParallelPPOActor, then the worker's `_offload` (a no-op unless offload is set).
+    The random weights are made on `device` (a 3B model's init on the host takes half a minute; where
+    they were made changes nothing that is measured: the measured calls start with them on the GPU)."""
     model_cfg = arr.model
     use_rmpad = bool(model_cfg.get("use_remove_padding", False))
     attn = attn_implementation(device, use_rmpad)
@@ -171,7 +175,8 @@ def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if attn:
         kwargs["attn_implementation"] = attn
-    module = AutoModelForCausalLM.from_config(config, **kwargs)
+    with torch.device(device):
+        module = AutoModelForCausalLM.from_config(config, **kwargs)
     # The worker's own methods (not a copy), on a view holding the two attributes they read.
     worker = SimpleNamespace(device=device, device_mesh=mesh)
     module = _FSDPWorkerBase._wrap(worker, module, model_cfg, trainable=True)
@@ -282,16 +287,24 @@ def phase_report(phase: Phase, peak: Peak | None) -> dict[str, Any]:
     return report
 
 
+def compose(model_config: dict[str, Any], shape: BatchShape, device: str, extra: list[str],
+            folder: str) -> tuple[list[str], DictConfig, MemoryPlan]:
+    """(overrides, the resolved trainer config, its steady-state plan) for a model whose config.json is
+    written into `folder`; refuses a config whose measured phases count another model."""
+    (Path(folder) / "config.json").write_text(json.dumps(model_config))
+    overrides = trainer_overrides(folder, shape, device, extra)
+    cfg = compose_config(overrides)
+    OmegaConf.resolve(cfg)
+    plan = plan_memory(cfg, model_config=model_config)
+    check_actor_only(plan)
+    return overrides, cfg, plan
+
+
 def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extra: list[str]) -> dict[str, Any]:
     """Plan, build, run and measure; the report as a JSON-ready dict."""
     with tempfile.TemporaryDirectory(prefix="memory_plan_check_") as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(model_config))
-        overrides = trainer_overrides(folder, shape, device, extra)
-        cfg = compose_config(overrides)
-        OmegaConf.resolve(cfg)
-        plan = plan_memory(cfg, model_config=model_config)
+        overrides, cfg, plan = compose(model_config, shape, device, extra, folder)
         first_plan = plan_memory(cfg, model_config=model_config, first_update=True)
-        check_actor_only(plan)
         arr = cfg.actor_rollout_ref
         normalize_actor_batch_sizes(arr, "actor_rollout_ref", world_size=1)
         mesh = init_single_rank(device)
@@ -335,8 +348,8 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
     }
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, batch shape and device flags this check and actor_throughput.py share."""
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="hidden 64, 2 layers, vocab 512 (for the CPU test)")
     parser.add_argument("--model-config", help="a config.json to use instead of Qwen2.5-0.5B's shape")
@@ -344,21 +357,54 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--micro", type=int, default=4, help="rows per micro-batch (update and log-prob pass)")
     parser.add_argument("--prompt-length", type=int, default=1024)
     parser.add_argument("--response-length", type=int, default=512)
+    parser.add_argument("--out", help="also write the JSON report to this file")
+    parser.add_argument("--compose-only", action="store_true",
+                        help="parse, compose the trainer config and plan it; build and run nothing (any device)")
     parser.add_argument("overrides", nargs="*", help="trainer-config overrides, key=value")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here: run on a GPU machine, or pass --device cpu --tiny")
+def model_and_shape(args: argparse.Namespace) -> tuple[dict[str, Any], BatchShape]:
+    """The config.json dict (--model-config, --tiny or Qwen2.5-0.5B's) and the batch shape the flags give."""
     if args.model_config and args.tiny:
         raise SystemExit("--tiny and --model-config choose the model both; pass one")
     model_config = json.loads(Path(args.model_config).read_text()) if args.model_config else (
         TINY if args.tiny else QWEN2_5_0_5B)
-    shape = BatchShape(args.rows, args.micro, args.prompt_length, args.response_length)
-    report = run_check(model_config, shape, args.device, list(args.overrides))
-    print(json.dumps(report, indent=1, allow_nan=True))
+    return model_config, BatchShape(args.rows, args.micro, args.prompt_length, args.response_length)
+
+
+def composed_report(model_config: dict[str, Any], shape: BatchShape, device: str, extra: list[str]) -> dict[str, Any]:
+    """--compose-only: what the check would plan (nothing built): overrides and GiB per phase."""
+    with tempfile.TemporaryDirectory(prefix="memory_plan_check_") as folder:
+        overrides, cfg, plan = compose(model_config, shape, device, extra, folder)
+        return {"composed": True, "overrides": overrides, "plan_gib": plan.phase_gib(),
+                "sequence_length": sequence_length(cfg)}
+
+
+def write_report(report: dict[str, Any], out: str | None) -> None:
+    """Print the one JSON object (and write it to `out`)."""
+    text = json.dumps(report, indent=1, allow_nan=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    model_config, shape = model_and_shape(args)
+    if args.compose_only:
+        report = composed_report(model_config, shape, args.device, list(args.overrides))
+    else:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("no CUDA device here: run on a GPU machine, or pass --device cpu --tiny")
+        report = run_check(model_config, shape, args.device, list(args.overrides))
+    write_report(report, args.out)
     return report
 
 

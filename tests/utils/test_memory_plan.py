@@ -270,3 +270,19 @@ def test_foreach_adamw_allocates_one_fp32_copy_of_the_parameters_in_its_step() -
     params = 4 * sum(p.numel() for p in model.parameters())
     big = {op: size for op, size in tracker.by_op.items() if size >= 1024}
     assert big == {"aten::_foreach_sqrt": ADAM_STEP_TEMPORARIES * params}
+
+
+@pytest.mark.parametrize("size", ["0.5b", "3b_gc"])
+def test_the_steady_state_plan_rederives_the_throughput_runs_peak(size: str, tmp_path: Path) -> None:
+    # scripts/gpu_checks/actor_throughput.py on the same H200: a warm-up update, then 3 timed ones, so its
+    # peak is an update with AdamW's state resident during the backward: the steady state preflight checks
+    from scripts.gpu_checks.memory_plan_vs_allocated import QWEN2_5_0_5B, BatchShape, compose
+
+    run = json.loads((Path(__file__).parent / "gpu_measurements" / f"actor_throughput_{size}.json").read_text())
+    model = QWEN2_5_0_5B if run["config"] == "0.5b" else json.loads((REPO / run["config"]).read_text())
+    shape = BatchShape(run["rows"], run["micro"], run["prompt"], run["response"])
+    _, _, plan = compose(model, shape, "cuda", run["extra"], str(tmp_path))
+    update = next(p for p in plan.phases if p.name == "actor_update")
+    measured = run["max_allocated_gib"] * GIB
+    assert -0.03 <= (update.total - measured) / measured <= 0.10, (update.total / GIB, run["max_allocated_gib"])
+    assert update.binding == ("optimizer step" if size == "3b_gc" else "backward")
