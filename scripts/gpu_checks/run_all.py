@@ -90,8 +90,8 @@ def _memory_figures(out: Path, log: str) -> dict[str, Any]:
     figures: dict[str, Any] = {"device": report.get("device")}
     for name, phase in report.get("phases", {}).items():
         measured = phase.get("measured_peak_bytes")
-        figures[name] = {"plan_gib": round(phase["plan_bytes"] / GIB, 2), "binding": phase.get("plan_binding"),
-                         "measured_gib": None if measured is None else round(measured / GIB, 2),
+        figures[name] = {"plan_gib": round(phase["plan_bytes"] / GIB, 4), "binding": phase.get("plan_binding"),
+                         "measured_gib": None if measured is None else round(measured / GIB, 4),
                          "measured_over_plan": phase.get("measured_over_plan")}
     return figures
 
