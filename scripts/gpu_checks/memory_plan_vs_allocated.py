@@ -6,14 +6,18 @@ nothing downloaded), wraps it as the actor worker does (the worker's own `_wrap`
 random full-length batch of the configured shape:
 
 1. a log-prob pass, unmeasured: the old log-probs the update needs (the trainer's order);
-2. one actor update (one optimizer step), measured: phase `actor_update`;
-3. a log-prob pass, measured: phase `actor_log_prob`, with AdamW's state now resident, as in every
-   step after the first (the plan counts it resident).
+2. the actor's first update (one optimizer step), measured: `actor_update_first`, against the plan's
+   `plan_memory(..., first_update=True)` (AdamW creates its state inside this step: its backward holds none);
+3. a second update on the same batch, measured: `actor_update`, against the steady-state plan
+   (what preflight checks: the backward now holds AdamW's state);
+4. a log-prob pass, measured: `actor_log_prob`, with AdamW's state resident, as the plan counts it.
 
-Each measured call is bracketed by `torch.cuda.reset_peak_memory_stats()` / `max_memory_allocated()`.
-Prints ONE JSON object: per phase the plan's certain and estimated bytes (by entry and in total),
-the measured peak and measured / plan; the bytes the actor really holds (parameter shards, AdamW
-state) beside the plan's entries for them; what the passes computed; device, torch and transformers.
+Each measured call is bracketed by `torch.cuda.reset_peak_memory_stats()` / `max_memory_allocated()`,
+so each update's peak is its own. Prints ONE JSON object: per measured phase the plan's certain and
+estimated bytes (by entry and in total), its moments (an update: backward and optimizer step, with
+the one that binds), the measured peak and measured / plan; the bytes the actor really holds
+(parameter shards, AdamW state) beside the plan's entries for them; what the passes computed;
+device, torch and transformers.
 Measures the actor alone: a config whose actor phases also count a critic or a reference is refused.
 Not part of any test suite on a GPU; `--device cpu --tiny` runs the same path on CPU with measured
 values null (tests/utils/test_memory_plan_gpu_check.py).
@@ -22,10 +26,12 @@ values null (tests/utils/test_memory_plan_gpu_check.py).
     python scripts/gpu_checks/memory_plan_vs_allocated.py --micro 8 actor_rollout_ref.model.enable_gradient_checkpointing=true
     python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen2.5-3b/config.json
     python scripts/gpu_checks/memory_plan_vs_allocated.py --device cpu --tiny --prompt-length 16 --response-length 8
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --compose-only    # parse and plan, build nothing
 
 (from the repository root with the project installed, `pip install -e .`; or
 `python -m scripts.gpu_checks.memory_plan_vs_allocated ...`). Trailing `key=value` arguments are
-trainer-config overrides, applied after the ones the flags make.
+trainer-config overrides, applied after the ones the flags make; `--out FILE` also writes the JSON
+there (scripts/gpu_checks/run_all.sh reads it).
 """
 
 from __future__ import annotations
@@ -75,9 +81,10 @@ TINY: dict[str, Any] = {**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 
                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
                         "max_position_embeddings": 4096, "sliding_window": 4096, "max_window_layers": 2,
                         "bos_token_id": 511, "eos_token_id": 511}
-MEASURED_PHASES = ("actor_update", "actor_log_prob")
+MEASURED_PHASES = ("actor_update", "actor_log_prob")     # plan phases; the update is measured twice
 # Entries of an actor phase that belong to the actor (the rest would be another model's resident state).
-_ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "gathered root unit", "reduce-scatter staging", "log-prob head")
+_ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "gathered next layer", "gathered root unit", "reduce-scatter staging",
+                         "log-prob head")
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,8 @@ def check_actor_only(plan: MemoryPlan) -> None:
     for phase in plan.phases:
         if phase.name not in MEASURED_PHASES:
             continue
-        others = [k for k in phase.certain if not k.startswith(_ACTOR_ENTRY_PREFIXES)]
+        entries = [k for moment in (phase, *phase.moments.values()) for k in moment.certain]
+        others = sorted({k for k in entries if not k.startswith(_ACTOR_ENTRY_PREFIXES)})
         if others:
             raise ValueError(f"plan phase {phase.name} counts {others}: this check builds the actor alone; keep "
                              "algorithm.adv_estimator=grpo, actor_rollout_ref.actor.use_kl_loss=false and "
@@ -156,7 +164,9 @@ def init_single_rank(device: str) -> Any:
 def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
     """The actor as ActorRolloutRefWorker.init_model builds it, from config.json alone (random weights):
     fp32 model, the worker's `_wrap` (checkpointing, FSDP2, bf16 mixed precision on CUDA), AdamW and
-    its schedule, DataParallelPPOActor, then the worker's `_offload` (a no-op unless offload is set)."""
+    its schedule, DataParallelPPOActor, then the worker's `_offload` (a no-op unless offload is set).
+    The random weights are made on `device` (a 3B model's init on the host takes half a minute; where
+    they were made changes nothing that is measured: the measured calls start with them on the GPU)."""
     model_cfg = arr.model
     use_rmpad = bool(model_cfg.get("use_remove_padding", False))
     attn = attn_implementation(device, use_rmpad)
@@ -165,7 +175,8 @@ def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if attn:
         kwargs["attn_implementation"] = attn
-    module = AutoModelForCausalLM.from_config(config, **kwargs)
+    with torch.device(device):
+        module = AutoModelForCausalLM.from_config(config, **kwargs)
     # The worker's own methods (not a copy), on a view holding the two attributes they read.
     worker = SimpleNamespace(device=device, device_mesh=mesh)
     module = _FSDPWorkerBase._wrap(worker, module, model_cfg, trainable=True)
@@ -263,6 +274,8 @@ def phase_report(phase: Phase, peak: Peak | None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "plan_certain": dict(phase.certain), "plan_estimated": dict(phase.estimated),
         "plan_certain_bytes": certain, "plan_estimated_bytes": estimated, "plan_bytes": phase.total,
+        "plan_binding": phase.binding or None,
+        "plan_moments_bytes": {name: moment.total for name, moment in phase.moments.items()},
         "measured_peak_bytes": None, "measured_over_plan": None, "measured_minus_certain_bytes": None,
         "allocated_before_bytes": None, "peak_reserved_bytes": None,
     }
@@ -274,15 +287,24 @@ def phase_report(phase: Phase, peak: Peak | None) -> dict[str, Any]:
     return report
 
 
+def compose(model_config: dict[str, Any], shape: BatchShape, device: str, extra: list[str],
+            folder: str) -> tuple[list[str], DictConfig, MemoryPlan]:
+    """(overrides, the resolved trainer config, its steady-state plan) for a model whose config.json is
+    written into `folder`; refuses a config whose measured phases count another model."""
+    (Path(folder) / "config.json").write_text(json.dumps(model_config))
+    overrides = trainer_overrides(folder, shape, device, extra)
+    cfg = compose_config(overrides)
+    OmegaConf.resolve(cfg)
+    plan = plan_memory(cfg, model_config=model_config)
+    check_actor_only(plan)
+    return overrides, cfg, plan
+
+
 def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extra: list[str]) -> dict[str, Any]:
     """Plan, build, run and measure; the report as a JSON-ready dict."""
     with tempfile.TemporaryDirectory(prefix="memory_plan_check_") as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(model_config))
-        overrides = trainer_overrides(folder, shape, device, extra)
-        cfg = compose_config(overrides)
-        OmegaConf.resolve(cfg)
-        plan = plan_memory(cfg, model_config=model_config)
-        check_actor_only(plan)
+        overrides, cfg, plan = compose(model_config, shape, device, extra, folder)
+        first_plan = plan_memory(cfg, model_config=model_config, first_update=True)
         arr = cfg.actor_rollout_ref
         normalize_actor_batch_sizes(arr, "actor_rollout_ref", world_size=1)
         mesh = init_single_rank(device)
@@ -291,8 +313,9 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
             tensors = random_batch(int(model_config["vocab_size"]), shape)
             tensors[K.OLD_LOG_PROBS] = compute_log_prob(actor, tensors)
             before = fingerprint(actor.module)
-            metrics, update_peak = run_measured(device, lambda: update_actor(actor, tensors))
+            metrics, first_peak = run_measured(device, lambda: update_actor(actor, tensors))
             after = fingerprint(actor.module)
+            second, update_peak = run_measured(device, lambda: update_actor(actor, tensors))
             log_probs_BR, log_prob_peak = run_measured(device, lambda: compute_log_prob(actor, tensors))
             held = held_bytes(actor)
             parameters = fsdp_utils.count_parameters(actor.module)
@@ -300,6 +323,7 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
         finally:
             dist.destroy_process_group()
     phases = {p.name: p for p in plan.phases}
+    first_update = next(p for p in first_plan.phases if p.name == "actor_update")
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -308,7 +332,8 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
         "shape": {**asdict(shape), "sequence_length": sequence_length(cfg)},
         "overrides": overrides,   # the model path in them named a temporary folder, gone now
         "plan_phases": [p.name for p in plan.phases], "plan_gib": plan.phase_gib(), "plan_notes": plan.notes,
-        "phases": {"actor_update": phase_report(phases["actor_update"], update_peak),
+        "phases": {"actor_update_first": phase_report(first_update, first_peak),
+                   "actor_update": phase_report(phases["actor_update"], update_peak),
                    "actor_log_prob": phase_report(phases["actor_log_prob"], log_prob_peak)},
         "held_bytes": held,
         "update": {"pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
@@ -316,13 +341,15 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
                    "response_tokens": int(tensors[K.RESPONSE_MASK].sum()),
                    "parameter_tensors_changed": sum(before[k] != after[k] for k in before),
                    "parameter_tensors": len(before)},
+        "second_update": {"pg_loss": second["actor/pg_loss"], "grad_norm": second["actor/grad_norm"],
+                          "grad_nonfinite": second["actor/grad_nonfinite"]},
         "log_prob": {"shape": list(log_probs_BR.shape), "mean": float(log_probs_BR.mean()),
                      "finite": bool(torch.isfinite(log_probs_BR).all())},
     }
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, batch shape and device flags this check and actor_throughput.py share."""
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="hidden 64, 2 layers, vocab 512 (for the CPU test)")
     parser.add_argument("--model-config", help="a config.json to use instead of Qwen2.5-0.5B's shape")
@@ -330,21 +357,54 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--micro", type=int, default=4, help="rows per micro-batch (update and log-prob pass)")
     parser.add_argument("--prompt-length", type=int, default=1024)
     parser.add_argument("--response-length", type=int, default=512)
+    parser.add_argument("--out", help="also write the JSON report to this file")
+    parser.add_argument("--compose-only", action="store_true",
+                        help="parse, compose the trainer config and plan it; build and run nothing (any device)")
     parser.add_argument("overrides", nargs="*", help="trainer-config overrides, key=value")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here: run on a GPU machine, or pass --device cpu --tiny")
+def model_and_shape(args: argparse.Namespace) -> tuple[dict[str, Any], BatchShape]:
+    """The config.json dict (--model-config, --tiny or Qwen2.5-0.5B's) and the batch shape the flags give."""
     if args.model_config and args.tiny:
         raise SystemExit("--tiny and --model-config choose the model both; pass one")
     model_config = json.loads(Path(args.model_config).read_text()) if args.model_config else (
         TINY if args.tiny else QWEN2_5_0_5B)
-    shape = BatchShape(args.rows, args.micro, args.prompt_length, args.response_length)
-    report = run_check(model_config, shape, args.device, list(args.overrides))
-    print(json.dumps(report, indent=1, allow_nan=True))
+    return model_config, BatchShape(args.rows, args.micro, args.prompt_length, args.response_length)
+
+
+def composed_report(model_config: dict[str, Any], shape: BatchShape, device: str, extra: list[str]) -> dict[str, Any]:
+    """--compose-only: what the check would plan (nothing built): overrides and GiB per phase."""
+    with tempfile.TemporaryDirectory(prefix="memory_plan_check_") as folder:
+        overrides, cfg, plan = compose(model_config, shape, device, extra, folder)
+        return {"composed": True, "overrides": overrides, "plan_gib": plan.phase_gib(),
+                "sequence_length": sequence_length(cfg)}
+
+
+def write_report(report: dict[str, Any], out: str | None) -> None:
+    """Print the one JSON object (and write it to `out`)."""
+    text = json.dumps(report, indent=1, allow_nan=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    model_config, shape = model_and_shape(args)
+    if args.compose_only:
+        report = composed_report(model_config, shape, args.device, list(args.overrides))
+    else:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("no CUDA device here: run on a GPU machine, or pass --device cpu --tiny")
+        report = run_check(model_config, shape, args.device, list(args.overrides))
+    write_report(report, args.out)
     return report
 
 

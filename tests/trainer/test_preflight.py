@@ -120,11 +120,11 @@ def test_checkpoints_that_do_not_fit_the_disk_fail_where_the_run_writes_them(
         data: list[str], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     import shutil
 
-    from verl.trainer import preflight
+    from verl.trainer import preflight, preflight_memory
     from verl.utils import device
 
     monkeypatch.setattr(device, "is_cuda_available", lambda: False)
-    monkeypatch.setattr(preflight.shutil, "disk_usage",
+    monkeypatch.setattr(preflight_memory.shutil, "disk_usage",
                         lambda path: shutil._ntuple_diskusage(100 * 2 ** 30, 99 * 2 ** 30, 2 ** 30))  # 1 GiB free
     overrides = [*SMALL, *data, "trainer.save_freq=10", "trainer.max_ckpt_to_keep=2"]
     if where != "this machine":     # a GPU run's memory verdict asked for: this CPU machine only plans it
@@ -311,3 +311,33 @@ def test_the_documented_launchers_pass_preflight_with_the_shipped_model_configs(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["ok"] is True and report["fits"] is True, report
     assert report["memory_plan_gib"][report["largest_phase"]] <= 80
+
+
+def test_the_72b_launcher_fits_a_2_tib_node_with_the_meta_loader_and_the_old_loader_would_not(
+        tmp_path: Path, data: list[str]) -> None:
+    # example/multinode/train_grpo_multinode_72b.sh (8 nodes x 8 GPUs, actor/optimizer/reference offloaded)
+    from tests.multinode._launch_record import run_recorded
+    from verl.utils.host_memory_plan import host_fit, old_loader_init, plan_host_memory
+    from verl.utils.memory_plan import GIB
+
+    run = run_recorded("example/multinode/train_grpo_multinode_72b.sh", tmp_path,
+                       {"BASE_MODEL": str(CONFIGS / "qwen2.5-72b")}, ())
+    assert run.returncode == 0, run.output
+    overrides = [*run.overrides, *data, "do_search=false", "trainer.gpu_memory_gib=80"]
+    report = run_preflight(compose_config([*overrides, "trainer.host_memory_gib=2048"]))
+    assert report.passed and report.host_fits is True, report.render()
+    assert "host memory plan per node (the node of global rank 0: 8 worker ranks)" in report.render()
+    assert report.to_json()["host_memory_plan_gib"]["model_init"] < 200
+    # the old loader (every rank from_pretrained in fp32 on the host): 8 x 291 GB, refused at model_init
+    cfg = compose_config(overrides)
+    OmegaConf.resolve(cfg)
+    plan = plan_host_memory(cfg)
+    old = [old_loader_init(cfg), *(p for p in plan.phases if p.name != "model_init")]
+    fits, message = host_fit(old, 2048)
+    assert fits is False and "phase model_init needs" in message and "trainer.host_memory_gib=2048" in message
+    assert old[0].total / GIB > 2048 > max(p.total for p in plan.phases) / GIB
+    # a node too small for the offloaded state: preflight refuses, naming the phase and the key
+    small = run_preflight(compose_config([*overrides, "trainer.host_memory_gib=100"]))
+    assert not small.passed and "trainer.host_memory_gib" in keys(small)
+    assert "phase training needs 135.7 GiB > trainer.host_memory_gib=100" in small.render()
+    assert "trainer.host_memory_gib" in keys(run_preflight(compose_config([*overrides, "trainer.host_memory_gib=-1"])))

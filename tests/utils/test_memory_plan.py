@@ -3,6 +3,7 @@ model configs have their public parameter counts, and 72B on one 80 GB GPU does 
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -68,11 +69,21 @@ def test_72b_on_one_80gb_gpu_without_offload_does_not_fit_and_7b_on_eight_does()
     plan = plan_memory(big, device_gib=80)
     name, gib = plan.largest()
     assert name == "actor_update" and gib > 80
-    # fp32 params + grads + AdamW alone: 16 bytes per parameter on the one GPU
+    # fp32 params + grads + AdamW alone: 16 bytes per parameter on the one GPU; 8 rows of activations
+    # without checkpointing make the backward the larger of the update's two peaks
     update = next(p for p in plan.phases if p.name == "actor_update")
+    assert update.binding == "backward" and update.certain == update.moments["backward"].certain
     assert update.certain["actor params (fp32 shard)"] == 4 * plan.actor_params
     assert update.certain["actor AdamW state (shard)"] == adamw_state_bytes(plan.actor_params, plan.actor_tensors)
     assert "activations" in update.estimated
+    # with gradient checkpointing the optimizer step binds: params, grads, AdamW and foreach AdamW's fp32
+    # temporary, 20 bytes per parameter, beside the reference's fp32 copy
+    checkpointed = copy.deepcopy(big)
+    checkpointed.actor_rollout_ref.model.enable_gradient_checkpointing = True
+    update = next(p for p in plan_memory(checkpointed).phases if p.name == "actor_update")
+    assert update.binding == "optimizer step" and not update.estimated
+    assert update.total == 24 * plan.actor_params + 4 * plan.actor_tensors
+    assert update.total > update.moments["backward"].total
 
     small = compose_config([f"actor_rollout_ref.model.path={CONFIGS / 'qwen2.5-7b'}",
                             f"critic.model.path={CONFIGS / 'qwen2.5-7b'}", "trainer.n_gpus_per_node=8",
@@ -86,28 +97,35 @@ def test_72b_on_one_80gb_gpu_without_offload_does_not_fit_and_7b_on_eight_does()
     assert max(plan.phase_gib().values()) * GIB >= update.total - GIB
 
 
-def test_a_pipelined_run_plans_the_rollout_pools_gpu_and_the_weight_sync_buffers() -> None:
-    # 7B on 8 GPUs, 2 of them the rollout pool: the engine (vLLM's pool) is there, beside the policy's
-    # fp32 shard over 2 and one full tensor from the weight-sync group; the train GPUs have no engine.
+def _pipelined_7b(*extra: str):
     cfg = compose_config([f"actor_rollout_ref.model.path={CONFIGS / 'qwen2.5-7b'}", "algorithm.adv_estimator=grpo",
                           "trainer.n_gpus_per_node=8", "trainer.pipeline=one_step_off", "trainer.rollout_pool=2",
                           "data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
-                          "actor_rollout_ref.rollout.n_agent=1", "do_search=false"])
+                          "actor_rollout_ref.rollout.n_agent=1", "do_search=false", *extra])
     OmegaConf.resolve(cfg)
-    plan = plan_memory(cfg, device_gib=80)
+    return plan_memory(cfg, device_gib=80)
+
+
+def test_a_pipelined_run_plans_the_rollout_pools_gpu_and_the_weight_sync_buffers() -> None:
+    # 7B on 8 GPUs, 2 of them the rollout pool: the engine (vLLM's pool) is there, beside one full tensor
+    # arriving in the engine's dtype (bf16); no FSDP copy of the policy; the train GPUs have no engine.
+    plan = _pipelined_7b()
     phases = {p.name: p for p in plan.phases}
     assert "rollout" not in phases and plan.world == 6
     pool = phases["rollout_pool"].certain
     shape = ModelShape.from_config(read_model_config(str(CONFIGS / "qwen2.5-7b"))[0], "qwen2.5-7b")
-    assert pool["policy params on the rollout pool (fp32 shard)"] == -(-4 * plan.actor_params // 2)
-    assert pool["weight-sync receive buffer (largest full fp32 tensor)"] == 4 * shape.vocab_size * shape.hidden_size
-    assert pool["vLLM pool (gpu_memory_utilization=0.5 x 80 GiB)"] == int(0.5 * 80 * GIB)
-    assert not any(k.startswith("actor") for k in pool)          # no optimizer, no trainer state there
+    embeddings_bf16 = 2 * shape.vocab_size * shape.hidden_size
+    assert pool == {"weight-sync receive buffer (largest full tensor, bf16)": embeddings_bf16,
+                    "vLLM pool (gpu_memory_utilization=0.5 x 80 GiB)": int(0.5 * 80 * GIB)}
     send = phases["weight_sync_send"].certain
     assert send["actor params (fp32 shard)"] == -(-4 * plan.actor_params // 6)   # the train pool's shard
-    # half of 30.5 GB of fp32 policy + 40 GiB of vLLM pool + a 2.2 GB buffer: the rollout GPU is the fullest
-    name, gib = plan.largest()
-    assert name == "rollout_pool" and gib == pytest.approx(sum(pool.values()) / GIB, abs=0.01) and 55 < gib < 57
+    assert send["weight-sync send buffer (largest full tensor, bf16)"] == embeddings_bf16
+    # 40 GiB of vLLM pool + a 1.1 GB buffer
+    assert phases["rollout_pool"].total / GIB == pytest.approx(41.0, abs=0.05)
+    # the HF engine on the rollout pool: one unsharded bf16 copy of the policy instead of vLLM's pool
+    hf = {p.name: p for p in _pipelined_7b("actor_rollout_ref.rollout.name=hf").phases}["rollout_pool"].certain
+    assert hf == {"weight-sync receive buffer (largest full tensor, bf16)": embeddings_bf16,
+                  "HF engine weights (one unsharded bf16 copy)": 2 * plan.actor_params}
 
 
 def test_a_folder_without_config_json_says_what_to_pass(tmp_path: Path) -> None:
@@ -168,3 +186,103 @@ def test_bypass_mode_plans_no_old_log_prob_pass() -> None:
     assert "actor_log_prob" in _seven_b()
     bypass = _seven_b("algorithm.rollout_correction.bypass_old_logprob_for_rollout=true")
     assert "actor_log_prob" not in bypass and "actor_update" in bypass and "reference_log_prob" in bypass
+
+
+# tests/utils/gpu_measurements/: scripts/gpu_checks/memory_plan_vs_allocated.py's JSON of 2026-11-26 on one H200 (torch 2.11,
+# FSDP2 on one rank, bf16 compute): Qwen2.5-0.5B's shape (8 rows, micro 4, 1024 + 512) and Qwen2.5-3B's with
+# gradient checkpointing (16 rows, micro 4, 2048 + 512). Its update was the actor's first.
+MEASURED = [Path(__file__).parent / "gpu_measurements" / f"memory_plan_qwen2.5-{m}_h200.json" for m in ("0.5b", "3b_gc")]
+
+
+def _measured_plan(path: Path, tmp_path: Path, first_update: bool):
+    report = json.loads(path.read_text())
+    (tmp_path / "config.json").write_text(json.dumps(report["model"]["config"]))
+    cfg = compose_config([o.replace("<temporary folder>", str(tmp_path)) for o in report["overrides"]])
+    OmegaConf.resolve(cfg)
+    plan = plan_memory(cfg, model_config=report["model"]["config"], first_update=first_update)
+    return report, {p.name: p for p in plan.phases}
+
+
+@pytest.mark.parametrize("path", MEASURED, ids=lambda p: p.stem)
+def test_the_plan_rederives_the_measured_first_update_and_log_prob_pass(path: Path, tmp_path: Path) -> None:
+    report, phases = _measured_plan(path, tmp_path, first_update=True)
+    update = report["phases"]["actor_update"]
+    params = report["held_bytes"]["actor params (fp32 shard)"]
+    # the first update: before it the GPU held the parameters (and CUDA's ~35 MB of workspaces), no AdamW state
+    assert params <= update["allocated_before_bytes"] < params + 64 * 2 ** 20
+    for name in ("actor_update", "actor_log_prob"):
+        measured = report["phases"][name]["measured_peak_bytes"]
+        over = (phases[name].total - measured) / measured
+        assert -0.03 <= over <= 0.10, f"{path.name} {name}: plan {phases[name].total} vs measured {measured}"
+    # which peak binds: the 0.5B's backward (8.4 GB of activations); the 3B's optimizer step, where
+    # foreach AdamW's sqrt(exp_avg_sq) makes 5 fp32 copies of the 3.09 B parameters: 61.72 GB of 61.79
+    first = phases["actor_update"]
+    assert first.binding == ("optimizer step" if "3b" in path.name else "backward")
+    assert first.moments["optimizer step"].total == 5 * params + 4 * report["model"]["parameter_tensors"]
+    # every later update's backward also holds AdamW's state: that steady state is what preflight checks
+    _, steady = _measured_plan(path, tmp_path, first_update=False)
+    backward = steady["actor_update"].moments["backward"]
+    assert backward.total - first.moments["backward"].total == report["held_bytes"]["actor AdamW state (shard)"]
+    assert steady["actor_update"].total >= first.total and steady["actor_log_prob"].total == phases["actor_log_prob"].total
+
+
+def test_foreach_adamw_allocates_one_fp32_copy_of_the_parameters_in_its_step() -> None:
+    # On CUDA torch's AdamW takes the foreach path for FSDP2's DTensor parameters (on CPU it loops per
+    # tensor, so the group is switched to foreach here): the step allocates exactly one temporary the
+    # size of the parameters, `_foreach_sqrt(exp_avg_sqs)`, beside params, grads and both moments.
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import _foreach_supported_types
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from verl.utils import fsdp_utils
+    from verl.utils.memory_plan import ADAM_STEP_TEMPORARIES
+
+    assert DTensor in _foreach_supported_types
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    optimizer, _ = fsdp_utils.build_optimizer(model, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.01}))
+    for group in optimizer.param_groups:
+        group["foreach"] = True
+
+    class NewFloatTensors(TorchDispatchMode):
+        """Bytes of the floating tensors each out-of-place op returns."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_op: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name
+            if not name.endswith("_"):                    # in-place ops write into their inputs
+                tensors = out if isinstance(out, (list, tuple)) else [out]
+                size = sum(t.numel() * t.element_size() for t in tensors
+                           if isinstance(t, torch.Tensor) and t.is_floating_point())
+                self.by_op[name] = self.by_op.get(name, 0) + size
+            return out
+
+    for _ in range(2):                                   # the second step: AdamW's state exists already
+        model(torch.randn(8, 64)).sum().backward()
+        tracker = NewFloatTensors()
+        with tracker:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    params = 4 * sum(p.numel() for p in model.parameters())
+    big = {op: size for op, size in tracker.by_op.items() if size >= 1024}
+    assert big == {"aten::_foreach_sqrt": ADAM_STEP_TEMPORARIES * params}
+
+
+@pytest.mark.parametrize("size", ["0.5b", "3b_gc"])
+def test_the_steady_state_plan_rederives_the_throughput_runs_peak(size: str, tmp_path: Path) -> None:
+    # scripts/gpu_checks/actor_throughput.py on the same H200: a warm-up update, then 3 timed ones, so its
+    # peak is an update with AdamW's state resident during the backward: the steady state preflight checks
+    from scripts.gpu_checks.memory_plan_vs_allocated import QWEN2_5_0_5B, BatchShape, compose
+
+    run = json.loads((Path(__file__).parent / "gpu_measurements" / f"actor_throughput_{size}.json").read_text())
+    model = QWEN2_5_0_5B if run["config"] == "0.5b" else json.loads((REPO / run["config"]).read_text())
+    shape = BatchShape(run["rows"], run["micro"], run["prompt"], run["response"])
+    _, _, plan = compose(model, shape, "cuda", run["extra"], str(tmp_path))
+    update = next(p for p in plan.phases if p.name == "actor_update")
+    measured = run["max_allocated_gib"] * GIB
+    assert -0.03 <= (update.total - measured) / measured <= 0.10, (update.total / GIB, run["max_allocated_gib"])
+    assert update.binding == ("optimizer step" if size == "3b_gc" else "backward")

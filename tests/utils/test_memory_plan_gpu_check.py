@@ -34,14 +34,26 @@ def report() -> dict[str, Any]:
 
 
 def test_reported_plan_is_plan_memory_of_the_composed_config(report: dict[str, Any]) -> None:
-    plan = plan_memory(compose_config(report["overrides"]), model_config=report["model"]["config"])
+    cfg = compose_config(report["overrides"])
+    plan = plan_memory(cfg, model_config=report["model"]["config"])
+    first = plan_memory(cfg, model_config=report["model"]["config"], first_update=True)
     assert report["plan_phases"] == [p.name for p in plan.phases]
-    assert set(report["phases"]) == {"actor_update", "actor_log_prob"}
-    for phase in plan.phases:
-        if phase.name in report["phases"]:
-            got = report["phases"][phase.name]
-            assert got["plan_certain"] == phase.certain and got["plan_estimated"] == phase.estimated
-            assert got["plan_bytes"] == phase.total == got["plan_certain_bytes"] + got["plan_estimated_bytes"]
+    # the update measured twice: the first against the first-update plan, the second against the steady state
+    assert set(report["phases"]) == {"actor_update_first", "actor_update", "actor_log_prob"}
+    planned = {p.name: p for p in plan.phases}
+    planned["actor_update_first"] = next(p for p in first.phases if p.name == "actor_update")
+    for name, got in report["phases"].items():
+        phase = planned[name]
+        assert got["plan_certain"] == phase.certain and got["plan_estimated"] == phase.estimated
+        assert got["plan_bytes"] == phase.total == got["plan_certain_bytes"] + got["plan_estimated_bytes"]
+        assert got["plan_moments_bytes"] == {k: m.total for k, m in phase.moments.items()}
+        assert got["plan_binding"] == (phase.binding or None)
+    update, first_update = report["phases"]["actor_update"], report["phases"]["actor_update_first"]
+    assert set(update["plan_moments_bytes"]) == {"backward", "optimizer step"}
+    # the first backward holds no AdamW state; the step is the same
+    held = report["held_bytes"]["actor AdamW state (shard)"]
+    assert update["plan_moments_bytes"]["backward"] - first_update["plan_moments_bytes"]["backward"] == held
+    assert update["plan_moments_bytes"]["optimizer step"] == first_update["plan_moments_bytes"]["optimizer step"]
     assert report["shape"]["sequence_length"] == PROMPT + RESPONSE
     vocab = report["model"]["config"]["vocab_size"]
     # the fused head runs on the response positions only: MICRO x RESPONSE of them, one chunk here
@@ -73,6 +85,8 @@ def test_actor_update_takes_one_step_that_changes_the_parameters(report: dict[st
     assert len(update["grad_norm"]) == 1 and update["grad_norm"][0] > 0 and update["grad_nonfinite"] == [0.0]
     assert update["response_tokens"] == ROWS * RESPONSE
     assert update["parameter_tensors_changed"] > update["parameter_tensors"] // 2
+    second = report["second_update"]
+    assert len(second["grad_norm"]) == 1 and second["grad_norm"][0] > 0 and second["grad_nonfinite"] == [0.0]
 
 
 def test_measured_values_are_null_on_cpu(report: dict[str, Any]) -> None:

@@ -16,7 +16,9 @@ would compose it. Every check runs and every failure is collected (each `{key, m
   FAISS with GPU support when that server searches a dense index on GPU (`faiss_device`);
 - the checkpoint folder writable, with disk for `trainer.max_ckpt_to_keep` checkpoints;
 - a per-GPU memory plan per phase (verl/utils/memory_plan.py) against `trainer.gpu_memory_gib`
-  (null: this machine's GPU memory; required on a GPU run when this machine has none).
+  (null: this machine's GPU memory; required on a GPU run when this machine has none), and a host
+  memory plan per node (verl/utils/host_memory_plan.py) against `trainer.host_memory_gib` (null: the
+  figures, no verdict); both in verl/trainer/preflight_memory.py.
 Prints a one-screen report and writes JSON to `trainer.preflight_report` (null:
 `<trainer.default_local_dir>/preflight.json`). Exit status 0 when the checks pass and the plan
 fits (or the workers are CPU processes, where no GPU memory applies), else 1.
@@ -29,7 +31,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,9 +40,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer import config_check as cc
+from verl.trainer.preflight_memory import JOB_RETRIEVER_ENV, check_host_memory, check_memory_and_disk
 
 RETRIEVER_PROBE_S = 5.0      # bounded wait for /health here (the run itself waits retriever.health_wait_s)
-JOB_RETRIEVER_ENV = "SEARCH_R1_PREFLIGHT_RETRIEVER"   # "job": the launcher starts the server after preflight
 # The launcher's retriever variables (example/retriever/_common.sh): any set means its own index, not the example.
 RETRIEVER_VARS = ("file_path", "index_file", "corpus_file", "retriever_name", "retriever_path")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
@@ -68,6 +69,10 @@ class PreflightReport:
     gpu_run: bool = True
     memory_plan_gib: dict[str, float] = field(default_factory=dict)
     largest_phase: str | None = None
+    host_fits: bool | None = None               # the host plan against trainer.host_memory_gib (None: no verdict)
+    host_message: str = ""
+    host_memory_plan_gib: dict[str, float] = field(default_factory=dict)   # phase -> GiB per node
+    host_largest_phase: str | None = None
     report_path: str | None = None
 
     def error(self, message: str, key: str | None = None) -> None:
@@ -87,13 +92,18 @@ class PreflightReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "fits": self.fits, "fit_message": self.fit_message, "world_size": self.world_size,
-                "errors": self.errors, "warnings": self.warnings, "memory_plan_gib": self.memory_plan_gib, "largest_phase": self.largest_phase,
+                "errors": self.errors, "warnings": self.warnings, "memory_plan_gib": self.memory_plan_gib,
+                "largest_phase": self.largest_phase, "host_fits": self.host_fits, "host_message": self.host_message,
+                "host_memory_plan_gib": self.host_memory_plan_gib, "host_largest_phase": self.host_largest_phase,
                 "lines": self.lines}
 
     def render(self) -> str:
         head = "preflight (no Ray, no workers, no weights):"
         fit = {True: "fits", False: "DOES NOT FIT", None: "fit not decided"}[self.fits]
+        host = {True: "fits", False: "DOES NOT FIT", None: "no verdict"}[self.host_fits]
         lines = [head, *(f"  {line}" for line in self.lines), f"  memory: {fit}: {self.fit_message}"]
+        if self.host_message:
+            lines.append(f"  host memory: {host}: {self.host_message}")
         if self.report_path:
             lines.append(f"  report: {self.report_path}")
         lines.extend(f"  warning: {w['message']}" for w in self.warnings)
@@ -348,107 +358,6 @@ def _size(path: Path) -> str:
     return f"{total / 1024 ** 3:.2f} GiB"
 
 
-def _existing_parent(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def device_memory_gib(cfg: DictConfig) -> tuple[float | None, str]:
-    """(GiB per GPU, where it came from): trainer.gpu_memory_gib, else this machine's CUDA device."""
-    value = OmegaConf.select(cfg, "trainer.gpu_memory_gib", default=None)
-    if value is not None:
-        return float(value), "trainer.gpu_memory_gib"
-    from verl.utils.device import is_cuda_available
-
-    if is_cuda_available():
-        import torch
-
-        return torch.cuda.get_device_properties(0).total_memory / 1024 ** 3, "this machine's GPU 0"
-    return None, ""
-
-
-def planned_elsewhere(cfg: DictConfig) -> bool:
-    """Whether this check plans a GPU run on other machines: this one has no GPU, and the config says
-    the workers will (`trainer.device=cuda`, or `trainer.gpu_memory_gib` given for the fits verdict).
-    Outside the launcher's own job (ray_on_slurm.sh runs preflight on the job's first node)."""
-    from verl.utils.device import is_cuda_available
-
-    if os.environ.get(JOB_RETRIEVER_ENV) == "job" or is_cuda_available():
-        return False
-    return cfg.trainer.device == "cuda" or OmegaConf.select(cfg, "trainer.gpu_memory_gib", default=None) is not None
-
-
-def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> None:
-    """The per-GPU plan against the GPU's memory (`fits`); the checkpoint folder and its disk (an
-    error where the run writes its checkpoints, a warning when planning a GPU run from a machine
-    without GPUs: its disk is not the run's)."""
-    from verl.utils.memory_plan import GIB, plan_memory
-
-    ckpt_dir = Path(str(cfg.trainer.default_local_dir))
-    parent = _existing_parent(ckpt_dir)
-    if not os.access(parent, os.W_OK):
-        report.error(f"trainer.default_local_dir={ckpt_dir}: {parent} is not writable: point it at a folder you "
-                     "can write", "trainer.default_local_dir")
-    try:
-        gib, source = device_memory_gib(cfg)
-    except (TypeError, ValueError):
-        report.error(f"trainer.gpu_memory_gib={cfg.trainer.gpu_memory_gib!r} must be a number of GiB per GPU "
-                     "(e.g. 80) or null", "trainer.gpu_memory_gib")
-        gib, source = None, ""
-    if gib is not None and gib <= 0:
-        report.error(f"trainer.gpu_memory_gib={gib:g} must be > 0", "trainer.gpu_memory_gib")
-        gib = None
-    try:
-        plan = plan_memory(cfg, device_gib=gib)
-    except (OSError, ValueError, KeyError) as exc:
-        key = "critic.model.path" if "critic" in str(exc) else "actor_rollout_ref.model.path"
-        report.fits, report.fit_message = None, f"no memory plan: {key}: {exc}"
-        return
-    report.memory_plan_gib = plan.phase_gib()
-    name, largest = plan.largest()
-    report.largest_phase = name
-    report.lines.append(f"memory plan per GPU (model {plan.actor_params / 1e9:.2f} B params, {plan.world} GPUs, rows "
-                        f"of {plan.sequence_length} tokens): "
-                        + ", ".join(f"{k} {v:.1f}" for k, v in report.memory_plan_gib.items()) + " GiB")
-    for phase in plan.phases:
-        if phase.name == name:
-            parts = [f"{k} {v / GIB:.1f}" for k, v in phase.certain.items()]
-            parts += [f"{k} {v / GIB:.1f} (estimated)" for k, v in phase.estimated.items()]
-            report.lines.append(f"largest: {name} {largest:.1f} GiB = " + " + ".join(parts))
-    report.lines.extend(f"note: {n}" for n in plan.notes)
-    if gib is None:
-        report.fits = None
-        report.fit_message = ("set trainer.gpu_memory_gib (GiB per GPU, e.g. 80) for a fits verdict: this machine "
-                              "has no GPU to read it from" + ("" if report.gpu_run else
-                                                              "; CPU workers: no GPU memory applies"))
-    else:
-        report.fits = largest <= gib
-        report.fit_message = (f"largest phase {name} {largest:.1f} GiB {'<=' if report.fits else '>'} {gib:.1f} GiB "
-                              f"({source})")
-        if not report.fits:
-            report.fit_message += (": set actor_rollout_ref.actor.fsdp_config.param_offload / optimizer_offload, "
-                                   "more GPUs (trainer.n_gpus_per_node, trainer.nnodes), smaller micro-batches, "
-                                   "or enable_gradient_checkpointing")
-    if int(cfg.trainer.save_freq) > 0:
-        each = plan.checkpoint_bytes(bool(cfg.trainer.save_hf_model))
-        need = each * int(cfg.trainer.max_ckpt_to_keep)
-        free = shutil.disk_usage(parent).free
-        report.lines.append(f"checkpoints: {ckpt_dir}: {cfg.trainer.max_ckpt_to_keep} x {each / GIB:.1f} GiB = "
-                            f"{need / GIB:.1f} GiB needed, {free / GIB:.1f} GiB free")
-        if need > free:
-            message = (f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep} checkpoints of {each / GIB:.1f} GiB "
-                       f"need {need / GIB:.1f} GiB but {parent} has {free / GIB:.1f} GiB free")
-            if planned_elsewhere(cfg):
-                report.warn(f"{message} on this machine, which has no GPU and so is not where this GPU run writes "
-                            f"them: give trainer.default_local_dir {need / GIB:.0f} GiB on the run's disk",
-                            "trainer.max_ckpt_to_keep")
-            else:
-                report.error(f"{message}: lower it or point trainer.default_local_dir at a bigger disk",
-                             "trainer.max_ckpt_to_keep")
-
-
 def check_context_length(cfg: DictConfig, report: PreflightReport) -> None:
     """vLLM refuses at engine start a context (`rollout.max_model_len`, or prompt + response length)
     longer than the model's `max_position_embeddings` (times a `rope_scaling` factor): say so now."""
@@ -525,7 +434,7 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
     check_retriever(cfg, report)
     check_context_length(cfg, report)
     if world >= 1:
-        check_memory_and_disk(cfg, report)
+        check_host_memory(cfg, report, check_memory_and_disk(cfg, report))
     return report
 
 

@@ -10,6 +10,17 @@ copy); AdamW keeps two fp32 states per parameter plus one fp32 `step` tensor per
 A model whose `fsdp_config.*_offload` is set lives on the host between calls and is loaded onto the
 GPU for its own phase (`_onload` / `_offload`): offload lowers what the *other* phases see, not its own.
 
+An update has two peaks, and its phase is the larger (`Phase.moments`, `Phase.binding` say which):
+- the backward: parameters, gradients and AdamW state, the gathered units, staging, head, activations;
+- the optimizer step: torch's AdamW takes its foreach path on CUDA (DTensor is a foreach type), and
+  `_multi_tensor_adam` allocates `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, a full fp32
+  copy of the local shard, while parameters, gradients, exp_avg and exp_avg_sq are live: 5 x the
+  fp32 shard. Measured on an H200 (tests/utils/gpu_measurements/memory_plan_*.json): Qwen2.5-3B's first update
+  peaks there (61.79 GB measured, 61.72 planned).
+AdamW creates its state inside the first `step()`, so the backward of a model's first update holds
+none: `plan_memory(..., first_update=True)` plans that update; the default (what preflight checks)
+is every later one, the larger.
+
 Two kinds of numbers, kept apart in every phase:
 - certain: parameters, gradients, optimizer states and their shards, the vLLM pool
   (gpu_memory_utilization x device memory: vLLM's own budget for weights + KV cache), the fused
@@ -37,6 +48,8 @@ ADAM_STATES_PER_PARAM, ADAM_STEP_BYTES = 2, 4
 # MLP's (~4 intermediate), times 2 bytes; with checkpointing only each layer's input (h x 2 bytes)
 # is kept, plus one layer's full set during its recompute.
 ACT_FACTOR_H, ACT_FACTOR_I = 10, 4
+# The update's optimizer step (foreach AdamW): the fp32 temporary `_foreach_sqrt(exp_avg_sqs)`, one per parameter.
+ADAM_STEP_TEMPORARIES = 1
 # vLLM pads the vocabulary of its embeddings and LM head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE).
 VLLM_VOCAB_PADDING = 64
 
@@ -53,6 +66,7 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     attention_bias: bool = True    # Qwen2: q/k/v projections carry a bias, o_proj does not
+    max_position_embeddings: int = 0
     source: str = ""
 
     @classmethod
@@ -69,7 +83,8 @@ class ModelShape:
                    num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
                    vocab_size=int(config["vocab_size"]),
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   attention_bias=bool(config.get("attention_bias", model_type == "qwen2")), source=source)
+                   attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+                   max_position_embeddings=int(config.get("max_position_embeddings") or 0), source=source)
 
     @property
     def head_dim(self) -> int:
@@ -115,6 +130,12 @@ class ModelShape:
     def layer_params(self) -> int:
         return self._layer()[0]
 
+    def largest_tensor_params(self) -> int:
+        """Elements of the largest single parameter tensor (the embeddings for Qwen2.5; an MLP
+        projection for a model with a small vocabulary): what a one-tensor-at-a-time gather holds."""
+        h = self.hidden_size
+        return max(self.vocab_size * h, self.intermediate_size * h, h * h)
+
     def root_params(self) -> int:
         """Parameters of the causal LM outside its decoder layers (FSDP2's root unit): the embeddings,
         an untied lm_head, the final norm."""
@@ -153,15 +174,27 @@ def _shard(total: int, world: int) -> int:
 
 @dataclass
 class Phase:
-    """One phase's bytes per GPU: `certain` and `estimated` parts, by name."""
+    """One phase's bytes (per GPU, or per node in the host plan): `certain` and `estimated` parts, by name.
+
+    A phase with several peaks (an update: its backward and its optimizer step) lists each in
+    `moments`; its own entries are those of the largest, named by `binding`."""
 
     name: str
     certain: dict[str, int] = field(default_factory=dict)
     estimated: dict[str, int] = field(default_factory=dict)
+    moments: dict[str, Phase] = field(default_factory=dict)
+    binding: str = ""
 
     @property
     def total(self) -> int:
         return sum(self.certain.values()) + sum(self.estimated.values())
+
+
+def largest_moment(name: str, moments: dict[str, Phase]) -> Phase:
+    """The phase `name` whose bytes are those of the largest of `moments` (all kept, itemised)."""
+    binding = max(moments, key=lambda k: moments[k].total)
+    top = moments[binding]
+    return Phase(name, dict(top.certain), dict(top.estimated), moments=moments, binding=binding)
 
 
 @dataclass
@@ -253,21 +286,37 @@ def _activations(shape: ModelShape, tokens: int, checkpointing: bool, backward: 
     return per_layer * shape.num_hidden_layers
 
 
+def _update(name: str, model: str, others: dict[str, int], params: int, grads: int, optim: int,
+            backward: dict[str, int], activations: int, first_update: bool) -> Phase:
+    """`model`'s update phase: the larger of its backward (`backward`: the gathered units, staging and
+    head beside its params, grads and, after its first step, AdamW state) and its optimizer step."""
+    own = {f"{model} params (fp32 shard)": params, f"{model} grads (fp32 shard)": grads}
+    state = {f"{model} AdamW state (shard)": optim}
+    # The step: `_multi_tensor_adam`'s `_foreach_sqrt(exp_avg_sqs)`, a full fp32 copy of the shard, beside
+    # params, grads and both moments (clip_grad_norm_ scales the grads in place; AdamW's `step` counters
+    # are host tensors unless capturable/fused).
+    temporary = {f"{model} AdamW step temporary (foreach sqrt of exp_avg_sq, fp32 shard)": ADAM_STEP_TEMPORARIES * params}
+    return largest_moment(name, {
+        "backward": Phase("backward", certain={**others, **own, **({} if first_update else state), **backward},
+                          estimated={"activations": activations}),
+        "optimizer step": Phase("optimizer step", certain={**others, **own, **state, **temporary})})
+
+
 def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[str, Any] | None = None,
-                critic_config: dict[str, Any] | None = None) -> MemoryPlan:
+                critic_config: dict[str, Any] | None = None, first_update: bool = False) -> MemoryPlan:
     """The plan for the composed (resolved) trainer config `cfg` over `nnodes x n_gpus_per_node` GPUs
     (with trainer.pipeline: the train pool's phases, and the rollout pool's GPU as phase rollout_pool).
 
     `model_config` / `critic_config`: the config.json dicts (default: read from
     actor_rollout_ref.model.path / critic.model.path). `device_gib`: the GPU's memory, for the vLLM
     pool (gpu_memory_utilization x it); without it the rollout phases count the vLLM weights only.
+    `first_update`: plan each model's first update (no AdamW state yet in its backward) instead of
+    the steady state every later update reaches.
     """
     from verl.trainer.config_check import (
         need_critic,
         need_reference_policy,
-        pipelined,
         prompt_bound,
-        rollout_pool_size,
         world_size,
     )
 
@@ -287,7 +336,11 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     with_ref = need_reference_policy(cfg)
     seq = sequence_length(cfg)
     response = seq - prompt_bound(cfg)[0]       # positions the head runs on, per row
-    layer_bf16 = BF16 * shape.layer_params()        # one decoder layer's FSDP unit gathered for compute (bf16)
+    # FSDP2 gathers one decoder layer's unit in bf16 for compute, and the next one beside it: it prefetches
+    # one unit ahead in backward (FSDPParamGroup._backward_prefetch) and, in forward, keeps the current
+    # all-gather's output until the next unit's copy-in.
+    layers = {"gathered layer (bf16)": BF16 * shape.layer_params(),
+              "gathered next layer (bf16, FSDP2 prefetch)": BF16 * shape.layer_params()}
 
     afs = arr.actor.fsdp_config
     actor_params = _shard(FP32 * p, world)
@@ -331,12 +384,9 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     # actor update: its own params, grads and optimizer on the GPU, one micro-batch's head and activations
     tokens, kept = tokens_of(bool(arr.actor.use_dynamic_bsz), int(arr.actor.ppo_max_token_len_per_gpu),
                              "actor_rollout_ref.actor.ppo_micro_batch_size")
-    phases.append(Phase("actor_update", certain={
-        **others("actor"), "actor params (fp32 shard)": actor_params, "actor grads (fp32 shard)": actor_grads,
-        "actor AdamW state (shard)": actor_optim, "gathered root unit (bf16)": root_bf16,
-        "gathered layer (bf16)": layer_bf16, "reduce-scatter staging (bf16 + fp32)": staging,
-        **head_bytes(shape, kept, backward=True)},
-        estimated={"activations": _activations(shape, tokens, ckpt, backward=True)}))
+    phases.append(_update("actor_update", "actor", others("actor"), actor_params, actor_grads, actor_optim, {
+        "gathered root unit (bf16)": root_bf16, **layers, "reduce-scatter staging (bf16 + fp32)": staging,
+        **head_bytes(shape, kept, backward=True)}, _activations(shape, tokens, ckpt, backward=True), first_update))
     # log-prob passes (old policy, and the reference's), each with its own dynamic-batching keys; bypass
     # mode (algorithm.rollout_correction) takes the old log-probs from the engine: no old-policy pass
     from verl.trainer.ppo.rollout_correction import bypass_mode
@@ -347,8 +397,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
                                        "actor_rollout_ref.rollout.log_prob_micro_batch_size")
         phases.append(Phase("actor_log_prob", certain={
             **others("actor params"), "actor params (fp32 shard)": actor_params,
-            "gathered root unit (bf16)": root_bf16, "gathered layer (bf16)": layer_bf16,
-            **head_bytes(shape, lp_kept, backward=False)},
+            "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, lp_kept, backward=False)},
             estimated={"activations": _activations(shape, lp_tokens, ckpt, backward=False)}))
     if with_ref:
         ref_tokens, ref_kept = tokens_of(bool(arr.ref.log_prob_use_dynamic_bsz),
@@ -356,8 +405,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
                                          "actor_rollout_ref.ref.log_prob_micro_batch_size")
         phases.append(Phase("reference_log_prob", certain={
             **others("reference"), "reference params (fp32 shard)": _shard(FP32 * p, world),
-            "gathered root unit (bf16)": root_bf16, "gathered layer (bf16)": layer_bf16,
-            **head_bytes(shape, ref_kept, backward=False)},
+            "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, ref_kept, backward=False)},
             estimated={"activations": _activations(shape, ref_tokens, False, backward=False)}))
     if with_critic:
         critic_cfg = cfg.critic
@@ -365,56 +413,76 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         c_ckpt = bool(critic_cfg.model.enable_gradient_checkpointing)
         c_root = BF16 * (cshape.root_params() - (0 if cshape.tie_word_embeddings else
                                                   cshape.vocab_size * cshape.hidden_size))  # no lm_head
-        c_layer = BF16 * cshape.layer_params()
+        c_layers = {k: BF16 * cshape.layer_params() for k in layers}
         # the value pass (compute_values), with its own micro-batch keys
         v_tokens, _ = tokens_of(c_dyn, int(critic_cfg.forward_max_token_len_per_gpu), "critic.forward_micro_batch_size")
         phases.append(Phase("critic_values", certain={
             **others("critic params"), "critic params (fp32 shard)": critic_params,
-            "gathered root unit (bf16)": c_root, "gathered layer (bf16)": c_layer},
+            "gathered root unit (bf16)": c_root, **c_layers},
             estimated={"activations": _activations(cshape, v_tokens, False, backward=False)}))
         c_tokens, _ = tokens_of(c_dyn, int(critic_cfg.ppo_max_token_len_per_gpu), "critic.ppo_micro_batch_size")
-        phases.append(Phase("critic_update", certain={
-            **others("critic"), "critic params (fp32 shard)": critic_params,
-            "critic grads (fp32 shard)": _shard(FP32 * cp, world), "critic AdamW state (shard)": critic_optim,
-            "gathered root unit (bf16)": c_root, "gathered layer (bf16)": c_layer,
-            "reduce-scatter staging (bf16 + fp32)": (BF16 + FP32) * max(cshape.layer_params(), c_root // BF16)},
-            estimated={"activations": _activations(cshape, c_tokens, c_ckpt, backward=True)}))
-    # rollout: vLLM's budget (weights + KV pool) beside what the trainer keeps resident; the wake
-    # (free_cache_engine) runs after the training allocator's cache is emptied, so the same sum.
-    tp = int(arr.rollout.tensor_model_parallel_size)
-    util = float(arr.rollout.gpu_memory_utilization)
-    # The engine's parameters in bf16 (vocabulary padded; exact at TP=1). Not counted: its buffers (the rotary
-    # table, max_position_embeddings x head_dim in bf16, and 4 fp32 attention scales per layer).
-    vllm_weights = _shard(BF16 * shape.vllm_params(), tp)
-    largest_full = FP32 * shape.vocab_size * shape.hidden_size    # the embeddings: the largest full fp32 tensor
-    rollout_certain = dict(resident)
-    if pipelined(cfg):
-        # trainer.pipeline: the engine lives on the rollout pool's GPUs, beside the policy's fp32 shard over
-        # that pool and one full tensor arriving from the weight-sync group; the train pool's GPUs send
-        # one full tensor at a time beside what they keep resident.
-        phases.append(Phase("weight_sync_send", certain={
-            **resident, "weight-sync send buffer (largest full fp32 tensor)": largest_full}))
-        rollout_certain = {"weight-sync receive buffer (largest full fp32 tensor)": largest_full}
-        if not afs.param_offload:
-            rollout_certain["policy params on the rollout pool (fp32 shard)"] = _shard(FP32 * p, rollout_pool_size(cfg))
-    if device_gib:
-        rollout_certain[f"vLLM pool (gpu_memory_utilization={util:g} x {device_gib:g} GiB)"] = int(util * device_gib * GIB)
-    else:
-        rollout_certain["vLLM weights (bf16 / TP)"] = vllm_weights
-        notes.append("vLLM's KV pool is gpu_memory_utilization x the GPU's memory: unknown without "
-                     "trainer.gpu_memory_gib, so the rollout phase counts the vLLM weights only")
-    phases.append(Phase("rollout_pool" if pipelined(cfg) else "rollout", certain=rollout_certain))
-    if device_gib and vllm_weights > util * device_gib * GIB:
-        notes.append(f"vLLM weights {vllm_weights / GIB:.1f} GiB per GPU exceed its pool "
-                     f"{util * device_gib:.1f} GiB: raise actor_rollout_ref.rollout.gpu_memory_utilization or "
-                     "tensor_model_parallel_size")
+        phases.append(_update("critic_update", "critic", others("critic"), critic_params,
+                              _shard(FP32 * cp, world), critic_optim, {
+                                  "gathered root unit (bf16)": c_root, **c_layers,
+                                  "reduce-scatter staging (bf16 + fp32)":
+                                      (BF16 + FP32) * max(cshape.layer_params(), c_root // BF16)},
+                              _activations(cshape, c_tokens, c_ckpt, backward=True), first_update))
+    phases.extend(_rollout_phases(cfg, shape, resident, device_gib, notes))
     # checkpoint save: the actor's sharded state onloaded, plus (trainer.save_hf_model) the HF export's
-    # staging: hf_export.py gathers one full parameter at a time (`full_tensor()`, fp32) on every
-    # rank, so the largest tensor (the embeddings, vocab x hidden) is the GPU's extra.
+    # staging: hf_export.py gathers one full parameter at a time (`full_tensor()`, fp32) on every rank,
+    # and rank 0 casts it to the export dtype (bf16 on GPU) before copying it to the host.
     save = {**others("actor"), "actor params (fp32 shard)": actor_params, "actor AdamW state (shard)": actor_optim}
     if cfg.trainer.save_hf_model:
-        save["HF export staging (largest full fp32 tensor)"] = largest_full
+        save["HF export staging (largest full tensor: fp32 + its bf16 copy on rank 0)"] = \
+            (FP32 + BF16) * shape.largest_tensor_params()
     phases.append(Phase("checkpoint_save", certain=save))
     return MemoryPlan(world=world, actor_params=p, actor_tensors=t, critic_params=cp if with_critic else None,
                       critic_tensors=ct if with_critic else None, phases=phases, notes=notes,
                       device_gib=device_gib, sequence_length=seq)
+
+
+def engine_weights_name(cfg: Any) -> str:
+    """The rollout engine that holds the policy's weights on a GPU: "hf" when rollout.name says so, else
+    "vllm" (auto resolves to vLLM on a GPU host)."""
+    return "hf" if str(cfg.actor_rollout_ref.rollout.name) == "hf" else "vllm"
+
+
+def _rollout_phases(cfg: Any, shape: ModelShape, resident: dict[str, int], device_gib: float | None,
+                    notes: list[str]) -> list[Phase]:
+    """rollout: vLLM's budget (weights + KV pool) beside what the trainer keeps resident; the wake
+    (free_cache_engine) runs after the training allocator's cache is emptied, so the same sum.
+    trainer.pipeline: the rollout pool's GPU (its engine and one full tensor arriving) and the train
+    pool's GPU while it sends (one full tensor at a time in the engine's dtype, bf16 on CUDA)."""
+    from verl.trainer.config_check import pipelined
+
+    rollout = cfg.actor_rollout_ref.rollout
+    tp = int(rollout.tensor_model_parallel_size)
+    util = float(rollout.gpu_memory_utilization)
+    # The engine's parameters in bf16 (vocabulary padded; exact at TP=1). Not counted: its buffers (the rotary
+    # table, max_position_embeddings x head_dim in bf16, and 4 fp32 attention scales per layer).
+    vllm_weights = _shard(BF16 * shape.vllm_params(), tp)
+    largest_engine = BF16 * shape.largest_tensor_params()
+    phases: list[Phase] = []
+    certain = dict(resident)
+    if pipelined(cfg):
+        # The rollout pool holds no FSDP copy of the policy: a push arrives one full tensor at a time, in
+        # the engine's dtype, straight into the engine's weights.
+        phases.append(Phase("weight_sync_send", certain={
+            **resident, "weight-sync send buffer (largest full tensor, bf16)": largest_engine}))
+        certain = {"weight-sync receive buffer (largest full tensor, bf16)": largest_engine}
+        if engine_weights_name(cfg) == "hf":
+            certain["HF engine weights (one unsharded bf16 copy)"] = BF16 * shape.causal_lm()[0]
+            phases.append(Phase("rollout_pool", certain=certain))
+            return phases
+    if device_gib:
+        certain[f"vLLM pool (gpu_memory_utilization={util:g} x {device_gib:g} GiB)"] = int(util * device_gib * GIB)
+    else:
+        certain["vLLM weights (bf16 / TP)"] = vllm_weights
+        notes.append("vLLM's KV pool is gpu_memory_utilization x the GPU's memory: unknown without "
+                     "trainer.gpu_memory_gib, so the rollout phase counts the vLLM weights only")
+    phases.append(Phase("rollout_pool" if pipelined(cfg) else "rollout", certain=certain))
+    if device_gib and vllm_weights > util * device_gib * GIB:
+        notes.append(f"vLLM weights {vllm_weights / GIB:.1f} GiB per GPU exceed its pool "
+                     f"{util * device_gib:.1f} GiB: raise actor_rollout_ref.rollout.gpu_memory_utilization or "
+                     "tensor_model_parallel_size")
+    return phases

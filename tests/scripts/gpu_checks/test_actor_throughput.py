@@ -1,0 +1,39 @@
+"""scripts/gpu_checks/actor_throughput.py: its model-FLOPs count reproduces the MFU the H200 run of
+2026-11-26 reported (tests/utils/gpu_measurements/actor_throughput_*.json) from the same timings, and the
+peak is chosen by the device's name. Its CPU path runs in tests/scripts/gpu_checks/test_run_all.py (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.gpu_checks.actor_throughput import model_flops, peak_tflops
+from scripts.gpu_checks.memory_plan_vs_allocated import QWEN2_5_0_5B
+
+REPO = Path(__file__).resolve().parents[3]
+MEASURED = REPO / "tests" / "utils" / "gpu_measurements"
+
+
+@pytest.mark.parametrize("size", ["0.5b", "3b_gc"])
+def test_mfu_and_tokens_per_second_reproduce_the_h200_report(size: str) -> None:
+    run = json.loads((MEASURED / f"actor_throughput_{size}.json").read_text())
+    model = QWEN2_5_0_5B if run["config"] == "0.5b" else json.loads((REPO / run["config"]).read_text())
+    row = run["prompt"] + run["response"]
+    peak = peak_tflops(run["device"])
+    assert peak == 989.0
+    for kind in ("update", "log_prob"):
+        flops = model_flops(kind, run["params"], model["num_hidden_layers"], model["hidden_size"], run["rows"], row)
+        seconds = run[kind]["s"]                 # stored to 4 decimals: equal within that rounding
+        assert flops / seconds / (peak * 1e12) == pytest.approx(run[kind]["mfu"], rel=1e-3), kind
+        assert run["rows"] * row / seconds == pytest.approx(run[kind]["tokens_per_s"], rel=1e-3)
+    # an update is 3x a pass's parameter FLOPs (forward + backward), attention 3x too
+    assert model_flops("update", 10, 2, 4, 1, 8) == 3 * model_flops("log_prob", 10, 2, 4, 1, 8)
+
+
+def test_the_peak_is_chosen_by_device_name() -> None:
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("Some Future GPU") is None

@@ -1,0 +1,250 @@
+"""A host (CPU) memory plan per node for each phase of a run, from the model's config.json and the config.
+
+    plan = plan_host_memory(cfg)         # cfg: the composed trainer config (no weights)
+    plan.phase_gib()                     # {"model_init": 9.1, "training": 145.3, "checkpoint_save": 148.0}
+    fits, message = host_fit(plan, 2048) # against trainer.host_memory_gib (GiB per node)
+
+It plans the node of global rank 0, the busiest: it alone reads the model files and stages the HF
+export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ranks (GPU workers):
+
+- model_init (verl/utils/model.py, the meta-device loader): every rank builds the model on the meta
+  device and materialises only its FSDP shard on its GPU; global rank 0 alone reads the safetensors
+  files, mmap'd, one tensor at a time: at most one full tensor as stored (config.json's dtype) plus its
+  fp32 copy; every other rank at most one full fp32 tensor, the broadcast buffer (counted on the host:
+  an upper bound where the collective receives into GPU memory). No rank holds the whole model. The
+  models are built one after the other; the offloaded shards of all of them are counted throughout.
+- training (between calls and during them): what `fsdp_config.*_offload` keeps on the host, for every
+  training rank of the node: fp32 parameter shards (param_offload) and AdamW state (optimizer_offload;
+  AdamW creates it at the first step, this is after it). Gradients never: every step ends with
+  `zero_grad(set_to_none=True)`, so grad_offload has nothing to move. vLLM sleeps at level 2 between
+  rollouts (verl/workers/rollout/vllm_rollout.py): no weights on the host, only the model's buffers
+  vLLM backs up (the rotary table, max_position_embeddings x head_dim in bf16, 4 fp32 scales a layer).
+  A pipelined run's rollout ranks hold no FSDP copy; a push arrives one full tensor at a time, in the
+  engine's dtype, into the engine on the GPU.
+- checkpoint_save: the saving model's state is onloaded to the GPU (its host copy freed); DCP writes
+  each rank's shard through host memory one tensor at a time (torch's CPU loaders: ~1 MB in flight
+  plus the tensor; two of the largest shard tensors are counted); with trainer.save_hf_model rank 0
+  stages the HF export (verl/utils/checkpoint/hf_export.py): a safetensors file of up to
+  `hf_max_shard_mb` in the export dtype plus the tensor that crossed the bound.
+- pinned memory: none. Offload copies go to pageable memory and vLLM's level-1 sleep (a pinned copy of
+  the weights on every rank) is not used.
+With CPU workers the device plan (verl/utils/memory_plan.py) is host memory too: each phase adds the
+largest per-worker phase x the node's ranks.
+
+Not counted (notes): each worker process's own memory (Python, torch, CUDA and NCCL libraries: a few
+GiB each), Ray's object store (shared memory, 30 % of the node's RAM unless set), the page cache of
+mmap'd files (reclaimable).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from verl.utils.memory_plan import (
+    BF16,
+    FP32,
+    GIB,
+    ModelShape,
+    Phase,
+    _shard,
+    adamw_state_bytes,
+    engine_weights_name,
+    largest_moment,
+    read_model_config,
+)
+
+HOST_KEY = "trainer.host_memory_gib"
+# DCP's writer keeps ~1 MB in flight plus the tensor it loaded: at most two tensors of a rank's shard.
+DCP_TENSORS_IN_FLIGHT = 2
+# vLLM's model buffers per decoder layer that a level-2 sleep backs up besides the rotary table (fp32 scales).
+VLLM_SCALES_PER_LAYER = 4
+_STORED_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class HostPlan:
+    """Bytes per phase on one node's host (the node of global rank 0)."""
+
+    train_ranks: int            # training worker ranks (one per GPU) on the node
+    rollout_ranks: int          # a pipelined run's rollout-pool ranks on the node
+    phases: list[Phase]
+    notes: list[str]
+
+    def phase_gib(self) -> dict[str, float]:
+        return {p.name: round(p.total / GIB, 2) for p in self.phases}
+
+    def largest(self) -> tuple[str, float]:
+        phase = max(self.phases, key=lambda p: p.total)
+        return phase.name, round(phase.total / GIB, 2)
+
+
+def stored_bytes(config: dict[str, Any]) -> int:
+    """Bytes per element of the checkpoint on disk (config.json's dtype; fp32 when it names none)."""
+    name = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    return _STORED_BYTES.get(name, FP32)
+
+
+def hf_max_shard_bytes() -> int:
+    """The HF export's safetensors file bound: FSDPCheckpointManager's `hf_max_shard_mb` (MiB)."""
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    mb = inspect.signature(FSDPCheckpointManager.__init__).parameters["hf_max_shard_mb"].default
+    return int(mb * 1024 ** 2)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """One FSDP model of the run, as the host sees it."""
+
+    name: str                   # "actor", "reference", "critic"
+    shape: ModelShape
+    params: int
+    tensors: int
+    stored: int                 # bytes per element on disk
+    param_offload: bool
+    optimizer_offload: bool     # False for the reference (no optimizer)
+
+
+def _models(cfg: Any, model_config: dict[str, Any] | None, critic_config: dict[str, Any] | None) -> list[_Model]:
+    from verl.trainer.config_check import need_critic, need_reference_policy
+
+    arr = cfg.actor_rollout_ref
+    if model_config is None:
+        model_config, _ = read_model_config(str(arr.model.path))
+    shape = ModelShape.from_config(model_config, str(arr.model.path))
+    p, t = shape.causal_lm()
+    afs = arr.actor.fsdp_config
+    models = [_Model("actor", shape, p, t, stored_bytes(model_config), bool(afs.param_offload),
+                     bool(afs.optimizer_offload))]
+    if need_reference_policy(cfg):
+        models.append(_Model("reference", shape, p, t, stored_bytes(model_config),
+                             bool(arr.ref.fsdp_config.param_offload), False))
+    if need_critic(cfg):
+        if critic_config is None:
+            critic_config, _ = read_model_config(str(cfg.critic.model.path))
+        cshape = ModelShape.from_config(critic_config, str(cfg.critic.model.path))
+        cp, ct = cshape.value_model()
+        cfs = cfg.critic.model.fsdp_config
+        models.append(_Model("critic", cshape, cp, ct, stored_bytes(critic_config), bool(cfs.param_offload),
+                             bool(cfs.optimizer_offload)))
+    return models
+
+
+def node_ranks(cfg: Any) -> tuple[int, int]:
+    """(training ranks, rollout-pool ranks) on the node of global rank 0 (config_check.pool_layout)."""
+    from verl.trainer.config_check import pool_layout
+
+    layout = pool_layout(cfg)
+    if "global_pool" in layout:
+        return layout["global_pool"][0], 0
+    rollout = layout["rollout_pool"][0] if len(layout["train_pool"]) == 1 == len(layout["rollout_pool"]) else 0
+    return layout["train_pool"][0], rollout
+
+
+def _offloaded(models: list[_Model], world: int, ranks: int, with_optimizer: bool, skip: str = "") -> dict[str, int]:
+    """The node's `ranks` shards that `*_offload` keeps on the host (AdamW's once it exists)."""
+    out: dict[str, int] = {}
+    for m in models:
+        if m.name == skip:
+            continue
+        if m.param_offload:
+            out[f"{m.name} params offloaded (fp32 shard x {ranks} ranks)"] = ranks * _shard(FP32 * m.params, world)
+        if with_optimizer and m.optimizer_offload:
+            out[f"{m.name} AdamW state offloaded (shard x {ranks} ranks)"] = \
+                ranks * _shard(adamw_state_bytes(m.params, m.tensors), world)
+    return out
+
+
+def meta_loader_init(models: list[_Model], world: int, ranks: int) -> Phase:
+    """model_init under the meta-device loader: rank 0 reads one tensor at a time (as stored + fp32), the
+    other ranks of the node each hold one full fp32 broadcast buffer; the largest tensor of any model."""
+    largest = max(models, key=lambda m: m.shape.largest_tensor_params() * (m.stored + FP32))
+    n = largest.shape.largest_tensor_params()
+    certain = {**_offloaded(models, world, ranks, with_optimizer=False),
+               f"rank 0: one tensor read (as stored, {largest.stored} B) + its fp32 copy": n * (largest.stored + FP32)}
+    if ranks > 1:
+        certain[f"other ranks: one full fp32 broadcast buffer x {ranks - 1}"] = (ranks - 1) * FP32 * n
+    return Phase("model_init", certain=certain)
+
+
+def old_loader_init(cfg: Any, model_config: dict[str, Any] | None = None,
+                    critic_config: dict[str, Any] | None = None) -> Phase:
+    """model_init as the project did it before issue 32 (kept only to show what the meta-device loader
+    fixed): every rank called `from_pretrained(dtype=float32)` on the host, so each held the whole model
+    in fp32 (the largest model of the run; they are built one after the other): 8 ranks x 291 GB =
+    2.3 TB per node for Qwen2.5-72B."""
+    models = _models(cfg, model_config, critic_config)
+    ranks, _ = node_ranks(cfg)
+    largest = max(models, key=lambda m: m.params)
+    return Phase("model_init", certain={
+        f"every rank: the whole {largest.name} in fp32 x {ranks} ranks (old loader)": ranks * FP32 * largest.params})
+
+
+def _vllm_sleep_buffers(cfg: Any, shape: ModelShape, ranks: int) -> dict[str, int]:
+    rollout = cfg.actor_rollout_ref.rollout
+    if engine_weights_name(cfg) != "vllm" or not bool(rollout.get("free_cache_engine", True)):
+        return {}
+    per_rank = BF16 * shape.max_position_embeddings * shape.head_dim + FP32 * VLLM_SCALES_PER_LAYER * shape.num_hidden_layers
+    return {f"vLLM level-2 sleep: its buffers backed up (rotary table, scales) x {ranks} ranks": ranks * per_rank}
+
+
+def plan_host_memory(cfg: Any, model_config: dict[str, Any] | None = None, critic_config: dict[str, Any] | None = None,
+                     cpu_workers: bool = False, device_plan: Any = None) -> HostPlan:
+    """The host plan of the node of global rank 0 for the composed (resolved) config `cfg`.
+
+    `cpu_workers`: the workers compute on the host; `device_plan` (a memory_plan.MemoryPlan, required then)
+    gives each rank's bytes, added to every phase as its largest phase x the node's ranks."""
+    from verl.trainer.config_check import pipelined, world_size
+
+    models = _models(cfg, model_config, critic_config)
+    world = world_size(cfg)
+    ranks, rollout_ranks = node_ranks(cfg)
+    actor = models[0]
+    notes = ["not counted: each worker process's own memory (Python, torch, CUDA/NCCL libraries: a few GiB each), "
+             "Ray's object store (shared memory, 30 % of the node's RAM unless set), the page cache of mmap'd files"]
+    engine_ranks = rollout_ranks if pipelined(cfg) else ranks     # colocated: every rank runs an engine
+    sleep = {} if cpu_workers else _vllm_sleep_buffers(cfg, actor.shape, engine_ranks)
+    phases = [meta_loader_init(models, world, ranks),
+              Phase("training", certain={**_offloaded(models, world, ranks, with_optimizer=True), **sleep})]
+    saves: dict[str, Phase] = {}            # the actor and the critic save one after the other
+    for m in models:
+        if m.name == "reference":
+            continue
+        largest_shard = _shard(FP32 * m.shape.largest_tensor_params(), world)
+        save = {**_offloaded(models, world, ranks, with_optimizer=True, skip=m.name), **sleep,
+                f"{m.name} DCP write staging ({DCP_TENSORS_IN_FLIGHT} tensors of a shard x {ranks} ranks)":
+                    ranks * DCP_TENSORS_IN_FLIGHT * largest_shard}
+        if m.name == "actor" and cfg.trainer.save_hf_model:
+            # rank 0: the pending safetensors file (< hf_max_shard_mb) plus the tensor that crossed it, in the
+            # export dtype (bf16 on GPU: FSDP2's param_dtype; fp32 on CPU workers)
+            export = FP32 if cpu_workers else BF16
+            save["rank 0: HF export file staged (hf_max_shard_mb + one tensor)"] = \
+                hf_max_shard_bytes() + export * m.shape.largest_tensor_params()
+        saves[f"{m.name} save"] = Phase(f"{m.name} save", certain=save)
+    phases.append(largest_moment("checkpoint_save", saves))
+    if cpu_workers:
+        if device_plan is None:
+            raise ValueError("plan_host_memory(cpu_workers=True) needs the device plan (memory_plan.plan_memory)")
+        name, _ = device_plan.largest()
+        per_rank = max(p.total for p in device_plan.phases)
+        for phase in phases:
+            phase.certain[f"CPU workers: each rank's {name} x {ranks + rollout_ranks} ranks"] = \
+                (ranks + rollout_ranks) * per_rank
+        notes.append("CPU workers: their training state is host memory; offload moves nothing")
+    return HostPlan(train_ranks=ranks, rollout_ranks=rollout_ranks, phases=phases, notes=notes)
+
+
+def host_fit(phases: list[Phase], host_gib: float | None) -> tuple[bool | None, str]:
+    """(fits, message) of a node's host phases against `trainer.host_memory_gib` (None: no verdict)."""
+    largest = max(phases, key=lambda p: p.total)
+    need = largest.total / GIB
+    if host_gib is None:
+        return None, (f"largest host phase {largest.name} {need:.1f} GiB per node; set {HOST_KEY} (GiB per node) "
+                      "for a verdict")
+    if need <= host_gib:
+        return True, f"largest host phase {largest.name} {need:.1f} GiB <= {HOST_KEY}={host_gib:g} per node"
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(largest.certain.items(), key=lambda kv: -kv[1])[:3])
+    return False, (f"host memory per node: phase {largest.name} needs {need:.1f} GiB > {HOST_KEY}={host_gib:g} "
+                   f"({parts} GiB): offload less (fsdp_config.*_offload), fewer ranks per node, or more host memory")
