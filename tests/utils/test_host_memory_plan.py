@@ -13,8 +13,10 @@ from omegaconf import OmegaConf
 
 from verl.trainer.main_ppo import compose_config
 from verl.utils.host_memory_plan import (
+    _models,
     hf_max_shard_bytes,
     host_fit,
+    meta_loader_init,
     old_loader_init,
     plan_host_memory,
     stored_bytes,
@@ -70,8 +72,11 @@ def test_rank_0_reads_one_tensor_at_a_time_and_no_rank_holds_the_model() -> None
     shape = _shape()
     init = {p.name: p for p in plan_host_memory(_cfg(*OFFLOADED[:10])).phases}["model_init"].certain
     embeddings = shape.vocab_size * shape.hidden_size          # the largest tensor of Qwen2.5-7B
-    assert init == {"rank 0: one tensor read (as stored, 2 B) + its fp32 copy": (2 + 4) * embeddings,
-                    "other ranks: one full fp32 broadcast buffer x 7": 7 * 4 * embeddings}
+    # the other ranks receive on their GPUs (NCCL): the node's host holds rank 0's read only
+    assert init == {"rank 0: one tensor read (as stored, 2 B, mapped file pages)": 2 * embeddings}
+    models = _models(_cfg(*OFFLOADED[:10]), None, None)
+    on_cpu = meta_loader_init(models, 8, 8, cpu_workers=True).certain
+    assert on_cpu["other ranks: one full broadcast buffer (as stored) x 7"] == 7 * 2 * embeddings
     # what the project did before: every rank from_pretrained(dtype=float32) on the host
     old = old_loader_init(_cfg(*OFFLOADED[:10]))
     assert old.total == 8 * 4 * shape.causal_lm()[0]

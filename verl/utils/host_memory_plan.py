@@ -9,10 +9,11 @@ export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ra
 
 - model_init (verl/utils/model.py, the meta-device loader): every rank builds the model on the meta
   device and materialises only its FSDP shard on its GPU; global rank 0 alone reads the safetensors
-  files, mmap'd, one tensor at a time: at most one full tensor as stored (config.json's dtype) plus its
-  fp32 copy; every other rank at most one full fp32 tensor, the broadcast buffer (counted on the host:
-  an upper bound where the collective receives into GPU memory). No rank holds the whole model. The
-  models are built one after the other; the offloaded shards of all of them are counted throughout.
+  files, mmap'd, one tensor at a time: at most one full tensor as stored (config.json's dtype, mapped
+  file pages in use), whose broadcast copy is on its GPU; every other rank receives each tensor into a
+  broadcast buffer on its GPU (NCCL), so nothing model-sized on the host (CPU workers: one buffer each,
+  in the stored dtype, on the host). No rank holds the whole model. The models are built one after the
+  other; the offloaded shards of all of them are counted throughout.
 - training (between calls and during them): what `fsdp_config.*_offload` keeps on the host, for every
   training rank of the node: fp32 parameter shards (param_offload) and AdamW state (optimizer_offload;
   AdamW creates it at the first step, this is after it). Gradients never: every step ends with
@@ -157,15 +158,16 @@ def _offloaded(models: list[_Model], world: int, ranks: int, with_optimizer: boo
     return out
 
 
-def meta_loader_init(models: list[_Model], world: int, ranks: int) -> Phase:
-    """model_init under the meta-device loader: rank 0 reads one tensor at a time (as stored + fp32), the
-    other ranks of the node each hold one full fp32 broadcast buffer; the largest tensor of any model."""
-    largest = max(models, key=lambda m: m.shape.largest_tensor_params() * (m.stored + FP32))
+def meta_loader_init(models: list[_Model], world: int, ranks: int, cpu_workers: bool = False) -> Phase:
+    """model_init under the meta-device loader (verl/utils/sharded_init.py): rank 0 reads one tensor at a
+    time as stored (mapped file pages) and broadcasts it from its device; the other ranks receive into a
+    buffer on their device: the GPU under NCCL (nothing on the host), the host for CPU workers."""
+    largest = max(models, key=lambda m: m.shape.largest_tensor_params() * m.stored)
     n = largest.shape.largest_tensor_params()
     certain = {**_offloaded(models, world, ranks, with_optimizer=False),
-               f"rank 0: one tensor read (as stored, {largest.stored} B) + its fp32 copy": n * (largest.stored + FP32)}
-    if ranks > 1:
-        certain[f"other ranks: one full fp32 broadcast buffer x {ranks - 1}"] = (ranks - 1) * FP32 * n
+               f"rank 0: one tensor read (as stored, {largest.stored} B, mapped file pages)": n * largest.stored}
+    if ranks > 1 and cpu_workers:
+        certain[f"other ranks: one full broadcast buffer (as stored) x {ranks - 1}"] = (ranks - 1) * largest.stored * n
     return Phase("model_init", certain=certain)
 
 
@@ -206,7 +208,7 @@ def plan_host_memory(cfg: Any, model_config: dict[str, Any] | None = None, criti
              "Ray's object store (shared memory, 30 % of the node's RAM unless set), the page cache of mmap'd files"]
     engine_ranks = rollout_ranks if pipelined(cfg) else ranks     # colocated: every rank runs an engine
     sleep = {} if cpu_workers else _vllm_sleep_buffers(cfg, actor.shape, engine_ranks)
-    phases = [meta_loader_init(models, world, ranks),
+    phases = [meta_loader_init(models, world, ranks, cpu_workers),
               Phase("training", certain={**_offloaded(models, world, ranks, with_optimizer=True), **sleep})]
     saves: dict[str, Phase] = {}            # the actor and the critic save one after the other
     for m in models:
