@@ -66,6 +66,7 @@ class AsyncAgentLoop:
         config = manager.config
         stats: Counter[str] = Counter()
         retrieval_s = 0.0
+        previous = None          # this trajectory's last completion: its next request follows it
         for turn in range(manager._turn_limit()):
             is_final = turn == config.max_turns
             row.stop_reason = manager._stop_before_turn(row)
@@ -75,7 +76,9 @@ class AsyncAgentLoop:
             stats["context_cuts"] += int(cut)
             if cut and row.cut_from < 0:
                 row.cut_from = row.response_len
-            completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn))
+            completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn),
+                                                    follows=previous)
+            previous = completion
             sampled, log_probs = manager._clip_to_budget(row, list(completion.token_ids), completion.log_probs)
             res = manager._cut_turn(sampled, self.eos_token_ids)
             observation = None
