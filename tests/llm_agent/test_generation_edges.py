@@ -544,7 +544,8 @@ class _AsyncEngine:
     def __init__(self, streams: list[list[int]]) -> None:
         self.streams, self.seeds = list(streams), []
 
-    async def generate(self, context: list[int], seed: int, max_tokens: int | None = None) -> Completion:
+    async def generate(self, context: list[int], seed: int, max_tokens: int | None = None,
+                       follows: Completion | None = None) -> Completion:
         self.seeds.append(seed)
         ids = self.streams.pop(0)
         return Completion(token_ids=ids, log_probs=[-1.0] * len(ids))

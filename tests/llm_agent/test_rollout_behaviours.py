@@ -118,6 +118,45 @@ def test_async_request_seeds_differ_across_turns_and_rows(tokenizer, retrieval_u
     assert not set(seed for _, seed in other.requests) & set(seeds)
 
 
+class CohortStepEngine(ScriptedStepEngine):
+    """A scripted engine that reports cohorts (as the HF engine does: the step a request joined at)
+    and records, per request, the cohort it said it follows and the one it was given."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.steps = 0
+        self.after: dict[str, int] = {}
+        self.cohort: dict[str, int] = {}
+
+    def add(self, request_id: str, prompt_ids: list[int], seed: int, max_tokens: int | None = None,
+            after_cohort: int = -1) -> None:
+        super().add(request_id, prompt_ids, seed)
+        self.after[request_id], self.cohort[request_id] = after_cohort, self.steps
+
+    def step(self) -> list[tuple[str, Completion]]:
+        self.steps += 1
+        return [(rid, Completion(c.token_ids, c.log_probs, self.cohort[rid])) for rid, c in super().step()]
+
+
+def test_each_async_turn_follows_its_trajectorys_previous_completion(tokenizer, retrieval_url):
+    """The engine may hold a turn back until the requests it joined with last time are done (sync
+    mode's turn boundary): for that it must know which completion the request continues."""
+    search = search_stream(tokenizer)
+    config = make_config(retrieval_url, max_turns=2, mode="async")
+    keys = ["q1", "q2"]
+    engine = CohortStepEngine(tokenizer, {k: [search] * 5 for k in keys}, config)
+    run_shard(tokenizer, config, engine, [prompt_ids(tokenizer, k) for k in keys], 7,
+              frozenset({tokenizer.eos_token_id}))
+    by_row: dict[int, list[str]] = {}
+    for rid, (ids, _) in zip(engine.after, engine.requests, strict=True):
+        row = next(i for i, k in enumerate(keys) if ids[: len(prompt_ids(tokenizer, k))] == prompt_ids(tokenizer, k))
+        by_row.setdefault(row, []).append(rid)
+    assert sorted(len(rids) for rids in by_row.values()) == [3, 3]
+    for rids in by_row.values():
+        assert engine.after[rids[0]] == -1
+        assert [engine.after[r] for r in rids[1:]] == [engine.cohort[r] for r in rids[:-1]]
+
+
 # --- 3: context_cut_mask from the first cut --------------------------------------------------
 
 def _two_cut_setup(tokenizer: Any, retrieval_url: str, mode: str) -> tuple[GenerationConfig, int, list[int]]:

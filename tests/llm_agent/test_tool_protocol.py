@@ -382,7 +382,7 @@ def test_async_tool_rollout_equals_sync(tool_tokenizer, tool_config):
     sync_out, engine = run_tool(tok, scripts, ["q1", "q2", "q3"], config)
 
     class ScriptedAsyncEngine:
-        async def generate(self, prompt_ids, seed, max_tokens=None):
+        async def generate(self, prompt_ids, seed, max_tokens=None, follows=None):
             meta = {K.META_RESPONSE_LENGTH: max_tokens or config.max_response_length, K.META_EOS_TOKEN_ID: eos,
                     K.META_STOP: list(config.stop)}
             await asyncio.sleep(0)

@@ -4,6 +4,8 @@ get exactly what the batch engine gives them, and sampling depends only on each 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.workers.test_hf_rollout import ROLLOUT_CFG, make_prompts, manual_greedy
 from verl.utils import batch_keys as K
-from verl.workers.rollout.async_engine import AsyncEngine
+from verl.workers.rollout.async_engine import AsyncEngine, Completion
 from verl.workers.rollout.hf_rollout import HFRollout
 from verl.workers.rollout.hf_step_engine import HFStepEngine
 
@@ -214,3 +216,72 @@ def test_hf_step_engine_abort_drops_waiting_and_decoding_requests(model_and_toke
     while engine.has_unfinished():
         finished += [rid for rid, _ in engine.step()]
     assert sorted(finished) == ["a", "c"]
+
+
+class _SlowStepEngine:
+    """One request, finished by a step that takes `seconds`; records what happened, in which thread."""
+
+    def __init__(self, seconds: float, off_loop: bool) -> None:
+        self.seconds, self.steps_off_loop = seconds, off_loop
+        self.events: list[str] = []
+        self.step_threads: list[int] = []
+        self._live: list[str] = []
+
+    def add(self, request_id, prompt_ids, seed, max_tokens=None):
+        self._live.append(request_id)
+
+    def has_unfinished(self):
+        return bool(self._live)
+
+    def step(self):
+        self.step_threads.append(threading.get_ident())
+        self.events.append("step begins")
+        time.sleep(self.seconds)
+        self.events.append("step ends")
+        done, self._live = self._live, []
+        return [(rid, Completion([1], [0.0])) for rid in done]
+
+    def abort(self, request_ids):
+        self.events.append("abort")
+        self._live = [r for r in self._live if r not in request_ids]
+
+
+@pytest.mark.parametrize("off_loop", [True, False])
+def test_a_step_off_the_loop_lets_other_coroutines_run_meanwhile(off_loop):
+    """A search's HTTP exchange needs the event loop: stepped on the loop, it advanced once a step."""
+    step_engine = _SlowStepEngine(0.3, off_loop)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        await AsyncEngine(step_engine).generate([1], seed=0)
+        task.cancel()
+        return ticks
+
+    ticks = asyncio.run(main())
+    assert (step_engine.step_threads[0] != threading.get_ident()) == off_loop
+    assert (ticks >= 5) == off_loop, ticks
+
+
+def test_cancelling_waits_for_the_step_in_flight_before_aborting():
+    step_engine = _SlowStepEngine(0.3, off_loop=True)
+
+    async def main():
+        engine = AsyncEngine(step_engine)
+        request = asyncio.create_task(engine.generate([1], seed=0))
+        while not step_engine.events:
+            await asyncio.sleep(0.01)
+        engine._runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+
+    asyncio.run(main())
+    assert step_engine.events == ["step begins", "step ends", "abort"]

@@ -116,6 +116,30 @@ def test_sampling_with_top_k_one_equals_greedy_and_filters_keep_the_best_token(m
     assert sample_next_token(logits, params).tolist() == [1]
 
 
+def seeded_draws_match_per_row_multinomial(device: str) -> None:
+    """The batched seeded draw takes from each row's generator exactly what one multinomial a row
+    took (the async engine's sampling before it was batched), and leaves the generators alike.
+    Also run on CUDA by tests/gpu/test_cuda_paths.py."""
+    from verl.workers.rollout.sampling import sample_rows_seeded
+
+    torch.manual_seed(0)
+    for vocab in (2, 37, 1000, 4099):
+        probs = torch.softmax(torch.randn(6, vocab, device=device) * 3, dim=-1)
+        probs[1, vocab // 2:] = 0.0                            # zeros (top-k / top-p) are never drawn
+        probs[1] /= probs[1].sum()
+        seeds = [int(s) for s in torch.randint(0, 2**62, (6,))]
+        per_row = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        batched = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        for _ in range(3):                                      # three steps: the streams stay in step
+            want = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(per_row)])
+            assert torch.equal(sample_rows_seeded(probs, batched), want), vocab
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(per_row, batched, strict=True))
+
+
+def test_seeded_rows_draw_what_multinomial_draws_with_each_rows_generator():
+    seeded_draws_match_per_row_multinomial("cpu")
+
+
 def test_vllm_rollout_name_without_vllm_fails_with_a_clear_message(model_and_tokenizer, monkeypatch):
     model, tok = model_and_tokenizer
     # vllm absent, whether or not this environment has it: a None entry makes `import vllm` fail.

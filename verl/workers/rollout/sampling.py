@@ -55,7 +55,28 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams,
     probs = torch.softmax(filter_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
     if generators is None:
         return torch.multinomial(probs, num_samples=1).squeeze(-1)
-    return torch.cat([torch.multinomial(probs[row], 1, generator=gen) for row, gen in enumerate(generators)])
+    return sample_rows_seeded(probs, generators)
+
+
+def sample_rows_seeded(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) ids, row b drawn from generators[b]: exactly what
+    `torch.multinomial(probs[b], 1, generator=generators[b])` draws, batched.
+
+    multinomial with one sample is argmax(p / q) with q ~ Exp(1) drawn into a fresh (V,) tensor
+    (aten's Distributions.cpp); drawing each row's q into its row of one (B, V) tensor takes the
+    same numbers from the same generator. One multinomial a row launched ~14 kernels (its checks
+    included) and a row select; this is one exponential_ a row (a generator is one stream; vLLM's
+    sampler draws seeded requests the same way) and one divide, argmax and check for the batch.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
+    # multinomial's own check, batched, and device-side (no host sync on CUDA).
+    valid = ((probs >= 0) & (probs < float("inf"))).all() & (probs.sum(dim=-1) > 0).all()
+    torch._assert_async(valid, "probability tensor contains either `inf`, `nan` or element < 0, or a row sums to 0")
+    noise = torch.empty_like(probs)
+    for row_noise, gen in zip(noise.unbind(0), generators, strict=True):   # (V,) views, made in one call
+        row_noise.exponential_(1.0, generator=gen)
+    return probs.div(noise).argmax(dim=-1)
 
 
 def sampling_params_from(config: Any, meta: dict, tokenizer: Any = None) -> SamplingParams:
