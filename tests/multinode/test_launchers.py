@@ -17,15 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.multinode._launch_record import run_recorded, slurm_env
-from verl.trainer.config_check import (
-    need_critic,
-    need_reference_policy,
-    optimizer_steps_per_training_step,
-    trainer_flag,
-    validate_config,
-    world_size,
-)
-from verl.trainer.main_ppo import check_cluster_settings, cluster_address, compose_config, per_node_need
+from verl.trainer.config_check import validate_config
+from verl.trainer.config_schema import trainer_flag
+from verl.trainer.main_ppo import check_cluster_settings, compose_config, per_node_need
+from verl.trainer.run_config import RunConfig, Trainer
 
 LAUNCHERS = {
     "train_grpo_multinode_32b.sh": ("grpo", "Qwen/Qwen2.5-32B-Instruct", 4, 4),
@@ -44,10 +39,11 @@ def _divide_like_the_workers(cfg) -> None:
     """The workers' own division of the global batch sizes (raises ValueError naming the key)."""
     from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 
-    role = "actor_rollout_ref" if need_reference_policy(cfg) else "actor_rollout"
-    normalize_actor_batch_sizes(copy.deepcopy(cfg.actor_rollout_ref), role, world_size(cfg))
-    if need_critic(cfg):
-        normalize_critic_batch_sizes(copy.deepcopy(cfg.critic), world_size(cfg))
+    run = RunConfig.from_config(cfg)
+    role = "actor_rollout_ref" if run.algorithm.need_reference_policy else "actor_rollout"
+    normalize_actor_batch_sizes(copy.deepcopy(cfg.actor_rollout_ref), role, run.pools.world_size)
+    if run.algorithm.need_critic:
+        normalize_critic_batch_sizes(copy.deepcopy(cfg.critic), run.pools.world_size)
 
 
 @pytest.mark.parametrize("script", sorted(LAUNCHERS))
@@ -73,7 +69,7 @@ def test_example_launchers_follow_their_environment(tmp_path: Path) -> None:
     cfg = compose_config(overrides)
     OmegaConf.resolve(cfg)
     validate_config(cfg)
-    assert world_size(cfg) == 8
+    assert RunConfig.from_config(cfg).pools.world_size == 8
     assert cfg.trainer.ray_address == "10.0.0.1:6379"
     assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-14B-Instruct"
@@ -93,9 +89,9 @@ def test_cluster_settings_are_checked_naming_the_key(monkeypatch: pytest.MonkeyP
     check_cluster_settings(compose_config(["trainer.nnodes=2", "trainer.ray_address=auto"]))
     # RAY_ADDRESS alone joins a cluster too (as `ray start` users expect)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert cluster_address(compose_config([])) == "10.0.0.1:6379"
+    assert Trainer.from_config(compose_config([])).cluster_address == "10.0.0.1:6379"
     check_cluster_settings(compose_config(["trainer.nnodes=2"]))
-    assert cluster_address(compose_config(["trainer.ray_address=auto"])) == "auto"
+    assert Trainer.from_config(compose_config(["trainer.ray_address=auto"])).cluster_address == "auto"
 
 
 def test_per_node_need_asks_for_gpus_only_on_a_gpu_cluster_or_with_device_cuda() -> None:
@@ -141,10 +137,10 @@ def test_train_grpo_sh_ships_the_papers_grpo_recipe_on_8_gpus(tmp_path: Path) ->
     run = run_recorded("train_grpo.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-3B"})
     assert run.returncode == 0, run.output
     cfg = _composed(run.overrides)
-    assert (world_size(cfg), cfg.algorithm.adv_estimator) == (8, "grpo")
+    assert (RunConfig.from_config(cfg).pools.world_size, cfg.algorithm.adv_estimator) == (8, "grpo")
     _assert_papers_sampling_and_data(cfg)
     assert cfg.actor_rollout_ref.rollout.n_agent == 5
-    assert optimizer_steps_per_training_step(cfg) == 10          # 2560 rollouts / 256
+    assert RunConfig.from_config(cfg).batches.optimizer_steps["actor"] == 10          # 2560 rollouts / 256
     assert cfg.actor_rollout_ref.actor.use_kl_loss is True
     assert "VLLM_ATTENTION_BACKEND" not in run.env                # a vLLM 0.6 workaround, not set any more
 
@@ -159,22 +155,22 @@ def test_the_documented_serve_command_is_valid_on_2_nodes_of_8(tmp_path: Path) -
     run = run_recorded("train_grpo.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-7B-Instruct"}, args)
     assert run.returncode == 0, run.output
     cfg = _composed(run.overrides)
-    assert world_size(cfg) == 16 and cfg.retriever.serve == "ray" and cfg.retriever.replicas is None
+    assert RunConfig.from_config(cfg).pools.world_size == 16 and cfg.retriever.serve == "ray" and cfg.retriever.replicas is None
     from verl.trainer.ppo.ray_trainer import generation_config
 
-    assert generation_config(cfg, world_size(cfg)).search_url == "ray-serve://search_r1_retrieval"
+    assert generation_config(cfg, RunConfig.from_config(cfg).pools.world_size).search_url == "ray-serve://search_r1_retrieval"
 
 
 def test_train_ppo_sh_ships_the_papers_ppo_recipe_on_8_gpus(tmp_path: Path) -> None:
     run = run_recorded("train_ppo.sh", tmp_path, {"BASE_MODEL": "Qwen/Qwen2.5-3B"})
     assert run.returncode == 0, run.output
     cfg = _composed(run.overrides)
-    assert (world_size(cfg), cfg.algorithm.adv_estimator) == (8, "gae")
+    assert (RunConfig.from_config(cfg).pools.world_size, cfg.algorithm.adv_estimator) == (8, "gae")
     _assert_papers_sampling_and_data(cfg)
     assert cfg.actor_rollout_ref.rollout.n_agent == 1
     assert cfg.critic.ppo_micro_batch_size == 8                  # the original's value on 8 GPUs
     assert all(cfg.critic.model.fsdp_config[k] is True for k in ("param_offload", "grad_offload", "optimizer_offload"))
-    assert optimizer_steps_per_training_step(cfg) == optimizer_steps_per_training_step(cfg, "critic") == 2
+    assert RunConfig.from_config(cfg).batches.optimizer_steps["actor"] == RunConfig.from_config(cfg).batches.optimizer_steps["critic"] == 2
     assert "VLLM_ATTENTION_BACKEND" not in run.env
 
 
@@ -183,7 +179,7 @@ def test_the_2_gpu_example_keeps_the_small_setting(tmp_path: Path) -> None:
     assert run.returncode == 0, run.output
     cfg = _composed(run.overrides)
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    assert world_size(cfg) == 2
+    assert RunConfig.from_config(cfg).pools.world_size == 2
     assert (cfg.data.train_batch_size, rollout.n_agent, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size) \
         == (64, 4, 128, 8)
     assert (cfg.data.val_data_num, cfg.data.val_batch_size, cfg.data.max_obs_length) == (256, 64, 2048)
@@ -191,7 +187,7 @@ def test_the_2_gpu_example_keeps_the_small_setting(tmp_path: Path) -> None:
     assert rollout.gpu_memory_utilization == 0.45
     assert trainer_flag(cfg, "val_before_train") is False
     assert (rollout.temperature, rollout.top_p) == (1, 0.95)
-    assert optimizer_steps_per_training_step(cfg) == 2
+    assert RunConfig.from_config(cfg).batches.optimizer_steps["actor"] == 2
     # its extra arguments still win, +trainer.val_before_train included (appended once)
     again = run_recorded("example/train_grpo_2gpu.sh", tmp_path / "again", {"BASE_MODEL": "m"},
                          ("+trainer.val_before_train=true", "data.train_batch_size=32"))

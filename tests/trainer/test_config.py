@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from verl.trainer.config_check import ConfigError, check_runtime, trainer_flag, validate_config
+from verl.trainer.config_check import ConfigError, check_runtime, validate_config
+from verl.trainer.config_schema import trainer_flag
 from verl.trainer.main_ppo import compose_config
+from verl.trainer.run_config import RunConfig
 from verl.utils.attention import FLASH_ATTN_INSTALL
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
@@ -262,56 +264,52 @@ def _per_worker_steps(cfg, world: int) -> tuple[int, int]:
     """(per-worker mini-batch, optimizer steps per training step) as the workers compute them."""
     import copy
 
-    from verl.trainer.config_check import rollouts_per_step
     from verl.workers.fsdp_workers import normalize_actor_batch_sizes
 
     node = copy.deepcopy(cfg.actor_rollout_ref)
     normalize_actor_batch_sizes(node, "actor_rollout_ref", world_size=world)
     mini = int(node.actor.ppo_mini_batch_size)
-    rows = rollouts_per_step(cfg) // world            # the driver's balanced chunk per worker
+    rows = RunConfig.from_config(cfg).batches.rollouts_per_step // world            # the driver's balanced chunk per worker
     return mini, int(node.actor.ppo_epochs) * -(-rows // mini)
 
 
 def test_the_grpo_override_file_keeps_the_original_search_r1_mini_batch_semantics() -> None:
-    from verl.trainer.config_check import optimizer_steps_per_training_step
 
     # As the file stands: 64 prompts x 4 samples = 256 rollouts, mini-batches of 32 rollouts.
     cfg = compose_config(_fixture_overrides("seed_grpo_overrides.txt"))
     validate_config(cfg)
     assert _per_worker_steps(cfg, world=2) == (16, 8)
-    assert optimizer_steps_per_training_step(cfg) == 8
+    assert RunConfig.from_config(cfg).batches.optimizer_steps["actor"] == 8
     # The paper's GRPO recipe (512 prompts x 5, mini-batch 256, 8 GPUs) takes 10 steps, as the original does.
     paper = compose_config([*_fixture_overrides("seed_grpo_overrides.txt"), "data.train_batch_size=512",
                             "actor_rollout_ref.rollout.n_agent=5", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
                             "actor_rollout_ref.actor.ppo_micro_batch_size=64", "trainer.n_gpus_per_node=8"])
     validate_config(paper)
     assert _per_worker_steps(paper, world=8) == (32, 10)
-    assert optimizer_steps_per_training_step(paper) == 10
+    assert RunConfig.from_config(paper).batches.optimizer_steps["actor"] == 10
 
 
 def test_rollout_n_gives_verl_semantics_where_the_mini_batch_counts_prompts() -> None:
-    from verl.trainer.config_check import optimizer_steps_per_training_step, samples_per_prompt
 
     verl_style = compose_config([*_fixture_overrides("seed_grpo_overrides.txt"), "data.train_batch_size=512",
                                  "actor_rollout_ref.rollout.n_agent=1", "actor_rollout_ref.rollout.n=5",
                                  "actor_rollout_ref.actor.ppo_mini_batch_size=256",
                                  "actor_rollout_ref.actor.ppo_micro_batch_size=64", "trainer.n_gpus_per_node=8"])
     validate_config(verl_style)
-    assert samples_per_prompt(verl_style) == 5                      # same 2560 rollouts per step
+    assert RunConfig.from_config(verl_style).algorithm.samples_per_prompt == 5                      # same 2560 rollouts per step
     assert _per_worker_steps(verl_style, world=8) == (160, 2)      # 256 prompts x 5 per optimizer step
-    assert optimizer_steps_per_training_step(verl_style) == 2
+    assert RunConfig.from_config(verl_style).batches.optimizer_steps["actor"] == 2
 
 
 def test_the_ppo_override_file_takes_two_actor_and_two_critic_steps() -> None:
     import copy
 
-    from verl.trainer.config_check import optimizer_steps_per_training_step
     from verl.workers.fsdp_workers import normalize_critic_batch_sizes
 
     cfg = compose_config(_fixture_overrides("seed_ppo_overrides.txt"))
     validate_config(cfg)
     assert _per_worker_steps(cfg, world=8) == (32, 2)
-    assert optimizer_steps_per_training_step(cfg, "critic") == 2
+    assert RunConfig.from_config(cfg).batches.optimizer_steps["critic"] == 2
     critic = copy.deepcopy(cfg.critic)
     normalize_critic_batch_sizes(critic, world_size=8)
     assert (critic.ppo_mini_batch_size, critic.ppo_micro_batch_size, critic.forward_micro_batch_size) == (32, 1, 1)
@@ -413,6 +411,6 @@ def test_a_serve_run_is_valid_and_its_rollouts_search_the_serve_application(tmp_
     assert GenerationConfig(**dataclasses.asdict(gen)).search_url == gen.search_url
     # preflight checks the files the replicas will load instead of probing a url
     report = PreflightReport()
-    check_retriever(cfg, report)
+    check_retriever(cfg, validate_config(cfg), report)
     assert any("Ray Serve application 'search_r1_retrieval', one replica per node" in line for line in report.lines)
     assert [e for e in report.errors if e["key"] == "retriever.server_args.corpus_path" and "not found" in e["message"]]

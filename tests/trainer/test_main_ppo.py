@@ -94,7 +94,7 @@ def test_run_ppo_resolves_the_config_so_the_critic_mini_batch_is_divided_once(
 def test_workers_receive_resolved_configs_that_divide_independently(tiny_model_dir: str, tmp_path: Path) -> None:
     import pickle
 
-    from verl.trainer.config_check import interpolations
+    from verl.trainer.config_schema import interpolations
     from verl.trainer.main_ppo import build_trainer
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager
     from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes

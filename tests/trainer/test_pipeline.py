@@ -18,6 +18,7 @@ from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy
 from verl.trainer import config_check, main_ppo
 from verl.trainer.config_check import ConfigError
 from verl.trainer.ppo import checkpointing as ck
+from verl.trainer.run_config import RunConfig
 from verl.utils import batch_keys as K
 
 CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "pipeline/")
@@ -200,14 +201,14 @@ def _config(*overrides: str) -> Any:
 def test_pipeline_pools_split_the_workers_and_batch_sizes_divide_the_train_pool() -> None:
     cfg = _config("trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=8", "trainer.nnodes=2",
                   "trainer.rollout_pool=8")
-    assert config_check.pool_layout(cfg) == {"train_pool": [8], "rollout_pool": [8]}
-    assert config_check.world_size(cfg) == 8 and config_check.rollout_world_size(cfg) == 8
+    assert RunConfig.from_config(cfg).pools.layout() == {"train_pool": [8], "rollout_pool": [8]}
+    assert RunConfig.from_config(cfg).pools.world_size == 8 and RunConfig.from_config(cfg).pools.rollout_world_size == 8
     one_node = _config("trainer.pipeline=async", "trainer.n_gpus_per_node=8", "trainer.rollout_pool=2")
-    assert config_check.pool_layout(one_node) == {"train_pool": [6], "rollout_pool": [2]}
+    assert RunConfig.from_config(one_node).pools.layout() == {"train_pool": [6], "rollout_pool": [2]}
     half = _config("trainer.pipeline=one_step_off", "trainer.n_gpus_per_node=2")
-    assert config_check.pool_layout(half) == {"train_pool": [1], "rollout_pool": [1]}
+    assert RunConfig.from_config(half).pools.layout() == {"train_pool": [1], "rollout_pool": [1]}
     sync = _config("trainer.n_gpus_per_node=8", "trainer.nnodes=2")
-    assert config_check.pool_layout(sync) == {"global_pool": [8, 8]} and config_check.world_size(sync) == 16
+    assert RunConfig.from_config(sync).pools.layout() == {"global_pool": [8, 8]} and RunConfig.from_config(sync).pools.world_size == 16
 
 
 def test_the_rollout_pool_keeps_its_engine_awake_and_the_train_pool_config_is_untouched() -> None:

@@ -25,15 +25,11 @@ from tests.multinode._launch_record import run_recorded
 from verl.trainer.config_check import (
     ConfigError,
     config_errors,
-    normalize_overrides,
-    optimizer_steps_per_training_step,
-    shuffle_train,
-    tool_protocol,
-    trainer_flag,
     validate_config,
-    world_size,
 )
+from verl.trainer.config_schema import normalize_overrides, trainer_flag
 from verl.trainer.main_ppo import compose_config
+from verl.trainer.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "example/tool_recipe/run_qwen2.5-3b_instruct_search_multiturn.sh"
@@ -83,16 +79,16 @@ def test_the_recipe_composes_validates_on_8_gpus_and_keeps_verls_meanings(tmp_pa
     validate_config(cfg)
     assert config_errors(copy.deepcopy(cfg), has_gpu=None) == []
     rollout, data = cfg.actor_rollout_ref.rollout, cfg.data
-    assert world_size(cfg) == 8 and rollout.name == engine
-    assert tool_protocol(cfg)
+    assert RunConfig.from_config(cfg).pools.world_size == 8 and rollout.name == engine
+    assert RunConfig.from_config(cfg).protocol.tool
     assert (rollout.multi_turn.max_assistant_turns, rollout.multi_turn.format) == (2, "qwen")   # the recipe YAML
     assert (data.max_prompt_length, data.max_response_length) == (4096, 3000)   # the command line wins over the YAML
     assert data.return_raw_chat is True and data.truncation == "error" and data.filter_overlong_prompts is True
-    assert shuffle_train(cfg) is False                                          # data.shuffle: False (veRL's name)
+    assert RunConfig.from_config(cfg).protocol.shuffle_train is False                                          # data.shuffle: False (veRL's name)
     assert trainer_flag(cfg, "val_before_train") is False                      # without `+`
     assert cfg.algorithm.use_kl_in_reward is False and cfg.actor_rollout_ref.actor.use_kl_loss is True
     # veRL's mini-batch semantics: 256 prompts x rollout.n=5 = 1280 rollouts; 512 x 5 = 2560 a step -> 2 steps.
-    assert optimizer_steps_per_training_step(cfg) == 2
+    assert RunConfig.from_config(cfg).batches.optimizer_steps["actor"] == 2
 
 
 def test_the_recipe_reaches_the_workers_as_per_gpu_micro_batches(tmp_path: Path) -> None:
@@ -100,7 +96,7 @@ def test_the_recipe_reaches_the_workers_as_per_gpu_micro_batches(tmp_path: Path)
 
     cfg = _recipe(tmp_path)
     actor = copy.deepcopy(cfg.actor_rollout_ref)
-    normalize_actor_batch_sizes(actor, "actor_rollout_ref", world_size(cfg))
+    normalize_actor_batch_sizes(actor, "actor_rollout_ref", RunConfig.from_config(cfg).pools.world_size)
     assert actor.actor.ppo_mini_batch_size == 160                         # 256 x 5 / 8 rows per worker
     # veRL's _per_gpu values are rows per worker: not divided again.
     assert actor.actor.ppo_micro_batch_size == actor.actor.ppo_micro_batch_size_per_gpu == 8
@@ -111,7 +107,7 @@ def test_the_trainer_builds_a_tool_protocol_generation_config_from_the_recipe(tm
     from verl.trainer.ppo.ray_trainer import generation_config
 
     cfg = _recipe(tmp_path)
-    gen = generation_config(cfg, world_size(cfg))
+    gen = generation_config(cfg, RunConfig.from_config(cfg).pools.world_size)
     assert gen.protocol == "tool"
     assert [s["function"]["name"] for s in gen.tool_config["schemas"]] == ["search"]
     assert gen.search_url == "http://127.0.0.1:8000/retrieve"            # the tool config's, not retriever.url

@@ -39,22 +39,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from verl.trainer.config_check import (
-    ConfigError,
-    check_cluster_settings,
-    check_override_keys,
-    check_runtime,
-    cluster_address,
-    need_critic,
-    normalize_overrides,
-    pool_layout,
-    retrieval_endpoint,
-    serve_retriever,
-    total_workers,
-    trainer_flag,
-    validate_config,
-)
+from verl.trainer.config_check import check_cluster_settings, check_runtime, validate_config
+from verl.trainer.config_schema import ConfigError, check_override_keys, normalize_overrides, trainer_flag
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role, run_log_dir
+from verl.trainer.run_config import Pools, Protocol, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +120,7 @@ def wait_for_retriever(config: DictConfig) -> str:
 
     from search_r1.search.client import RetrievalClient, RetrievalError
 
-    url, timeout, setting, where = retrieval_endpoint(config)
+    url, timeout, setting, where = Protocol.from_config(config).retrieval_endpoint(config)
     wait_s = float(config.retriever.health_wait_s)
     client = RetrievalClient(url, topk=1, timeout=timeout, max_retries=0)
     health = client.health_url
@@ -219,7 +207,7 @@ def record_replicas(config: DictConfig, app_name: str) -> None:
 
 def local_serve_cpus(config: DictConfig) -> int:
     """CPUs a local Ray needs beyond the workers for the retrieval replica (`retriever.serve=ray`)."""
-    if not serve_retriever(config):
+    if not Protocol.from_config(config).serve_retriever:
         return 0
     replicas = config.retriever.replicas
     return math.ceil(float(config.retriever.replica_resources.num_cpus) * (1 if replicas is None else int(replicas)))
@@ -259,7 +247,7 @@ def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
     if ray.is_initialized():
         return False
     runtime_env = {"env_vars": worker_env()}
-    address = cluster_address(config)
+    address = Trainer.from_config(config).cluster_address
     if address:
         ray.init(address=address, runtime_env=runtime_env)
         try:
@@ -275,7 +263,7 @@ def _init_ray(config: DictConfig, use_gpu: bool) -> bool:
         # RAY_AUTH_MODE (e.g. token) still wins; joining a cluster (above) keeps the cluster's mode.
         os.environ.setdefault(RAY_AUTH_MODE, "disabled")
         # One CPU per worker process plus one for the driver's own tasks.
-        ray.init(num_cpus=total_workers(config) + 1 + local_serve_cpus(config), num_gpus=None if use_gpu else 0,
+        ray.init(num_cpus=Pools.from_config(config).total_workers + 1 + local_serve_cpus(config), num_gpus=None if use_gpu else 0,
                  include_dashboard=False, runtime_env=runtime_env)
     return True
 
@@ -294,7 +282,7 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     OmegaConf.resolve(config)
     resolve_checkpoint_dir(config)
     use_gpu = _has_gpu(config)
-    validate_config(config, has_gpu=use_gpu)
+    run = validate_config(config, has_gpu=use_gpu)
     # rollout.name=auto: vLLM where there is a GPU and vllm, the HF loop otherwise (the CPU default).
     config.actor_rollout_ref.rollout.name = resolve_rollout_name(config.actor_rollout_ref.rollout.name, use_gpu)
     check_runtime(config, has_gpu=use_gpu)
@@ -307,14 +295,14 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
         reward_fn, default_val_fn = load_reward_managers(config, tokenizer)
         val_reward_fn = val_reward_fn or default_val_fn
 
-    layout = pool_layout(config)
+    layout = run.pools.layout()
     train_pool = "train_pool" if "train_pool" in layout else "global_pool"
     role_worker_mapping: dict[Role, type] = {Role.ActorRollout: ActorRolloutRefWorker}
     mapping = {Role.ActorRollout: train_pool}
     if "rollout_pool" in layout:   # trainer.pipeline: the rollout on a pool of its own
         role_worker_mapping[Role.Rollout] = ActorRolloutRefWorker
         mapping[Role.Rollout] = "rollout_pool"
-    if need_critic(config):
+    if run.algorithm.need_critic:
         role_worker_mapping[Role.Critic] = CriticWorker
         mapping[Role.Critic] = train_pool
     pools = ResourcePoolManager(resource_pool_spec=layout, mapping=mapping, use_gpu=use_gpu)
@@ -341,13 +329,13 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
     # Seconds of checks before anything is waited for or started (the GPU-dependent ones again
     # in build_trainer, once the workers' host is known).
     OmegaConf.resolve(config)
-    validate_config(config)
-    serving = serve_retriever(config)
+    run = validate_config(config)
+    serving = run.protocol.serve_retriever
     if config.do_search and not serving:
         wait_for_retriever(config)
     trainer, started_ray, served_app = None, False, None
     try:
-        if cluster_address(config):
+        if run.trainer.cluster_address:
             # Joining a cluster: its resources, not this node's, say whether the workers have GPUs.
             started_ray = _init_ray(config, use_gpu=True)
             trainer = build_trainer(config, reward_fn=reward_fn, val_reward_fn=val_reward_fn)

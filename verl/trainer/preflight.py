@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer import config_check as cc
 from verl.trainer.preflight_memory import JOB_RETRIEVER_ENV, check_host_memory, check_memory_and_disk
+from verl.trainer.run_config import RunConfig
 
 RETRIEVER_PROBE_S = 5.0      # bounded wait for /health here (the run itself waits retriever.health_wait_s)
 # The launcher's retriever variables (example/retriever/_common.sh): any set means its own index, not the example.
@@ -133,31 +134,33 @@ def host_has_gpu(config: DictConfig) -> bool | None:
 
     if is_cuda_available():
         return True
-    return None if cc.cluster_address(config) else False
+    address = config.trainer.ray_address or os.environ.get("RAY_ADDRESS") or None
+    return None if address else False
 
 
-def _per_worker_sizes(cfg: DictConfig, world: int, report: PreflightReport) -> None:
+def _per_worker_sizes(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None:
     """The workers' own division of the global batch sizes, on copies of their config sub-trees."""
     from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 
-    role = "actor_rollout_ref" if cc.need_reference_policy(cfg) else "actor_rollout"
+    world = run.pools.world_size
+    role = "actor_rollout_ref" if run.algorithm.need_reference_policy else "actor_rollout"
     actor = copy.deepcopy(cfg.actor_rollout_ref)
     try:
         normalize_actor_batch_sizes(actor, role, world)
         report.lines.append(
             f"actor per worker: mini-batch {actor.actor.ppo_mini_batch_size} rows, micro-batch "
             f"{actor.actor.ppo_micro_batch_size}, log-prob micro-batch {actor.rollout.log_prob_micro_batch_size}; "
-            f"{cc.optimizer_steps_per_training_step(cfg)} optimizer step(s) per training step")
+            f"{run.batches.optimizer_steps['actor']} optimizer step(s) per training step")
     except ValueError as exc:
         report.error(f"actor worker batch sizes over {world} workers: {exc}", key_of(str(exc)))
-    if cc.need_critic(cfg):
+    if run.algorithm.need_critic:
         critic = copy.deepcopy(cfg.critic)
         try:
             normalize_critic_batch_sizes(critic, world)
             report.lines.append(
                 f"critic per worker: mini-batch {critic.ppo_mini_batch_size} rows, micro-batch "
                 f"{critic.ppo_micro_batch_size}, forward micro-batch {critic.forward_micro_batch_size}; "
-                f"{cc.optimizer_steps_per_training_step(cfg, 'critic')} optimizer step(s) per training step")
+                f"{run.batches.optimizer_steps['critic']} optimizer step(s) per training step")
         except ValueError as exc:
             report.error(f"critic worker batch sizes over {world} workers: {exc}", key_of(str(exc)))
 
@@ -183,7 +186,7 @@ def _local_tokenizer(path: str) -> Any:
         return None
 
 
-def check_data(cfg: DictConfig, report: PreflightReport) -> None:
+def check_data(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None:
     """Each data file readable with its columns, a scorer for every data_source; prompts over the bound
     counted when the tokenizer is on this machine."""
     import pyarrow.parquet as pq
@@ -192,7 +195,7 @@ def check_data(cfg: DictConfig, report: PreflightReport) -> None:
     from verl.utils.reward_score import SUPPORTED_DATA_SOURCES
 
     prompt_key = str(cfg.data.prompt_key)
-    bound, bound_key = cc.prompt_bound(cfg)
+    bound, bound_key = run.protocol.prompt_bound, run.protocol.prompt_bound_key
     tokenizer = _local_tokenizer(str(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path))
     for key in ("data.train_files", "data.val_files"):
         for path in _files(OmegaConf.select(cfg, key)):
@@ -248,17 +251,17 @@ def check_serve_files(cfg: DictConfig, report: PreflightReport) -> None:
                         "driver" + (f"; {', '.join(found)}" if found else ""))
 
 
-def check_retriever(cfg: DictConfig, report: PreflightReport) -> None:
+def check_retriever(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None:
     """With do_search: the server answers /health within RETRIEVER_PROBE_S, and one query; or, when the
     launcher starts its own server after preflight, the index and corpus it will load exist."""
     if not cfg.do_search:
         return
-    if cc.serve_retriever(cfg):
+    if run.protocol.serve_retriever:
         check_serve_files(cfg, report)
         return
     try:
-        url, timeout, setting, where = cc.retrieval_endpoint(cfg)
-    except (OSError, ValueError, KeyError):   # a bad tool config: config_errors says what is wrong
+        url, timeout, setting, where = run.protocol.retrieval_endpoint(cfg)
+    except KeyError:   # a search tool without retrieval_service_url: the tool config's own check says so
         return
     if os.environ.get(JOB_RETRIEVER_ENV) == "job":
         found = []
@@ -401,14 +404,19 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
     OmegaConf.resolve(cfg)
     if has_gpu is None:
         has_gpu = host_has_gpu(cfg)
-    report.gpu_run = cc.runs_on_cuda(cfg, has_gpu) is not False
-    trainer, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
-    world = report.world_size = cc.world_size(cfg)
+    run, errors = cc.check(cfg, has_gpu)
+    for message in errors:
+        report.error(message)
+    if run is None:          # a section's own values are wrong: the checks below would read them
+        return report
+    report.gpu_run = run.trainer.on_cuda(has_gpu) is not False
+    trainer, rollout, pools = cfg.trainer, cfg.actor_rollout_ref.rollout, run.pools
+    world = report.world_size = pools.world_size
     host = {True: "GPU", False: "CPU", None: "unknown from here (GPU-dependent checks skipped)"}[has_gpu]
-    pools = (f" - trainer.rollout_pool={cc.rollout_pool_size(cfg)} (trainer.pipeline={trainer.pipeline}: the memory "
-             "plan's phase rollout_pool is a rollout GPU, the others a train GPU)" if cc.pipelined(cfg) else "")
+    pool_line = (f" - trainer.rollout_pool={pools.rollout_pool} (trainer.pipeline={pools.pipeline}: the memory "
+                 "plan's phase rollout_pool is a rollout GPU, the others a train GPU)" if pools.pipelined else "")
     report.lines.append(f"workers: trainer.nnodes={trainer.nnodes} x trainer.n_gpus_per_node={trainer.n_gpus_per_node}"
-                        f"{pools} = {world}; trainer.device={trainer.device}, host {host}; "
+                        f"{pool_line} = {world}; trainer.device={trainer.device}, host {host}; "
                         f"trainer.ray_address={trainer.ray_address}")
     engine = str(rollout.name)
     if engine == "auto" and has_gpu is not None:
@@ -417,24 +425,20 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
         engine = f"auto -> {resolve_rollout_name('auto', has_gpu)}"
     report.lines.append(f"rollout: {engine}, mode={rollout.get('mode', 'sync')}, "
                         f"tensor_model_parallel_size={rollout.tensor_model_parallel_size}; "
-                        f"{cfg.data.train_batch_size} prompts x {cc.samples_per_prompt(cfg)} samples = "
-                        f"{cc.rollouts_per_step(cfg)} rollouts per step ({cfg.algorithm.adv_estimator})")
-    report.lines.append(f"loggers: {', '.join(cc.logger_backends(cfg))}")
-    if cc.tool_protocol(cfg):
+                        f"{cfg.data.train_batch_size} prompts x {run.algorithm.samples_per_prompt} samples = "
+                        f"{run.batches.rollouts_per_step} rollouts per step ({cfg.algorithm.adv_estimator})")
+    report.lines.append(f"loggers: {', '.join(run.trainer.loggers)}")
+    if run.protocol.tool:
         mt = rollout.multi_turn
         report.lines.append(f"tool protocol: {mt.tool_config_path}; max_assistant_turns={mt.max_assistant_turns}, "
                             f"max_user_turns={mt.max_user_turns}; prompts <= data.max_prompt_length="
                             f"{cfg.data.max_prompt_length}, all turns <= data.max_response_length="
                             f"{cfg.data.max_response_length} tokens")
-    for message in cc.config_errors(cfg, has_gpu):
-        report.error(message)
-    if world >= 1:
-        _per_worker_sizes(cfg, world, report)
-    check_data(cfg, report)
-    check_retriever(cfg, report)
+    _per_worker_sizes(cfg, run, report)
+    check_data(cfg, run, report)
+    check_retriever(cfg, run, report)
     check_context_length(cfg, report)
-    if world >= 1:
-        check_host_memory(cfg, report, check_memory_and_disk(cfg, report))
+    check_host_memory(cfg, report, check_memory_and_disk(cfg, report))
     return report
 
 

@@ -109,8 +109,9 @@ class _Model:
 
 
 def _models(cfg: Any, model_config: dict[str, Any] | None, critic_config: dict[str, Any] | None) -> list[_Model]:
-    from verl.trainer.config_check import need_critic, need_reference_policy
+    from verl.trainer.run_config import Algorithm
 
+    algorithm = Algorithm.from_config(cfg)
     arr = cfg.actor_rollout_ref
     if model_config is None:
         model_config, _ = read_model_config(str(arr.model.path))
@@ -119,10 +120,10 @@ def _models(cfg: Any, model_config: dict[str, Any] | None, critic_config: dict[s
     afs = arr.actor.fsdp_config
     models = [_Model("actor", shape, p, t, stored_bytes(model_config), bool(afs.param_offload),
                      bool(afs.optimizer_offload))]
-    if need_reference_policy(cfg):
+    if algorithm.need_reference_policy:
         models.append(_Model("reference", shape, p, t, stored_bytes(model_config),
                              bool(arr.ref.fsdp_config.param_offload), False))
-    if need_critic(cfg):
+    if algorithm.need_critic:
         if critic_config is None:
             critic_config, _ = read_model_config(str(cfg.critic.model.path))
         cshape = ModelShape.from_config(critic_config, str(cfg.critic.model.path))
@@ -134,10 +135,10 @@ def _models(cfg: Any, model_config: dict[str, Any] | None, critic_config: dict[s
 
 
 def node_ranks(cfg: Any) -> tuple[int, int]:
-    """(training ranks, rollout-pool ranks) on the node of global rank 0 (config_check.pool_layout)."""
-    from verl.trainer.config_check import pool_layout
+    """(training ranks, rollout-pool ranks) on the node of global rank 0 (run_config.Pools.layout)."""
+    from verl.trainer.run_config import Pools
 
-    layout = pool_layout(cfg)
+    layout = Pools.from_config(cfg).layout()
     if "global_pool" in layout:
         return layout["global_pool"][0], 0
     rollout = layout["rollout_pool"][0] if len(layout["train_pool"]) == 1 == len(layout["rollout_pool"]) else 0
@@ -198,15 +199,16 @@ def plan_host_memory(cfg: Any, model_config: dict[str, Any] | None = None, criti
 
     `cpu_workers`: the workers compute on the host; `device_plan` (a memory_plan.MemoryPlan, required then)
     gives each rank's bytes, added to every phase as its largest phase x the node's ranks."""
-    from verl.trainer.config_check import pipelined, world_size
+    from verl.trainer.run_config import Pools
 
+    pools = Pools.from_config(cfg)
     models = _models(cfg, model_config, critic_config)
-    world = world_size(cfg)
+    world = pools.world_size
     ranks, rollout_ranks = node_ranks(cfg)
     actor = models[0]
     notes = ["not counted: each worker process's own memory (Python, torch, CUDA/NCCL libraries: a few GiB each), "
              "Ray's object store (shared memory, 30 % of the node's RAM unless set), the page cache of mmap'd files"]
-    engine_ranks = rollout_ranks if pipelined(cfg) else ranks     # colocated: every rank runs an engine
+    engine_ranks = rollout_ranks if pools.pipelined else ranks     # colocated: every rank runs an engine
     sleep = {} if cpu_workers else _vllm_sleep_buffers(cfg, actor.shape, engine_ranks)
     phases = [meta_loader_init(models, world, ranks, cpu_workers),
               Phase("training", certain={**_offloaded(models, world, ranks, with_optimizer=True), **sleep})]

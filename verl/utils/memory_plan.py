@@ -233,20 +233,19 @@ def sequence_length(cfg: Any) -> int:
     """Tokens of one training row at the max lengths: the initial prompt bound plus the response part.
     Tag protocol with search, as the original composes a row: max_start_length + (max_turns + 1)
     responses + max_turns observations; otherwise prompt bound + data.max_response_length."""
-    from verl.trainer.config_check import prompt_bound, tool_protocol
+    from verl.trainer.run_config import Protocol
 
-    data = cfg.data
-    prompt, _ = prompt_bound(cfg)
-    if cfg.do_search and not tool_protocol(cfg):
+    data, protocol = cfg.data, Protocol.from_config(cfg)
+    prompt = protocol.prompt_bound
+    if cfg.do_search and not protocol.tool:
         turns = int(cfg.max_turns)
         return prompt + (turns + 1) * int(data.max_response_length) + turns * int(data.max_obs_length)
     return prompt + int(data.max_response_length)
 
 
-def _micro_rows(cfg: Any, key: str, world: int) -> int:
-    from verl.trainer.config_check import micro_batch_rows
-
-    return max(1, micro_batch_rows(cfg, key) // max(world, 1))
+def _micro_rows(run: Any, key: str) -> int:
+    """Rows of one micro-batch of `key` per worker (run: run_config.RunConfig)."""
+    return max(1, run.batches.micro_rows(key) // max(run.pools.world_size, 1))
 
 
 def head_bytes(shape: ModelShape, kept: int, backward: bool, chunk_rows: int | None = None) -> dict[str, int]:
@@ -313,29 +312,25 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     `first_update`: plan each model's first update (no AdamW state yet in its backward) instead of
     the steady state every later update reaches.
     """
-    from verl.trainer.config_check import (
-        need_critic,
-        need_reference_policy,
-        prompt_bound,
-        world_size,
-    )
+    from verl.trainer.run_config import RunConfig
 
-    world = world_size(cfg)
+    run = RunConfig.from_config(cfg)
+    world = run.pools.world_size
     arr = cfg.actor_rollout_ref
     notes: list[str] = []
     if model_config is None:
         model_config, _ = read_model_config(str(arr.model.path))
     shape = ModelShape.from_config(model_config, str(arr.model.path))
     p, t = shape.causal_lm()
-    with_critic = need_critic(cfg)
+    with_critic = run.algorithm.need_critic
     if with_critic:
         if critic_config is None:
             critic_config, _ = read_model_config(str(cfg.critic.model.path))
         cshape = ModelShape.from_config(critic_config, str(cfg.critic.model.path))
         cp, ct = cshape.value_model()
-    with_ref = need_reference_policy(cfg)
+    with_ref = run.algorithm.need_reference_policy
     seq = sequence_length(cfg)
-    response = seq - prompt_bound(cfg)[0]       # positions the head runs on, per row
+    response = seq - run.protocol.prompt_bound       # positions the head runs on, per row
     # FSDP2 gathers one decoder layer's unit in bf16 for compute, and the next one beside it: it prefetches
     # one unit ahead in backward (FSDPParamGroup._backward_prefetch) and, in forward, keeps the current
     # all-gather's output until the next unit's copy-in.
@@ -374,7 +369,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         max_tokens, all of them possibly response positions), or micro rows at the max lengths."""
         if dynamic:
             return max_tokens, max_tokens
-        rows = _micro_rows(cfg, micro_key, world)
+        rows = _micro_rows(run, micro_key)
         return rows * seq, rows * response
 
     # FSDP2's root unit (embeddings, an untied lm_head, the final norm) stays gathered in bf16 through a
@@ -389,9 +384,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         **head_bytes(shape, kept, backward=True)}, _activations(shape, tokens, ckpt, backward=True), first_update))
     # log-prob passes (old policy, and the reference's), each with its own dynamic-batching keys; bypass
     # mode (algorithm.rollout_correction) takes the old log-probs from the engine: no old-policy pass
-    from verl.trainer.ppo.rollout_correction import bypass_mode
-
-    if not bypass_mode(cfg):
+    if not run.algorithm.bypass:
         lp_tokens, lp_kept = tokens_of(bool(arr.rollout.log_prob_use_dynamic_bsz),
                                        int(arr.rollout.log_prob_max_token_len_per_gpu),
                                        "actor_rollout_ref.rollout.log_prob_micro_batch_size")
@@ -453,8 +446,9 @@ def _rollout_phases(cfg: Any, shape: ModelShape, resident: dict[str, int], devic
     (free_cache_engine) runs after the training allocator's cache is emptied, so the same sum.
     trainer.pipeline: the rollout pool's GPU (its engine and one full tensor arriving) and the train
     pool's GPU while it sends (one full tensor at a time in the engine's dtype, bf16 on CUDA)."""
-    from verl.trainer.config_check import pipelined
+    from verl.trainer.run_config import Pools
 
+    pipelined = Pools.from_config(cfg).pipelined
     rollout = cfg.actor_rollout_ref.rollout
     tp = int(rollout.tensor_model_parallel_size)
     util = float(rollout.gpu_memory_utilization)
@@ -464,7 +458,7 @@ def _rollout_phases(cfg: Any, shape: ModelShape, resident: dict[str, int], devic
     largest_engine = BF16 * shape.largest_tensor_params()
     phases: list[Phase] = []
     certain = dict(resident)
-    if pipelined(cfg):
+    if pipelined:
         # The rollout pool holds no FSDP copy of the policy: a push arrives one full tensor at a time, in
         # the engine's dtype, straight into the engine's weights.
         phases.append(Phase("weight_sync_send", certain={
@@ -480,7 +474,7 @@ def _rollout_phases(cfg: Any, shape: ModelShape, resident: dict[str, int], devic
         certain["vLLM weights (bf16 / TP)"] = vllm_weights
         notes.append("vLLM's KV pool is gpu_memory_utilization x the GPU's memory: unknown without "
                      "trainer.gpu_memory_gib, so the rollout phase counts the vLLM weights only")
-    phases.append(Phase("rollout_pool" if pipelined(cfg) else "rollout", certain=certain))
+    phases.append(Phase("rollout_pool" if pipelined else "rollout", certain=certain))
     if device_gib and vllm_weights > util * device_gib * GIB:
         notes.append(f"vLLM weights {vllm_weights / GIB:.1f} GiB per GPU exceed its pool "
                      f"{util * device_gib:.1f} GiB: raise actor_rollout_ref.rollout.gpu_memory_utilization or "

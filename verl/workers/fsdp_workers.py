@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, MeshRank, register
-from verl.trainer.config_check import default_micro_per_worker
+from verl.trainer.run_config import default_micro_per_worker
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
 from verl.utils import fsdp_utils
@@ -107,7 +107,7 @@ def normalize_actor_batch_sizes(config: Any, role: str, world_size: int) -> None
     `ppo_mini_batch_size` counts rollouts (rows after the driver's n_agent repetition), times
     `rollout.n` (veRL's key, default 1), as in the original Search-R1; `rollout.n_agent` does
     not scale it. Micro-batch sizes count rows: `<key>` over all workers, or veRL's `<key>_per_gpu`
-    per worker (one of the two; both null: config_check.default_micro_per_worker); afterwards both
+    per worker (one of the two; both null: run_config.default_micro_per_worker); afterwards both
     hold the rows per worker. Call once per config copy: it divides in place.
     """
     if role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref"):

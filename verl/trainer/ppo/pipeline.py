@@ -36,13 +36,13 @@ from typing import Any
 from omegaconf import DictConfig
 
 from verl.protocol import DataProto
-from verl.trainer import config_check
+from verl.trainer.run_config import Trainer
 
 
 def staleness_bound(config: DictConfig) -> int:
     """How many updates a batch may trail the policy it trains: 0 (wait for sync), 1 (one_step_off)
     or trainer.max_staleness (async)."""
-    if config_check.trainer_flag(config, "pipeline_wait_for_sync"):
+    if Trainer.from_config(config).pipeline_wait_for_sync:
         return 0
     if str(config.trainer.pipeline) == "one_step_off":
         return 1

@@ -32,9 +32,10 @@ from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
 from verl.protocol import DataProto
-from verl.trainer import config_check
+from verl.trainer.config_schema import interpolations
 from verl.trainer.ppo import checkpointing, core_algos, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
+from verl.trainer.run_config import Protocol, RunConfig
 from verl.utils import batch_keys as K
 from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
 from verl.utils.tokenizer import eos_token_ids
@@ -84,15 +85,16 @@ def check_search_failures(metrics: dict[str, float], config: DictConfig, where: 
 
     where_key = "retriever.url"
     url = str(config.retriever.url)
-    if config_check.serve_retriever(config):
+    protocol = Protocol.from_config(config)
+    if protocol.serve_retriever:
         raise SearchFailureError(
             f"{prefix}search_failure_fraction={fraction:.3f} in the {where} exceeds retriever.max_failure_fraction="
             f"{limit:g}: the run stops instead of training on failed searches. The retrieval application "
             f"{config.retriever.serve_app_name!r} runs on Ray Serve (retriever.serve=ray): see `serve status` and its "
             "replicas' logs under the Ray session's logs/serve/")
-    if config_check.tool_protocol(config):
-        where_key = f"the search tool's retrieval_service_url ({config.actor_rollout_ref.rollout.multi_turn.tool_config_path})"
-        url = str((config_check.load_tool_config(config).search or {}).get("retrieval_service_url", url))
+    if protocol.tool:
+        where_key = f"the search tool's retrieval_service_url ({protocol.tool_config_path})"
+        url = str((protocol.tool_config.search or {}).get("retrieval_service_url", url))
     raise SearchFailureError(
         f"{prefix}search_failure_fraction={fraction:.3f} ({prefix}search_failures="
         f"{metrics.get(f'{prefix}search_failures', 0.0):g}) in the {where} exceeds "
@@ -137,13 +139,14 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     from search_r1.llm_agent.generation import GenerationConfig
 
     data, rollout = config.data, config.actor_rollout_ref.rollout
+    protocol = Protocol.from_config(config)
     common = dict(
         max_turns=int(config.max_turns), max_obs_length=int(data.max_obs_length), num_gpus=world_size,
         no_think_rl=bool(config.algorithm.no_think_rl), retrieval_max_retries=int(config.retriever.max_retries),
         topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
         mode=str(rollout.get("mode", "sync")),
-        serve_app=str(config.retriever.serve_app_name) if config_check.serve_retriever(config) else None)
-    if not config_check.tool_protocol(config):
+        serve_app=str(config.retriever.serve_app_name) if protocol.serve_retriever else None)
+    if not protocol.tool:
         return GenerationConfig(
             max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),
             max_response_length=int(data.max_response_length), search_url=config.retriever.url,
@@ -153,7 +156,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     # The search tool's url, topk and timeout replace retriever.*'s in GenerationConfig.__post_init__.
     return GenerationConfig(
         max_start_length=prompt, max_prompt_length=prompt + budget, max_response_length=budget,
-        max_total_response_length=budget, protocol="tool", tool_config=config_check.load_tool_config(config).to_dict(),
+        max_total_response_length=budget, protocol="tool", tool_config=protocol.tool_config.to_dict(),
         max_assistant_turns=multi_turn.max_assistant_turns, max_user_turns=multi_turn.max_user_turns,
         max_parallel_calls=int(multi_turn.max_parallel_calls),
         max_tool_response_length=multi_turn.max_tool_response_length,
@@ -221,19 +224,21 @@ class RayPPOTrainer:
         self.resource_pool_manager = resource_pool_manager
         self.reward_fn = reward_fn
         self.val_reward_fn = val_reward_fn
-        self.use_critic = config_check.need_critic(config)
-        self.use_reference_policy = config_check.need_reference_policy(config)
-        self.use_kl_in_reward = config_check.use_kl_in_reward(config)
-        self.world_size = config_check.world_size(config)
+        # the run's derived settings, built once (verl/trainer/run_config.py)
+        self.run = run = RunConfig.from_config(config)
+        self.use_critic = run.algorithm.need_critic
+        self.use_reference_policy = run.algorithm.need_reference_policy
+        self.use_kl_in_reward = run.algorithm.use_kl_in_reward
+        self.world_size = run.pools.world_size
         self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
         self.global_step = 0
         self.actor_rollout_wg: Any = None
         self._rollout_pool_wg: Any = None   # a pipelined run's rollout pool (see rollout_wg)
         self.critic_wg: Any = None
-        self.pipelined = config_check.pipelined(config)
+        self.pipelined = run.pools.pipelined
         # algorithm.rollout_correction bypass mode: old log-probs are the engine's, not recomputed
-        self._bypass_old_log_prob = rollout_correction.bypass_mode(config)
-        self.rollout_world_size = config_check.rollout_world_size(config)
+        self._bypass_old_log_prob = run.algorithm.bypass
+        self.rollout_world_size = run.pools.rollout_world_size
         self._producer: Any = None      # a pipelined run's RolloutProducer while fit() runs
         self._rollout_version = 0       # pipelined: the steps done when the rollout pool's weights were sent
         self._trained_loader_state: dict[str, Any] | None = None   # pipelined: the batch last trained
@@ -250,8 +255,9 @@ class RayPPOTrainer:
         seed = int(data.get("seed", 1))
         # Tag protocol: prompts bounded by data.max_start_length; tool protocol (veRL): by data.max_prompt_length,
         # rendered with the tool schemas.
-        bound, _ = config_check.prompt_bound(self.config)
-        tools = config_check.load_tool_config(self.config).schemas if config_check.tool_protocol(self.config) else None
+        protocol = self.run.protocol
+        bound = protocol.prompt_bound
+        tools = protocol.tool_config.schemas if protocol.tool else None
         common = dict(prompt_key=data.prompt_key, max_prompt_length=bound,
                       filter_overlong_prompts=data.filter_overlong_prompts, seed=seed,
                       truncation=str(data.get("truncation", "error")), tools=tools,
@@ -262,7 +268,7 @@ class RayPPOTrainer:
             raise ValueError(f"data.train_files: {len(self.train_dataset)} usable prompts, fewer than "
                              f"data.train_batch_size={data.train_batch_size}")
         self.train_dataloader = build_dataloader(self.train_dataset, data.train_batch_size, train=True,
-                                                 seed=seed, shuffle=config_check.shuffle_train(self.config))
+                                                 seed=seed, shuffle=protocol.shuffle_train)
         self.val_dataloader = build_dataloader(self.val_dataset, data.val_batch_size, train=False)
 
         steps = len(self.train_dataloader) * int(self.config.trainer.total_epochs)
@@ -359,7 +365,7 @@ class RayPPOTrainer:
         if self.use_critic:
             configs["critic"] = self.config.critic
         for name, node in configs.items():
-            left = config_check.interpolations(node)
+            left = interpolations(node)
             if left:
                 raise ValueError(f"the {name} worker config still holds interpolations {left[:3]}: "
                                  "call OmegaConf.resolve(config) before building the trainer (run_ppo does)")
@@ -427,7 +433,7 @@ class RayPPOTrainer:
         with self._engines_awake(phase_meta, validation, step):
             if self.config.do_search:
                 # The prompt columns: data.max_start_length (tags) or data.max_prompt_length (tool protocol).
-                bound, _ = config_check.prompt_bound(self.config)
+                bound = self.run.protocol.prompt_bound
                 initial_input_ids = gen_batch.batch[K.INPUT_IDS][:, -bound:].clone()
                 output = self._generation_manager(validation).run_llm_loop(gen_batch, initial_input_ids)
             else:
@@ -571,7 +577,7 @@ class RayPPOTrainer:
 
     def _rollout(self, batch: DataProto, step: int, metrics: dict[str, float], timing: dict[str, float]) -> DataProto:
         """The rollout of training step `step` + 1: each prompt repeated, generated (searches and all)."""
-        samples = config_check.samples_per_prompt(self.config)
+        samples = self.run.algorithm.samples_per_prompt
         # uid before repeating: the samples of one prompt share it (the GRPO group).
         batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
         batch = batch.repeat(repeat_times=samples, interleave=True)
@@ -823,8 +829,8 @@ class RayPPOTrainer:
                 # the rollout pool still holds the model's own weights: validation and rollouts need the checkpoint's
                 self._push_weights()
                 self._rollout_version = self.global_step
-            val_only = config_check.trainer_flag(self.config, "val_only")
-            if self.val_reward_fn is not None and (val_only or config_check.trainer_flag(self.config, "val_before_train")):
+            val_only = self.run.trainer.val_only
+            if self.val_reward_fn is not None and (val_only or self.run.trainer.val_before_train):
                 val_metrics = self._validate()
                 check_search_failures(val_metrics, self.config, f"validation at step {self.global_step}", "val/env/")
                 tracker.log(val_metrics, step=self.global_step)
