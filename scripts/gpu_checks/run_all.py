@@ -118,6 +118,20 @@ def _demo_figures(out: Path, log: str) -> dict[str, Any]:
             "wall_seconds": round(summary["wall_seconds"], 1)}
 
 
+def _async_rollout_figures(out: Path, log: str) -> dict[str, Any]:
+    """The bench's JSON line (its stdout is that object alone; stderr holds the build's progress)."""
+    for line in reversed(log.splitlines()):
+        if line.startswith("{"):
+            try:
+                report = json.loads(line)
+            except ValueError:
+                continue
+            counters = report.get("counters", {})
+            return {"sync_s": report.get("sync_s"), "async_s": report.get("async_s"), "speedup": report.get("speedup"),
+                    "forwards_per_token": {m: c.get("forwards_per_generated_token") for m, c in counters.items()}}
+    return {}
+
+
 def _measure(name: str, module: str, what: str, big: bool, expected_s: int, figures: Callable) -> Check:
     out = ("--out", "{out}/report.json")
     gpu = (*BIG_3B, *out) if big else out
@@ -150,6 +164,10 @@ CHECKS: tuple[Check, ...] = (
              "update and log-prob tokens/s and MFU, Qwen2.5-0.5B shape", False, 35, _throughput_figures),
     _measure("actor_throughput_3b_gc", "scripts.gpu_checks.actor_throughput",
              "the same, Qwen2.5-3B shape with gradient checkpointing", True, 55, _throughput_figures),
+    Check("async_rollout_counters", "the demo's rollout in one process, sync vs async HF engine on CUDA: wall "
+          "times (speedup = sync / async, issue 32 item 11 wants >= 1) and the forward / host-sync counters",
+          "scripts.bench.async_rollout", ("--counters", "--device", "cuda", "--repeats", "3"),
+          ("--counters", "--repeats", "1", "--prompts", "8"), "script", 40, 180, 600, _async_rollout_figures),
     _demo("demo_grpo_sync", "the offline demo on CUDA: GRPO with search, sync rollout", (), 6, 80),
     _demo("demo_grpo_async", "the same with the async rollout (issue 32 item 11: async >= sync)",
           ("actor_rollout_ref.rollout.mode=async",), 6, 100),
