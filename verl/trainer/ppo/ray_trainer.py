@@ -344,9 +344,15 @@ class RayPPOTrainer:
         logger.info("pipeline %s: train pool of %d worker(s), rollout pool of %d; weight-sync group at %s:%d",
                     self.config.trainer.pipeline, self.world_size, self.rollout_wg.world_size, host, port)
 
-    def _push_weights(self) -> None:
-        """The train pool's weights to the rollout pool (both pools at once: one broadcast per tensor)."""
-        self.rollout_wg._resolve(self.actor_rollout_wg.send_weights() + self.rollout_wg.receive_weights())
+    def _push_weights(self) -> int:
+        """The train pool's weights to the rollout pool (both pools at once: one broadcast per tensor);
+        returns the bytes the sender broadcast (each rollout rank received exactly those)."""
+        sends = self.actor_rollout_wg.send_weights()
+        results = self.rollout_wg._resolve(sends + self.rollout_wg.receive_weights())
+        sent, received = sum(results[:len(sends)]), results[len(sends):]
+        if any(r != sent for r in received):
+            raise RuntimeError(f"weight push: the sender broadcast {sent} bytes but the rollout ranks received {received}")
+        return sent
 
     def worker_configs(self) -> dict[str, DictConfig]:
         """The config sub-trees the workers receive, by worker-group prefix; each must be resolved.
