@@ -94,6 +94,25 @@ def _n_params(model_dir: str) -> int:
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
 
 
+def test_on_a_gpu_the_rollout_pools_engines_hold_bf16_and_vllm_reads_the_model_path_and_never_sleeps(
+        tiny_model_dir: str) -> None:
+    # the GPU contract, read on CPU: what dtype a push carries there and how vLLM is built on the pool
+    from verl.utils.fsdp_utils import gpu_mixed_precision
+    from verl.workers.rollout.vllm_rollout import engine_args_from
+    from verl.workers.rollout_pool import engine_compute_dtype, rollout_pool_engine_config
+
+    assert engine_compute_dtype("cuda") == gpu_mixed_precision().param_dtype == torch.bfloat16
+    assert engine_compute_dtype("cpu") == torch.float32
+    cfg = _config(tiny_model_dir, **{"actor_rollout_ref.rollout.name": "vllm"})
+    assert cfg.rollout.load_format == "dummy" and cfg.rollout.free_cache_engine
+    engine_cfg = rollout_pool_engine_config(rollout_pool_config(cfg).rollout)
+    gpu = engine_args_from(engine_cfg, tiny_model_dir, seed=0, device="cuda")
+    assert (gpu["dtype"], gpu["load_format"], gpu["enable_sleep_mode"]) == ("bfloat16", "auto", False)
+    assert engine_args_from(engine_cfg, tiny_model_dir, seed=0, device="cpu")["dtype"] == "float32"
+    cfg.rollout.load_format = "safetensors"     # a real format the user chose is kept
+    assert rollout_pool_engine_config(cfg.rollout).load_format == "safetensors"
+
+
 def test_a_push_goes_straight_into_the_rollout_pools_engine_which_then_scores_tokens_as_the_actor_does(
         ray_cluster, tiny_model_dir: str) -> None:
     n_params = _n_params(tiny_model_dir)
