@@ -169,7 +169,9 @@ def test_a_push_reloads_the_rollout_pools_vllm_engine_once_and_its_log_probs_mat
             assert _gap(train_wg, rollout_wg.generate_sequences(prompts)) < SAME_WEIGHTS_GAP
             rollout_wg.generate_sequences(prompts)
             state = rollout_wg.rollout_pool_state()[0]
-            # one engine reload per push, tensor by tensor in the sender's order; the wakes reload nothing
+            # one engine reload per push, tensor by tensor in the sender's order (the tied lm_head from the
+            # embedding's buffer, right after it); the wakes reload nothing
             assert (state.version, state.engine_version, state.engine_loads) == (pushes, pushes, pushes)
-            assert list(state.last_push) == [spec.name for spec in manifest.tensors]
+            assert list(state.last_push) == manifest.load_names
+            assert state.last_push[:2] == ("model.embed_tokens.weight", "lm_head.weight")
         assert (state.fsdp_modules, state.dtensors) == (0, 0)

@@ -84,6 +84,7 @@ def test_a_push_lands_in_the_engine_dtype_in_place_each_tensor_once_in_state_dic
     # bytes = parameters x the dtype's size: half of fp32's in bf16; the tied lm_head is not sent twice
     assert sent == manifest.nbytes == _n_params(actor) * torch.empty((), dtype=dtype).element_size()
     assert "lm_head.weight" not in written and written[0] == "model.embed_tokens.weight"
+    assert manifest.tensors[0].aliases == ("lm_head.weight",)
     assert written == [name for name in actor.state_dict() if name != "lm_head.weight"]
     for name, p in engine.named_parameters():
         assert p.dtype == dtype and p.data_ptr() == storage[name], name      # overwritten in place
@@ -97,10 +98,12 @@ def test_an_engine_load_that_stops_early_still_completes_the_push_and_fails_nami
     manifest = push_manifest(actor, torch.float32)
     taken: list[str] = []
 
+    shapes = {name: spec.shape for spec in manifest.tensors for name in (spec.name, *spec.aliases)}
+
     def load_three(group: WeightSyncGroup) -> int:
         stream = ReceivedTensors(group, manifest, "cpu")
         for name, tensor in stream:
-            assert tensor.dtype == torch.float32 and tuple(tensor.shape) == manifest.tensors[len(taken)].shape
+            assert tensor.dtype == torch.float32 and tuple(tensor.shape) == shapes[name]
             taken.append(name)
             if len(taken) == 3:
                 break
@@ -108,7 +111,9 @@ def test_an_engine_load_that_stops_early_still_completes_the_push_and_fails_nami
 
     with pytest.raises(RuntimeError, match=r"took 3 of the push's \d+ tensors; not loaded: \['model.layers.0"):
         _both_ends(lambda g: send_state(g, push_state(actor), manifest, "cpu"), load_three)
-    assert taken == [spec.name for spec in manifest.tensors[:3]]
+    # the tied lm_head comes right after the embedding, from the same buffer (vLLM reloads it as its own layer)
+    assert taken == manifest.load_names[:3] == ["model.embed_tokens.weight", "lm_head.weight",
+                                                "model.layers.0.self_attn.q_proj.weight"]
 
 
 def test_a_module_that_cannot_take_the_push_in_place_is_refused_naming_the_tensor(tokenizer: Any) -> None:
@@ -118,6 +123,10 @@ def test_a_module_that_cannot_take_the_push_in_place_is_refused_naming_the_tenso
     short = PushManifest(manifest.tensors[:-1], torch.bfloat16)
     with pytest.raises(ValueError, match=r"parameters \['model.norm.weight'\] are not pushed"):
         check_module_takes(short, _model(tokenizer, seed=0, dtype=torch.bfloat16), "cpu")
+    untied = _model(tokenizer, seed=0, dtype=torch.bfloat16)
+    untied.lm_head.weight = nn.Parameter(untied.lm_head.weight.detach().clone())
+    with pytest.raises(ValueError, match="lm_head.weight is model.embed_tokens.weight in the actor"):
+        check_module_takes(manifest, untied, "cpu")
     alien = PushManifest((TensorSpec("model.vision.weight", (2, 2)), *manifest.tensors), torch.bfloat16)
     with pytest.raises(ValueError, match="no tensor 'model.vision.weight'"):
         check_module_takes(alien, _model(tokenizer, seed=0, dtype=torch.bfloat16), "cpu")

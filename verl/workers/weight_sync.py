@@ -53,10 +53,12 @@ def checkpoint_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One pushed tensor: its checkpoint name and full (unsharded) shape."""
+    """One pushed tensor: its checkpoint name, full (unsharded) shape, and the other names the same
+    tensor has in the module (a tied lm_head is the embedding): sent once, loaded under each name."""
 
     name: str
     shape: tuple[int, ...]
+    aliases: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -82,28 +84,38 @@ class PushManifest:
         """Bytes one push broadcasts: every element once, in `dtype`."""
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def load_names(self) -> list[str]:
+        """The names an engine's weight load takes, in order: each tensor's, then its aliases."""
+        return [name for spec in self.tensors for name in (spec.name, *spec.aliases)]
+
     def with_dtype(self, dtype: torch.dtype) -> PushManifest:
         return PushManifest(self.tensors, dtype)
 
 
+def _distinct_state(module: nn.Module) -> list[tuple[str, torch.Tensor, list[str]]]:
+    """(name, tensor, other names of the same tensor) per distinct state-dict tensor, in state-dict order."""
+    first: dict[int, tuple[str, torch.Tensor, list[str]]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            first[id(tensor)][2].append(checkpoint_name(name))
+        else:
+            first[id(tensor)] = (checkpoint_name(name), tensor, [])
+    return list(first.values())
+
+
 def push_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of what a push sends: the module's state-dict entries (FSDP2: DTensor shards),
-    in state-dict order, each tensor once (a tied lm_head is its embedding: sent as the embedding;
-    the receiver's tied module, or vLLM's loader, ties it again)."""
-    seen: set[int] = set()
-    state = []
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        state.append((checkpoint_name(name), tensor))
-    return state
+    in state-dict order, each tensor once (a tied lm_head is the embedding: sent once, as the
+    embedding; the manifest names it as an alias, which the receiver loads from the same buffer)."""
+    return [(name, tensor) for name, tensor, _ in _distinct_state(module)]
 
 
 def push_manifest(module: nn.Module, dtype: torch.dtype) -> PushManifest:
     """The manifest of `push_state(module)` (full shapes: a DTensor's shape is the global one; no
     collective) travelling in `dtype`."""
-    return PushManifest(tuple(TensorSpec(name, tuple(tensor.shape)) for name, tensor in push_state(module)), dtype)
+    return PushManifest(tuple(TensorSpec(name, tuple(tensor.shape), tuple(aliases))
+                              for name, tensor, aliases in _distinct_state(module)), dtype)
 
 
 def endpoint() -> tuple[str, int]:
@@ -163,7 +175,9 @@ class ReceivedTensors:
     Each tensor is broadcast into a buffer of its own when the consumer asks for it (the loader may
     keep several until their fused layer is complete, as vLLM's does; never the whole model). After
     the load, `finish()` receives whatever the consumer left (the sender must not wait forever) and
-    raises if anything was left. `names` is the order the tensors were handed out."""
+    raises if anything was left. A tensor with aliases is handed out again under each (vLLM reloads
+    a tied lm_head as a layer of its own: it must be given it). `names` is the order of the names
+    handed out."""
 
     def __init__(self, group: WeightSyncGroup, manifest: PushManifest, device: str) -> None:
         self.group, self.manifest, self.device = group, manifest, device
@@ -174,25 +188,26 @@ class ReceivedTensors:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while self._next < len(self.manifest.tensors):
             spec = self.manifest.tensors[self._next]
-            yield spec.name, self._receive(spec)
+            buffer = self._receive(spec)
+            for name in (spec.name, *spec.aliases):
+                self.names.append(name)
+                yield name, buffer
 
     def _receive(self, spec: TensorSpec) -> torch.Tensor:
         buffer = torch.empty(spec.shape, dtype=self.manifest.dtype, device=self.device)
         self.group.broadcast(buffer)
         self._next += 1
-        self.names.append(spec.name)
         self.nbytes += buffer.numel() * buffer.element_size()
         return buffer
 
     def finish(self) -> int:
         """The bytes received; raises (after draining the rest) if the consumer stopped early."""
-        left = self.manifest.tensors[self._next:]
-        for spec in left:
+        for spec in self.manifest.tensors[self._next:]:
             self._receive(spec)
-        if left:
-            raise RuntimeError(f"the rollout engine's weight load took {len(self.manifest.tensors) - len(left)} of "
-                               f"the push's {len(self.manifest.tensors)} tensors; not loaded: "
-                               f"{[spec.name for spec in left[:5]]}")
+        expected = self.manifest.load_names
+        if self.names != expected:
+            raise RuntimeError(f"the rollout engine's weight load took {len(self.names)} of the push's {len(expected)} "
+                               f"tensors; not loaded: {expected[len(self.names):][:5]}")
         return self.nbytes
 
 
@@ -212,6 +227,10 @@ def check_module_takes(manifest: PushManifest, module: nn.Module, device: str) -
             raise ValueError(f"weight push: {spec.name} arrives as {spec.shape} {manifest.dtype} on {device}; the "
                              f"rollout module holds {tuple(target.shape)} {target.dtype} on {target.device}")
         covered.add(id(target))
+        for alias in spec.aliases:
+            if targets.get(alias, target) is not target:
+                raise ValueError(f"weight push: {alias} is {spec.name} in the actor (tied) but a tensor of its own "
+                                 "in the rollout module")
     missed = [name for name, p in module.named_parameters() if id(p) not in covered]
     if missed:
         raise ValueError(f"weight push: the rollout module's parameters {missed[:5]} are not pushed")
