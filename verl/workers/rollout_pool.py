@@ -102,6 +102,7 @@ class RolloutPoolEngine:
         rollout_cfg = rollout_pool_engine_config(config.rollout)
         module = None
         if build_rollout_name(rollout_cfg, device) == "hf":
+            torch.manual_seed(0)   # as the train pool loads: a weight the checkpoint lacks is initialised alike
             module = load_causal_lm(model_cfg.path, model_cfg.get("override_config"), engine_compute_dtype(device),
                                     attn)
             module.requires_grad_(False)
