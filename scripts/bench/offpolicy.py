@@ -15,7 +15,8 @@ validation-free reward and search counts as a sanity check. `sync_host_cpu_util`
 all processes: run on an otherwise idle machine). A pipeline only fills the CPU time a sync step
 leaves idle; doing the same work on the same cores it needs at least `sync_s_per_step * util` a
 step, so `overlap_ceiling` = 1 / `sync_host_cpu_util` bounds its speedup (a pipeline near util 1 is
-at that bound: only less work per step would make it faster).
+at that bound: only less work per step would make it faster). A pipelined run's figures also give
+its weight pushes: `weight_push_s` and `weight_push_bytes`, per push (train pool -> rollout pool).
 
     python -m scripts.bench.offpolicy --pipeline one_step_off --retrieval_latency_ms 300
     python -m scripts.bench.offpolicy --pipeline async --max_staleness 2 --retrieval_latency_ms 0
@@ -69,7 +70,18 @@ def _one_run(settings: Any, paths: dict[str, Path], url: str, out: Path, pipelin
         "score_mean": statistics.fmean(h["critic/score/mean"] for h in history),
         "searches_per_rollout": statistics.fmean(h["env/number_of_valid_search"] for h in history),
         "retrieval_s_per_step": statistics.fmean(h.get("timing_s/gen_retrieval", 0.0) for h in history),
+        **_push_figures(history[-1]),
     }
+
+
+def _push_figures(last: dict[str, float]) -> dict[str, float]:
+    """A pipelined run's weight pushes: seconds and bytes per push (the cumulative pipeline/* metrics
+    of its last step over its push count); nothing for sync or a run that pushed nothing."""
+    pushes = last.get("pipeline/weight_syncs", 0.0)
+    if not pushes:
+        return {}
+    return {"weight_pushes": pushes, "weight_push_s": last["pipeline/weight_sync_s"] / pushes,
+            "weight_push_bytes": last["pipeline/weight_sync_bytes"] / pushes}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

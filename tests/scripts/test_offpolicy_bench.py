@@ -28,6 +28,9 @@ def test_the_offpolicy_bench_prints_both_modes_figures_at_a_retrieval_latency(tm
     assert result["max_staleness_seen"] == 1.0
     assert 0 < result["sync_host_cpu_util"] <= 1 and 0 < result["pipeline_host_cpu_util"] <= 1
     assert result["overlap_ceiling"] == pytest.approx(1 / result["sync_host_cpu_util"], rel=0.01)
+    sync_run, piped_run = result["runs"]
+    assert "weight_push_bytes" not in sync_run
+    assert piped_run["weight_pushes"] >= 1 and piped_run["weight_push_s"] > 0 and piped_run["weight_push_bytes"] > 0
     for run in result["runs"]:
         assert run["s_per_step"] > 0 and run["searches_per_rollout"] > 0
         # the server's delay reached the rollouts: at least one 150 ms round of searches a step

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
 from verl.trainer import config_check, main_ppo
@@ -66,9 +66,9 @@ PIPELINE = ["trainer.pipeline=one_step_off", "trainer.rollout_pool=2"]
 
 def test_one_step_off_waiting_for_each_sync_equals_sync_on_every_metric(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
-    # 2 workers that generate and train vs a train pool of 2 and a rollout pool of 2 (FSDP-sharded
-    # on both sides: the sender gathers, each receiver keeps its shard), each rollout waiting for the
-    # weights of the update before it: the same batches, samples, losses and updates.
+    # 2 workers that generate and train vs a train pool of 2 (FSDP-sharded: the sender gathers) and a
+    # rollout pool of 2 (each an HF engine's plain module, overwritten by every push), each rollout
+    # waiting for the weights of the update before it: the same batches, samples, losses and updates.
     data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
     sync, sync_reward = _run(tiny_model_dir, data, tmp_path / "sync", 3, 2, [])
     piped, piped_reward = _run(tiny_model_dir, data, tmp_path / "piped", 3, 4,
@@ -86,6 +86,9 @@ def test_one_step_off_waiting_for_each_sync_equals_sync_on_every_metric(
     assert [h["pipeline/weight_syncs"] for h in piped] == [0.0, 1.0, 2.0]
     for h in piped:
         assert h["rollout/log_prob_gap_max"] < 1e-3, h["rollout/log_prob_gap_max"]
+    # a push: every parameter once (the tied lm_head is the embedding), in the CPU engine's dtype (fp32)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert [h["pipeline/weight_sync_bytes"] for h in piped] == [0.0, n_params * 4.0, 2 * n_params * 4.0]
 
 
 def test_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(

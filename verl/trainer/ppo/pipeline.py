@@ -68,6 +68,7 @@ class _Stats:
     dropped: int = 0
     syncs: int = 0
     sync_s: float = 0.0
+    sync_bytes: int = 0
 
 
 class RolloutProducer:
@@ -75,7 +76,7 @@ class RolloutProducer:
     lock (one rollout, weight push or validation at a time) and the queue of rolled batches."""
 
     def __init__(self, rollout: Callable[[DataProto, int, dict, dict], DataProto],
-                 push_weights: Callable[[], None], steps_done: int, total_steps: int, bound: int,
+                 push_weights: Callable[[], int], steps_done: int, total_steps: int, bound: int,
                  rollout_version: int = 0) -> None:
         self._rollout = rollout
         self._push = push_weights
@@ -139,7 +140,7 @@ class RolloutProducer:
     def _push_newest(self) -> None:
         if self.rollout_version != self.steps_done:
             began = time.monotonic()
-            self._push()
+            self.stats.sync_bytes += self._push()
             self.rollout_version = self.steps_done
             self.stats.syncs += 1
             self.stats.sync_s += time.monotonic() - began
@@ -195,6 +196,7 @@ class RolloutProducer:
             "pipeline/dropped_stale": float(self.stats.dropped),
             "pipeline/weight_syncs": float(self.stats.syncs),
             "pipeline/weight_sync_s": self.stats.sync_s,
+            "pipeline/weight_sync_bytes": float(self.stats.sync_bytes),
         }
         # the histogram so far: batches trained at each staleness
         out.update({f"pipeline/staleness_hist/{k}": float(n) for k, n in sorted(self.stats.staleness.items())})

@@ -35,6 +35,7 @@ from verl.protocol import DataProto
 from verl.trainer.config_schema import interpolations
 from verl.trainer.ppo import checkpointing, core_algos, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
+from verl.trainer.ppo.pool_sync import join_weight_sync, push_weights
 from verl.trainer.run_config import Protocol, RunConfig
 from verl.utils import batch_keys as K
 from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
@@ -165,9 +166,8 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
 
 def rollout_pool_config(actor_rollout_ref: DictConfig) -> DictConfig:
     """A pipelined run's rollout workers' config: the actor_rollout_ref tree, with the vLLM engine kept
-    awake between rollouts (`rollout.free_cache_engine=false`): no trainer shares those GPUs, so
-    sleeping would only free memory nobody takes and reload the weights after every rollout (they
-    reload when a push changed them)."""
+    awake between rollouts (`rollout.free_cache_engine=false`): no trainer shares those GPUs, and the
+    engine's weights are the only copy there (pushes load into it; sleeping would discard them)."""
     config = copy.deepcopy(actor_rollout_ref)
     with open_dict(config):
         config.rollout.free_cache_engine = False
@@ -332,8 +332,9 @@ class RayPPOTrainer:
         return self._rollout_pool_wg if self._rollout_pool_wg is not None else self.actor_rollout_wg
 
     def _init_rollout_pool(self, config: DictConfig) -> None:
-        """A pipelined run's rollout workers (role rollout: the policy and the engine, no optimizer)
-        on their own pool, and the weight-sync group of the train pool's rank 0 and them."""
+        """A pipelined run's rollout workers (role rollout: the engine alone, with the model's weights
+        in its compute dtype; no FSDP copy, no optimizer) on their own pool, and the weight-sync group
+        of the train pool's rank 0 and them. Pushes carry the engine's dtype (verl/workers/weight_sync.py)."""
         from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 
         pool = self.resource_pool_manager.get_resource_pool(Role.Rollout)
@@ -342,16 +343,14 @@ class RayPPOTrainer:
         self._rollout_pool_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
         self._worker_groups.append(self._rollout_pool_wg)
         self.rollout_wg.init_model()
-        host, port = self.actor_rollout_wg.weight_sync_endpoint()[0]
-        size = 1 + self.rollout_wg.world_size
-        self.rollout_wg._resolve(self.actor_rollout_wg.join_weight_sync(host, port, size)
-                                 + self.rollout_wg.join_weight_sync(host, port, size))
-        logger.info("pipeline %s: train pool of %d worker(s), rollout pool of %d; weight-sync group at %s:%d",
-                    self.config.trainer.pipeline, self.world_size, self.rollout_wg.world_size, host, port)
+        manifest = join_weight_sync(self.actor_rollout_wg, self.rollout_wg)
+        logger.info("pipeline %s: train pool of %d worker(s), rollout pool of %d; a push sends %d tensors, %.3f GB in %s",
+                    self.config.trainer.pipeline, self.world_size, self.rollout_wg.world_size, len(manifest.tensors),
+                    manifest.nbytes / 1e9, manifest.dtype)
 
-    def _push_weights(self) -> None:
-        """The train pool's weights to the rollout pool (both pools at once: one broadcast per tensor)."""
-        self.rollout_wg._resolve(self.actor_rollout_wg.send_weights() + self.rollout_wg.receive_weights())
+    def _push_weights(self) -> int:
+        """The train pool's weights to the rollout pool; returns the bytes the sender broadcast."""
+        return push_weights(self.actor_rollout_wg, self.rollout_wg)
 
     def worker_configs(self) -> dict[str, DictConfig]:
         """The config sub-trees the workers receive, by worker-group prefix; each must be resolved.

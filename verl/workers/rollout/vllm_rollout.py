@@ -2,7 +2,9 @@
 
 The engine is built once per worker with random weights (`load_format=dummy`); before a
 generation phase the actor's current weights are streamed into it (`sync_weights`), one full
-tensor at a time, under the Hugging Face checkpoint names vLLM's loaders expect. Nothing is
+tensor at a time, under the Hugging Face checkpoint names vLLM's loaders expect. On a pipeline's
+rollout pool (verl/workers/rollout_pool.py) it loads the model path's weights instead, and each
+weight push from the train pool streams through `sync_weights` as it arrives. Nothing is
 re-tokenized: prompts go in as `prompt_token_ids` (left padding stripped), and the ids vLLM
 sampled come back exactly, with the log-probability of each sampled token.
 
@@ -58,6 +60,7 @@ VLLM_APIS: dict[str, tuple[str, ...]] = {
     "vllm.v1.engine.llm_engine.LLMEngine": ("add_request", "step", "abort_request", "has_unfinished_requests"),
     "vllm.SamplingParams": ("seed", "output_kind", "logprobs", "stop_token_ids", "ignore_eos", "clone"),
     "vllm.sampling_params.RequestOutputKind": ("FINAL_ONLY",),
+    "vllm.config.ModelConfig": ("dtype",),   # LLM.llm_engine.model_config: the engine's weight dtype
 }
 # veRL's name for random init, accepted as an alias.
 _LOAD_FORMAT_ALIASES = {"dummy_dtensor": "dummy", "dummy_hf": "dummy"}
@@ -104,11 +107,11 @@ def hf_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> It
     FSDP2 keeps the module's own names; wrappers that torch adds (activation checkpointing,
     torch.compile) insert a component that is not in the checkpoint, so it is dropped. A
     DTensor shard is gathered to the full tensor only when its turn comes."""
+    from verl.workers.weight_sync import checkpoint_name
+
     for name, tensor in named_tensors:
-        for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-            name = name.replace(wrapper, "")
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield name, full.detach()
+        yield checkpoint_name(name), full.detach()
 
 
 @contextmanager
@@ -195,6 +198,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.sleep_between_phases = device == "cuda" and bool(config.get("free_cache_engine", True))
         self.log_probs_match_actor = log_probs_mode(config)[1]
         self.wake_ups = 0          # generation phases begun (engine wakes, where it sleeps)
+        self.weight_loads = 0      # sync_weights calls that loaded weights into the engine
         self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
         tp = int(config.get("tensor_model_parallel_size", 1))
         if tp > 1:
@@ -222,11 +226,17 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             return False
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": hf_checkpoint_names(named_tensors), "is_checkpoint_format": True})
+        self.weight_loads += 1
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM kept its prefix cache after a weight load (requests still running?): "
                                "cached KV of the old weights would be reused")
         self.synced_version = version
         return True
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (what a pipeline's weight push sends)."""
+        return self.llm.llm_engine.model_config.dtype
 
     def wake_up(self, load_weights: Callable[[], Any]) -> None:
         """Ready the engine for a rollout; `load_weights` streams the actor's weights in when stale.
