@@ -116,12 +116,15 @@ def test_a_pipelined_run_plans_the_rollout_pools_gpu_and_the_weight_sync_buffers
     shape = ModelShape.from_config(read_model_config(str(CONFIGS / "qwen2.5-7b"))[0], "qwen2.5-7b")
     embeddings_bf16 = 2 * shape.vocab_size * shape.hidden_size
     assert pool == {"weight-sync receive buffer (largest full tensor, bf16)": embeddings_bf16,
+                    "vLLM's rebuilt layer shard during a push (largest tensor / TP)": embeddings_bf16,
                     "vLLM pool (gpu_memory_utilization=0.5 x 80 GiB)": int(0.5 * 80 * GIB)}
     send = phases["weight_sync_send"].certain
     assert send["actor params (fp32 shard)"] == -(-4 * plan.actor_params // 6)   # the train pool's shard
     assert send["weight-sync send buffer (largest full tensor, bf16)"] == embeddings_bf16
-    # 40 GiB of vLLM pool + a 1.1 GB buffer
-    assert phases["rollout_pool"].total / GIB == pytest.approx(41.0, abs=0.05)
+    # each of the 6 train ranks casts its shard before the all-gather
+    assert send["weight-sync shard cast to bf16 (largest tensor / train ranks)"] == -(-embeddings_bf16 // 6)
+    # 40 GiB of vLLM pool + the received tensor and vLLM's rebuilt copy of it (TP=1): 2 x 1.1 GB
+    assert phases["rollout_pool"].total / GIB == pytest.approx(42.02, abs=0.05)
     # the HF engine on the rollout pool: one unsharded bf16 copy of the policy instead of vLLM's pool
     hf = {p.name: p for p in _pipelined_7b("actor_rollout_ref.rollout.name=hf").phases}["rollout_pool"].certain
     assert hf == {"weight-sync receive buffer (largest full tensor, bf16)": embeddings_bf16,

@@ -461,9 +461,16 @@ def _rollout_phases(cfg: Any, shape: ModelShape, resident: dict[str, int], devic
     if pipelined:
         # The rollout pool holds no FSDP copy of the policy: a push arrives one full tensor at a time, in
         # the engine's dtype, straight into the engine's weights.
+        # every train rank casts its shard of a tensor to the engine's dtype and all-gathers the full tensor
+        # (verl/workers/weight_sync.py send_state); rank 0 broadcasts it
+        world = Pools.from_config(cfg).world_size
         phases.append(Phase("weight_sync_send", certain={
-            **resident, "weight-sync send buffer (largest full tensor, bf16)": largest_engine}))
+            **resident, "weight-sync shard cast to bf16 (largest tensor / train ranks)": _shard(largest_engine, world),
+            "weight-sync send buffer (largest full tensor, bf16)": largest_engine}))
         certain = {"weight-sync receive buffer (largest full tensor, bf16)": largest_engine}
+        if engine_weights_name(cfg) != "hf":
+            # vLLM keeps a received tensor until its layer is complete, then rebuilds that layer's TP shard
+            certain["vLLM's rebuilt layer shard during a push (largest tensor / TP)"] = _shard(largest_engine, tp)
         if engine_weights_name(cfg) == "hf":
             certain["HF engine weights (one unsharded bf16 copy)"] = BF16 * shape.causal_lm()[0]
             phases.append(Phase("rollout_pool", certain=certain))
