@@ -156,7 +156,7 @@ def test_the_documented_serve_command_is_valid_on_2_nodes_of_8(tmp_path: Path) -
     assert run.returncode == 0, run.output
     cfg = _composed(run.overrides)
     assert RunConfig.from_config(cfg).pools.world_size == 16 and cfg.retriever.serve == "ray" and cfg.retriever.replicas is None
-    from verl.trainer.ppo.ray_trainer import generation_config
+    from verl.trainer.ppo.rollout_setup import generation_config
 
     assert generation_config(cfg, RunConfig.from_config(cfg).pools.world_size).search_url == "ray-serve://search_r1_retrieval"
 

@@ -397,7 +397,7 @@ def test_a_serve_run_is_valid_and_its_rollouts_search_the_serve_application(tmp_
     import dataclasses
 
     from search_r1.llm_agent.generation import GenerationConfig
-    from verl.trainer.ppo.ray_trainer import generation_config
+    from verl.trainer.ppo.rollout_setup import generation_config
     from verl.trainer.preflight import PreflightReport, check_retriever
 
     cfg = compose_config(SMALL + ["do_search=true", "retriever.serve=ray", "retriever.url=null",

@@ -475,7 +475,7 @@ def test_search_failure_fraction_counts_failed_searches_over_all_searches() -> N
 
 
 def test_check_search_failures_stops_above_the_limit_only() -> None:
-    from verl.trainer.ppo.ray_trainer import SearchFailureError, check_search_failures
+    from verl.trainer.ppo.rollout_setup import SearchFailureError, check_search_failures
 
     cfg = compose_config(["retriever.url=http://10.0.0.9:8000/retrieve"])
     assert cfg.retriever.max_failure_fraction == 0.05   # the default: 1 search in 20 may fail (after retries)
@@ -514,7 +514,7 @@ def _searching_trainer(tiny_model_dir: str, tmp_path: Path, url: str, extra: tup
 
 def test_a_rollout_whose_searches_fail_stops_the_run_before_the_update(tiny_model_dir: str, tmp_path: Path) -> None:
     from tests.conftest import free_port
-    from verl.trainer.ppo.ray_trainer import SearchFailureError
+    from verl.trainer.ppo.rollout_setup import SearchFailureError
 
     port = free_port()         # nothing listens there: every search fails
     trainer = _searching_trainer(tiny_model_dir, tmp_path, f"http://127.0.0.1:{port}/retrieve")

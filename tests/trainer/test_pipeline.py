@@ -215,7 +215,7 @@ def test_pipeline_pools_split_the_workers_and_batch_sizes_divide_the_train_pool(
 
 
 def test_the_rollout_pool_keeps_its_engine_awake_and_the_train_pool_config_is_untouched() -> None:
-    from verl.trainer.ppo.ray_trainer import rollout_pool_config
+    from verl.trainer.ppo.pipeline import rollout_pool_config
 
     cfg = _config("trainer.pipeline=one_step_off", "actor_rollout_ref.rollout.name=vllm")
     assert cfg.actor_rollout_ref.rollout.free_cache_engine is True

@@ -141,7 +141,7 @@ def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_
     from search_r1.search.retrieval_server import create_app
     from search_r1.search.serving import serve_in_background
     from verl.trainer import main_ppo
-    from verl.trainer.ppo.ray_trainer import SearchFailureError
+    from verl.trainer.ppo.rollout_setup import SearchFailureError
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     server = ExitStack()

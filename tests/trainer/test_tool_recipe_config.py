@@ -104,7 +104,7 @@ def test_the_recipe_reaches_the_workers_as_per_gpu_micro_batches(tmp_path: Path)
 
 
 def test_the_trainer_builds_a_tool_protocol_generation_config_from_the_recipe(tmp_path: Path) -> None:
-    from verl.trainer.ppo.ray_trainer import generation_config
+    from verl.trainer.ppo.rollout_setup import generation_config
 
     cfg = _recipe(tmp_path)
     gen = generation_config(cfg, RunConfig.from_config(cfg).pools.world_size)
@@ -393,7 +393,7 @@ def test_a_step_runs_with_raw_chat_in_the_batch_and_verls_val_before_train(
 
 
 def test_too_many_failed_searches_name_the_tool_configs_server(tmp_path: Path) -> None:
-    from verl.trainer.ppo.ray_trainer import SearchFailureError, check_search_failures
+    from verl.trainer.ppo.rollout_setup import SearchFailureError, check_search_failures
 
     cfg = _recipe(tmp_path, extra=("retriever.url=http://10.0.0.9:8000/retrieve",))
     with pytest.raises(SearchFailureError) as info:

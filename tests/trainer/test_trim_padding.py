@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from verl.protocol import DataProto
-from verl.trainer.ppo.ray_trainer import trim_shared_left_padding
+from verl.trainer.ppo.rollout_setup import trim_shared_left_padding
 from verl.utils.torch_functional import compute_position_id_with_mask, logprobs_from_logits
 
 

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.workers._batches import load_trainer_config
 from verl.protocol import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.trainer.ppo.pipeline import rollout_pool_config
 from verl.trainer.ppo.pool_sync import join_weight_sync, push_weights
-from verl.trainer.ppo.ray_trainer import rollout_pool_config
 from verl.utils import batch_keys as K
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 

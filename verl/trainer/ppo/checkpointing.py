@@ -227,3 +227,102 @@ def load_failure_message(folder: str | Path, err: BaseException) -> str:
                 f"global_step_N under {folder.parent}>)")
     return (f"resuming from {folder}: a worker failed to load it ({last}); {hint}, "
             "or start afresh with trainer.resume_mode=disable")
+
+
+class CheckpointedTraining:
+    """The trainer's checkpoints (mixed into RayPPOTrainer): the shared-folder probe, save, resume,
+    and the resume hint a dead worker's error carries. Reads the trainer's config, worker groups,
+    dataloader, KL controller and step."""
+
+    _checked_checkpoint_root: str | None = None   # the root every rank was seen writing into
+
+    def verify_checkpoint_root(self) -> None:
+        """Before the first save or load: every rank writes a marker into trainer.default_local_dir
+        and this driver must see them all (verl/utils/checkpoint/shared_dir.py); SharedDirError
+        naming the ranks and the key otherwise. Once per root."""
+        from verl.utils.checkpoint.shared_dir import verify_shared_dir
+
+        root = str(self.config.trainer.default_local_dir)
+        if self._checked_checkpoint_root == root:
+            return
+        verify_shared_dir(root, self.actor_rollout_wg.write_checkpoint_probe)
+        self._checked_checkpoint_root = root
+
+    def save_checkpoint(self) -> Path:
+        trainer = self.config.trainer
+        root = Path(trainer.default_local_dir)
+        self.verify_checkpoint_root()
+        tmp = begin_checkpoint(root, self.global_step)
+        hf_path = str(tmp / "hf") if trainer.save_hf_model else None
+        self.actor_rollout_wg.save_checkpoint(str(tmp / "actor"), self.global_step, hf_path)
+        if self.use_critic:
+            self.critic_wg.save_checkpoint(str(tmp / "critic"), self.global_step)
+        # A pipelined run has drawn batches beyond the one trained: it records the position after that one.
+        loader_state = (self._trained_loader_state if self._trained_loader_state is not None
+                        else self.train_dataloader.state_dict())
+        save_driver_state(tmp, self.global_step, loader_state,
+                                        extra={"kl_coef": self.kl_ctrl.value})
+        return finalize_checkpoint(root, self.global_step, int(trainer.max_ckpt_to_keep))
+
+    def load_checkpoint(self) -> Path | None:
+        """Resume per trainer.resume_mode; returns the folder loaded, or None for a fresh start."""
+        trainer = self.config.trainer
+        if int(trainer.save_freq) > 0:
+            # at start-up, not after the first save_freq steps: a run that could never resume stops now
+            self.verify_checkpoint_root()
+        folder = find_resume_dir(trainer.default_local_dir, str(trainer.resume_mode))
+        if folder is None:
+            return None
+        self.verify_checkpoint_root()   # the workers read their shards from where this driver found them
+        state = load_driver_state(folder)
+        try:
+            self.actor_rollout_wg.load_checkpoint(str(folder / "actor"))
+            if self.use_critic:
+                self.critic_wg.load_checkpoint(str(folder / "critic"))
+        except Exception as err:
+            import ray
+
+            if not isinstance(err, ray.exceptions.RayTaskError):
+                raise   # a dead worker is explained by fit()
+            raise RuntimeError(load_failure_message(folder, err)) from err
+        self.global_step = state.global_step
+        self.train_dataloader.load_state_dict(state.dataloader_state)
+        restore_rng_state(state.rng_state)
+        if "kl_coef" in state.extra:
+            self.kl_ctrl.value = float(state.extra["kl_coef"])
+        logger.info("resumed from %s at global_step %d", folder, self.global_step)
+        return folder
+
+    def _worker_death(self, err: BaseException) -> tuple[Exception, BaseException] | None:
+        """A worker process's death (Ray's ActorDiedError, or the worker group's WorkerDiedError) as
+        (an error naming its role, rank, pid and node, the last complete checkpoint and how to
+        resume; Ray's original error, its cause); None for any other error."""
+        from verl.single_controller.ray import WorkerDiedError, worker_death
+
+        groups = [self.actor_rollout_wg, self.critic_wg]
+        if self.rollout_wg is not self.actor_rollout_wg:
+            groups.append(self.rollout_wg)
+        death = worker_death(err, groups)
+        if death is None:
+            return None
+        # The group's WorkerDiedError was raised from Ray's error: that one stays the cause.
+        cause = err.__cause__ if isinstance(err, WorkerDiedError) and err.__cause__ is not None else err
+        return WorkerDiedError(f"{death}. {self._resume_hint()}", death.place), cause
+
+    def _resume_hint(self) -> str:
+        """Where a new run of the same command would continue from, and what to pass for it."""
+        trainer = self.config.trainer
+        root = Path(trainer.default_local_dir).absolute()
+        latest = latest_checkpoint(root)
+        if latest is None:
+            save_freq = int(trainer.save_freq)
+            why = (f"trainer.save_freq={save_freq}" if save_freq > 0
+                   else f"trainer.save_freq={save_freq} saves none; set trainer.save_freq=N to save every N steps")
+            return (f"Last complete checkpoint: none under {root} ({why}); running the same command "
+                    "starts again from step 0.")
+        where = f"Last complete checkpoint: {latest} (step {step_of(latest)})."
+        mode = str(trainer.resume_mode)
+        if mode == "auto":
+            return f"{where} Running the same command resumes from it (trainer.resume_mode=auto)."
+        return (f"{where} To resume from it, run the same command with trainer.resume_mode=auto "
+                f"(or trainer.resume_mode={latest}); this run had trainer.resume_mode={mode}.")

@@ -24,19 +24,27 @@ s - v updates stale.
 
 from __future__ import annotations
 
+import copy
+import logging
 import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from verl.protocol import DataProto
+from verl.trainer.ppo import metric_utils as mu
+from verl.trainer.ppo.pool_sync import join_weight_sync, push_weights
+from verl.trainer.ppo.resource_pools import Role
 from verl.trainer.run_config import Trainer
+from verl.utils.tracking import Tracking
+
+logger = logging.getLogger(__name__)
 
 
 def staleness_bound(config: DictConfig) -> int:
@@ -226,3 +234,91 @@ def token_version_metrics(batch: DataProto, global_step: int) -> dict[str, float
         "pipeline/token_staleness_mean": float(staleness.mean()),
         "pipeline/token_staleness_max": float(staleness.max()),
     }
+
+
+def rollout_pool_config(actor_rollout_ref: DictConfig) -> DictConfig:
+    """A pipelined run's rollout workers' config: the actor_rollout_ref tree, with the vLLM engine kept
+    awake between rollouts (`rollout.free_cache_engine=false`): no trainer shares those GPUs, and the
+    engine's weights are the only copy there (pushes load into it; sleeping would discard them)."""
+    config = copy.deepcopy(actor_rollout_ref)
+    with open_dict(config):
+        config.rollout.free_cache_engine = False
+    return config
+
+
+class PipelinedTraining:
+    """The trainer's pipelined run (mixed into RayPPOTrainer): its rollout pool, the weight pushes, and
+    the loop that trains on the producer's batches. Reads the trainer's worker groups, dataloader and
+    step pieces (`_rollout`, `_train_on`, `_step_metrics`)."""
+
+    _rollout_pool_wg: Any = None   # a pipelined run's rollout pool (see rollout_wg)
+    _producer: RolloutProducer | None = None   # while fit() runs
+
+    @property
+    def rollout_wg(self) -> Any:
+        """The workers that generate: the actor's (sync), or a pipelined run's rollout pool."""
+        return self._rollout_pool_wg if self._rollout_pool_wg is not None else self.actor_rollout_wg
+
+    def _init_rollout_pool(self, config: DictConfig) -> None:
+        """A pipelined run's rollout workers (role rollout: the engine alone, with the model's weights
+        in its compute dtype; no FSDP copy, no optimizer) on their own pool, and the weight-sync group
+        of the train pool's rank 0 and them. Pushes carry the engine's dtype (verl/workers/weight_sync.py)."""
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+        pool = self.resource_pool_manager.get_resource_pool(Role.Rollout)
+        cls = RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=rollout_pool_config(config),
+                                   role="rollout")
+        self._rollout_pool_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
+        self._worker_groups.append(self._rollout_pool_wg)
+        self.rollout_wg.init_model()
+        manifest = join_weight_sync(self.actor_rollout_wg, self.rollout_wg)
+        logger.info("pipeline %s: train pool of %d worker(s), rollout pool of %d; a push sends %d tensors, %.3f GB in %s",
+                    self.config.trainer.pipeline, self.world_size, self.rollout_wg.world_size, len(manifest.tensors),
+                    manifest.nbytes / 1e9, manifest.dtype)
+
+    def _push_weights(self) -> int:
+        """The train pool's weights to the rollout pool; returns the bytes the sender broadcast."""
+        return push_weights(self.actor_rollout_wg, self.rollout_wg)
+
+    def _updating(self) -> AbstractContextManager:
+        """Around an actor update and the step count after it: a pipelined run pushes no weights meanwhile."""
+        return self._producer.updating() if self._producer is not None else nullcontext()
+
+    def _drawn_batches(self) -> Iterator[tuple[DataProto, dict[str, Any]]]:
+        """Every training batch from the dataloader's position on, epoch after epoch, each with the
+        dataloader's state right after it was drawn."""
+        while True:
+            for batch in self.train_dataloader:
+                yield batch, self.train_dataloader.state_dict()
+
+    def _fit_pipelined(self, tracker: Tracking, bar: Any) -> None:
+        """trainer.pipeline=one_step_off|async: the producer rolls out on the rollout pool while this
+        thread trains (verl/trainer/ppo/pipeline.py)."""
+        bound = staleness_bound(self.config)
+        self._producer = producer = RolloutProducer(self._rollout, self._push_weights, self.global_step,
+                                                    self.total_training_steps, bound, self._rollout_version)
+        if bool(self.config.actor_rollout_ref.rollout.get("partial", False)):
+            # partial rollout: newer weights reach the rollout in flight between two turns
+            self._generation_manager(validation=False).turn_version = producer.refresh
+        producer.start(self._drawn_batches())
+        clock = mu.StepClock()
+        while self.global_step < self.total_training_steps:
+            item, train_idle = producer.next_batch()
+            if item is None:
+                break
+            if self.global_step - item.version > bound:
+                producer.stats.dropped += 1
+                logger.warning("dropped batch %d: sampled by version %d, %d steps stale (bound %d)", item.index,
+                               item.version, self.global_step - item.version, bound)
+                continue
+            metrics, timing = item.metrics, item.timing
+            metrics.update(producer.metrics(item, self.global_step, train_idle))
+            self._trained_loader_state = item.loader_state
+            with mu.timer("step", timing):
+                batch = self._train_on(item.batch, metrics, timing)
+            metrics = self._step_metrics(batch, metrics, timing)
+            metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
+            metrics.update(clock.lap())
+            tracker.log(metrics, step=self.global_step)
+            self.history.append({"step": self.global_step, **metrics})
+            bar.update(1)

@@ -16,13 +16,10 @@ driver RNG and KL-controller state, so a resumed run continues exactly.
 
 from __future__ import annotations
 
-import copy
 import logging
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +30,18 @@ from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.trainer.config_schema import interpolations
-from verl.trainer.ppo import checkpointing, core_algos, rollout_correction
+from verl.trainer.ppo import core_algos, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
-from verl.trainer.ppo.pool_sync import join_weight_sync, push_weights
-from verl.trainer.run_config import Protocol, RunConfig
+from verl.trainer.ppo.checkpointing import CheckpointedTraining
+from verl.trainer.ppo.pipeline import PipelinedTraining
+from verl.trainer.ppo.resource_pools import ResourcePoolManager, Role
+from verl.trainer.ppo.rollout_setup import (
+    GEN_INPUT_KEYS,
+    check_search_failures,
+    generation_config,
+    trim_shared_left_padding,
+)
+from verl.trainer.run_config import RunConfig
 from verl.utils import batch_keys as K
 from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
 from verl.utils.tokenizer import eos_token_ids
@@ -44,167 +49,13 @@ from verl.utils.tracking import Tracking
 
 logger = logging.getLogger(__name__)
 
-GEN_INPUT_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS)
-# Tensors whose first P columns are the (left-padded) prompt.
-PROMPT_ALIGNED_KEYS = (K.PROMPTS, K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS, K.INFO_MASK)
-
-
-def trim_shared_left_padding(batch: DataProto) -> DataProto:
-    """Drop the prompt columns that are padding in every row.
-
-    Prompts arrive left-padded to `data.max_prompt_length`; when the longest prompt of the
-    batch is shorter, those columns are pure padding for every later forward pass (old and
-    ref log-probs, values, updates). Cutting them changes no logit: positions come from the
-    attention mask and padded keys are masked anyway.
-    """
-    prompt_mask = batch.batch[K.ATTENTION_MASK][:, : batch.batch[K.PROMPTS].shape[-1]]
-    shared = int((prompt_mask.sum(0) == 0).long().cumprod(0).sum())  # leading all-pad columns
-    if shared == 0:
-        return batch
-    for key in PROMPT_ALIGNED_KEYS:
-        if key in batch.batch.keys():
-            batch.batch[key] = batch.batch[key][:, shared:].contiguous()
-    return batch
-
-
-class SearchFailureError(RuntimeError):
-    """Too many of a rollout's searches failed (`retriever.max_failure_fraction`)."""
-
-
-def check_search_failures(metrics: dict[str, float], config: DictConfig, where: str, prefix: str = "env/") -> None:
-    """Stop the run when more than `retriever.max_failure_fraction` of a rollout's searches failed.
-
-    A failed search is an observation the policy would be trained on (a failure notice instead of
-    passages); a few are noise, most of a batch means the retrieval server is down or overloaded.
-    `metrics` holds `<prefix>search_failure_fraction` (compute_env_metrics; absent without search).
-    """
-    fraction = metrics.get(f"{prefix}search_failure_fraction")
-    limit = float(config.retriever.max_failure_fraction)
-    if fraction is None or fraction <= limit:
-        return
-    from search_r1.search.client import RetrievalClient
-
-    where_key = "retriever.url"
-    url = str(config.retriever.url)
-    protocol = Protocol.from_config(config)
-    if protocol.serve_retriever:
-        raise SearchFailureError(
-            f"{prefix}search_failure_fraction={fraction:.3f} in the {where} exceeds retriever.max_failure_fraction="
-            f"{limit:g}: the run stops instead of training on failed searches. The retrieval application "
-            f"{config.retriever.serve_app_name!r} runs on Ray Serve (retriever.serve=ray): see `serve status` and its "
-            "replicas' logs under the Ray session's logs/serve/")
-    if protocol.tool:
-        where_key = f"the search tool's retrieval_service_url ({protocol.tool_config_path})"
-        url = str((protocol.tool_config.search or {}).get("retrieval_service_url", url))
-    raise SearchFailureError(
-        f"{prefix}search_failure_fraction={fraction:.3f} ({prefix}search_failures="
-        f"{metrics.get(f'{prefix}search_failures', 0.0):g}) in the {where} exceeds "
-        f"retriever.max_failure_fraction={limit:g}: the run stops instead of training on failed searches. "
-        f"Check the retrieval server at {where_key}={url}: GET {RetrievalClient(url).health_url} and the "
-        "server's log (retriever.max_failure_fraction=1.0 never stops)")
-
-
-def _require_rollout_log_probs(batch: DataProto) -> torch.Tensor:
-    """The engine's log-probs of the sampled tokens (rollout correction, bypass mode), when they are
-    the distribution the actor recomputes; a clear error otherwise."""
-    if K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
-        raise RuntimeError("algorithm.rollout_correction needs the engine's log-probs of the sampled tokens, "
-                           "and this rollout returned none")
-    if not batch.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True):
-        raise RuntimeError(
-            "algorithm.rollout_correction: vLLM returned log-probs renormalised over its top-p / top-k set "
-            "(actor_rollout_ref.rollout.top_p < 1 or top_k > 0 at a temperature other than 1), not the "
-            "distribution the actor recomputes; sample with top_p=1, top_k=-1 or turn the correction off")
-    return batch.batch[K.ROLLOUT_LOG_PROBS]
-
-
 def run_log_dir(config: DictConfig) -> Path:
     """Where the run's logs go: `trainer.log_dir`, else `<trainer.default_local_dir>/logs`."""
     trainer = config.trainer
     return Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs")
 
 
-def generation_config(config: DictConfig, world_size: int) -> Any:
-    """The generation manager's `GenerationConfig` for the trainer config.
-
-    Tag protocol (the original's `<search>`): the data.* bounds per turn, `retriever.*`, `rollout.stop`.
-    Tool protocol (`actor_rollout_ref.rollout.multi_turn.enable`, veRL's recipe): veRL's meanings —
-    data.max_prompt_length bounds the prompt, data.max_response_length all turns and tool messages
-    of a row together (also the cap of one turn), so the rolling context (prompt + that budget) is
-    never cut; the search tool of `multi_turn.tool_config_path` gives the server, topk, timeout and
-    concurrency (GenerationConfig splits the job-wide num_workers / rate_limit over the rollout
-    workers); multi_turn.* bound the turns and
-    tool answers. data.max_obs_length bounds one round of tool messages (tokens); max_turns is the
-    tag protocol's and does not bound a tool-protocol row.
-    """
-    from search_r1.llm_agent.generation import GenerationConfig
-
-    data, rollout = config.data, config.actor_rollout_ref.rollout
-    protocol = Protocol.from_config(config)
-    common = dict(
-        max_turns=int(config.max_turns), max_obs_length=int(data.max_obs_length), num_gpus=world_size,
-        no_think_rl=bool(config.algorithm.no_think_rl), retrieval_max_retries=int(config.retriever.max_retries),
-        topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
-        mode=str(rollout.get("mode", "sync")),
-        serve_app=str(config.retriever.serve_app_name) if protocol.serve_retriever else None)
-    if not protocol.tool:
-        return GenerationConfig(
-            max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),
-            max_response_length=int(data.max_response_length), search_url=config.retriever.url,
-            stop=tuple(rollout.stop), **common)
-    multi_turn = rollout.multi_turn
-    prompt, budget = int(data.max_prompt_length), int(data.max_response_length)
-    # The search tool's url, topk and timeout replace retriever.*'s in GenerationConfig.__post_init__.
-    return GenerationConfig(
-        max_start_length=prompt, max_prompt_length=prompt + budget, max_response_length=budget,
-        max_total_response_length=budget, protocol="tool", tool_config=protocol.tool_config.to_dict(),
-        max_assistant_turns=multi_turn.max_assistant_turns, max_user_turns=multi_turn.max_user_turns,
-        max_parallel_calls=int(multi_turn.max_parallel_calls),
-        max_tool_response_length=multi_turn.max_tool_response_length,
-        tool_response_truncate_side=str(multi_turn.tool_response_truncate_side), **common)
-
-
-def rollout_pool_config(actor_rollout_ref: DictConfig) -> DictConfig:
-    """A pipelined run's rollout workers' config: the actor_rollout_ref tree, with the vLLM engine kept
-    awake between rollouts (`rollout.free_cache_engine=false`): no trainer shares those GPUs, and the
-    engine's weights are the only copy there (pushes load into it; sleeping would discard them)."""
-    config = copy.deepcopy(actor_rollout_ref)
-    with open_dict(config):
-        config.rollout.free_cache_engine = False
-    return config
-
-
-class Role(Enum):
-    ActorRollout = "actor_rollout"        # actor + rollout (+ ref) fused in one worker; with a pipeline actor (+ ref)
-    Rollout = "rollout"                   # a pipelined run's rollout pool (trainer.pipeline)
-    Critic = "critic"
-
-
-@dataclass
-class ResourcePoolManager:
-    """One pool of worker processes per name; every role is placed on a pool.
-
-    On a machine with no GPU a "GPU" slot is a CPU worker process.
-    """
-
-    resource_pool_spec: dict[str, list[int]]          # pool name -> processes per node
-    mapping: dict[Role, str]                           # role -> pool name
-    use_gpu: bool = False
-    resource_pool_dict: dict[str, Any] = field(default_factory=dict)
-
-    def create_resource_pool(self) -> None:
-        from verl.single_controller.ray import RayResourcePool
-
-        for name, process_on_nodes in self.resource_pool_spec.items():
-            # max_colocate_count=1: all roles of a pool share one process (FSDP wants that)
-            self.resource_pool_dict[name] = RayResourcePool(
-                process_on_nodes=process_on_nodes, use_gpu=self.use_gpu, max_colocate_count=1)
-
-    def get_resource_pool(self, role: Role) -> Any:
-        return self.resource_pool_dict[self.mapping[role]]
-
-
-class RayPPOTrainer:
+class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
     """Owns the data, the worker groups, the reward functions, the logger and the step loop."""
 
     def __init__(
@@ -325,32 +176,6 @@ class RayPPOTrainer:
             self._init_rollout_pool(configs["actor_rollout"])
         if self._flops_counter is not None:
             self._peak_flops = min(self.actor_rollout_wg.device_peak_flops())
-
-    @property
-    def rollout_wg(self) -> Any:
-        """The workers that generate: the actor's (sync), or a pipelined run's rollout pool."""
-        return self._rollout_pool_wg if self._rollout_pool_wg is not None else self.actor_rollout_wg
-
-    def _init_rollout_pool(self, config: DictConfig) -> None:
-        """A pipelined run's rollout workers (role rollout: the engine alone, with the model's weights
-        in its compute dtype; no FSDP copy, no optimizer) on their own pool, and the weight-sync group
-        of the train pool's rank 0 and them. Pushes carry the engine's dtype (verl/workers/weight_sync.py)."""
-        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
-
-        pool = self.resource_pool_manager.get_resource_pool(Role.Rollout)
-        cls = RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=rollout_pool_config(config),
-                                   role="rollout")
-        self._rollout_pool_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)
-        self._worker_groups.append(self._rollout_pool_wg)
-        self.rollout_wg.init_model()
-        manifest = join_weight_sync(self.actor_rollout_wg, self.rollout_wg)
-        logger.info("pipeline %s: train pool of %d worker(s), rollout pool of %d; a push sends %d tensors, %.3f GB in %s",
-                    self.config.trainer.pipeline, self.world_size, self.rollout_wg.world_size, len(manifest.tensors),
-                    manifest.nbytes / 1e9, manifest.dtype)
-
-    def _push_weights(self) -> int:
-        """The train pool's weights to the rollout pool; returns the bytes the sender broadcast."""
-        return push_weights(self.actor_rollout_wg, self.rollout_wg)
 
     def worker_configs(self) -> dict[str, DictConfig]:
         """The config sub-trees the workers receive, by worker-group prefix; each must be resolved.
@@ -508,42 +333,15 @@ class RayPPOTrainer:
         self._compute_advantage(batch, trajectory_mask)
 
     def _mask_cut_context(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        """Keep tokens sampled from a cut rolling context out of the actor and critic updates.
-
-        When the rolling context dropped old turns, the policy sampled the later tokens from a
-        shorter context than the full sequence that old log-probs, values and the update see, so
-        their PPO ratio is not an importance ratio of the sampling policy. Advantages are computed
-        after, with those tokens still steps of the recursion (the reward sits on the last policy
-        token) but out of the whitening statistics; the losses skip them.
-        """
-        if K.CONTEXT_CUT_MASK not in batch.batch.keys():
-            return
-        cut_BR = batch.batch[K.CONTEXT_CUT_MASK].to(batch.batch[K.RESPONSE_MASK].dtype)
-        response_mask = batch.batch[K.RESPONSE_MASK]
-        metrics["env/context_cut_masked_tokens"] = float((response_mask * cut_BR).sum())
-        batch.batch[K.RESPONSE_MASK] = response_mask * (1 - cut_BR)
+        """Tokens sampled from a cut rolling context out of the losses (rollout_correction.mask_cut_context)."""
+        rollout_correction.mask_cut_context(batch, metrics)
 
     def _apply_rollout_correction(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        """algorithm.rollout_correction: IS weights (pi_old / pi_rollout) for the actor's policy loss
-        and rejected tokens out of response_mask (so out of the losses and, computed next, out of the
-        advantages' statistics), from the engine's log-probs and the actor's recomputed ones. A
-        pipelined run's `rollout_is: auto` (the default) is token IS unless another correction is
-        chosen (RolloutCorrectionConfig.from_config)."""
+        """algorithm.rollout_correction on this batch (rollout_correction.correct_batch); a pipelined
+        run's `rollout_is: auto` (the default) is token IS unless another correction is chosen."""
         cfg = rollout_correction.RolloutCorrectionConfig.from_config(
             self.config.algorithm.get("rollout_correction"), pipelined=self.pipelined)
-        if not cfg.enabled:
-            return
-        _require_rollout_log_probs(batch)
-        # ratios over the tokens the engine sampled (loss_mask), also when state_masking=false puts
-        # observations in response_mask
-        policy = batch.batch[K.LOSS_MASK] if K.LOSS_MASK in batch.batch.keys() else None
-        corr = rollout_correction.compute_rollout_correction(
-            batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS], batch.batch[K.RESPONSE_MASK], cfg,
-            policy_mask=policy)
-        batch.batch[K.RESPONSE_MASK] = corr.response_mask
-        if corr.weights is not None:
-            batch.batch[K.ROLLOUT_IS_WEIGHTS] = corr.weights
-        metrics.update(corr.metrics)
+        rollout_correction.correct_batch(batch, cfg, metrics)
 
     def _mfu(self, batch: DataProto, seconds: float) -> dict[str, float]:
         if self._flops_counter is None or seconds <= 0 or not self._peak_flops:
@@ -595,7 +393,7 @@ class RayPPOTrainer:
         batch.meta_info[K.META_GLOBAL_TOKEN_NUM] = batch.batch[K.ATTENTION_MASK].sum(-1).tolist()
         if self._bypass_old_log_prob:
             # bypass mode: the engine's log-probs are the PPO anchor; no forward for old log-probs
-            batch.batch[K.OLD_LOG_PROBS] = _require_rollout_log_probs(batch).float().clone()
+            batch.batch[K.OLD_LOG_PROBS] = rollout_correction.require_rollout_log_probs(batch).float().clone()
         else:
             with mu.timer("old_log_prob", timing):
                 batch = batch.union(self.actor_rollout_wg.compute_log_prob(batch))
@@ -645,10 +443,6 @@ class RayPPOTrainer:
         metrics.update(mu.compute_throughput_metrics(batch, timing, self.world_size))
         return metrics
 
-    def _updating(self) -> Any:
-        """Around an actor update and the step count after it: a pipelined run pushes no weights meanwhile."""
-        return self._producer.updating() if self._producer is not None else nullcontext()
-
     # ------------------------------------------------------------------ validation
     def _validate(self) -> dict[str, float]:
         """Greedy generation on every validation row; mean score per data source."""
@@ -676,142 +470,6 @@ class RayPPOTrainer:
             values = [m[key] for m in gen_metrics if key in m]
             metrics[f"val/{key}"] = float(np.mean(values))
         return metrics
-
-    # ------------------------------------------------------------------ checkpoints
-    _checked_checkpoint_root: str | None = None   # the root every rank was seen writing into
-
-    def verify_checkpoint_root(self) -> None:
-        """Before the first save or load: every rank writes a marker into trainer.default_local_dir
-        and this driver must see them all (verl/utils/checkpoint/shared_dir.py); SharedDirError
-        naming the ranks and the key otherwise. Once per root."""
-        from verl.utils.checkpoint.shared_dir import verify_shared_dir
-
-        root = str(self.config.trainer.default_local_dir)
-        if self._checked_checkpoint_root == root:
-            return
-        verify_shared_dir(root, self.actor_rollout_wg.write_checkpoint_probe)
-        self._checked_checkpoint_root = root
-
-    def save_checkpoint(self) -> Path:
-        trainer = self.config.trainer
-        root = Path(trainer.default_local_dir)
-        self.verify_checkpoint_root()
-        tmp = checkpointing.begin_checkpoint(root, self.global_step)
-        hf_path = str(tmp / "hf") if trainer.save_hf_model else None
-        self.actor_rollout_wg.save_checkpoint(str(tmp / "actor"), self.global_step, hf_path)
-        if self.use_critic:
-            self.critic_wg.save_checkpoint(str(tmp / "critic"), self.global_step)
-        # A pipelined run has drawn batches beyond the one trained: it records the position after that one.
-        loader_state = (self._trained_loader_state if self._trained_loader_state is not None
-                        else self.train_dataloader.state_dict())
-        checkpointing.save_driver_state(tmp, self.global_step, loader_state,
-                                        extra={"kl_coef": self.kl_ctrl.value})
-        return checkpointing.finalize_checkpoint(root, self.global_step, int(trainer.max_ckpt_to_keep))
-
-    def load_checkpoint(self) -> Path | None:
-        """Resume per trainer.resume_mode; returns the folder loaded, or None for a fresh start."""
-        trainer = self.config.trainer
-        if int(trainer.save_freq) > 0:
-            # at start-up, not after the first save_freq steps: a run that could never resume stops now
-            self.verify_checkpoint_root()
-        folder = checkpointing.find_resume_dir(trainer.default_local_dir, str(trainer.resume_mode))
-        if folder is None:
-            return None
-        self.verify_checkpoint_root()   # the workers read their shards from where this driver found them
-        state = checkpointing.load_driver_state(folder)
-        try:
-            self.actor_rollout_wg.load_checkpoint(str(folder / "actor"))
-            if self.use_critic:
-                self.critic_wg.load_checkpoint(str(folder / "critic"))
-        except Exception as err:
-            import ray
-
-            if not isinstance(err, ray.exceptions.RayTaskError):
-                raise   # a dead worker is explained by fit()
-            raise RuntimeError(checkpointing.load_failure_message(folder, err)) from err
-        self.global_step = state.global_step
-        self.train_dataloader.load_state_dict(state.dataloader_state)
-        checkpointing.restore_rng_state(state.rng_state)
-        if "kl_coef" in state.extra:
-            self.kl_ctrl.value = float(state.extra["kl_coef"])
-        logger.info("resumed from %s at global_step %d", folder, self.global_step)
-        return folder
-
-    def _worker_death(self, err: BaseException) -> tuple[Exception, BaseException] | None:
-        """A worker process's death (Ray's ActorDiedError, or the worker group's WorkerDiedError) as
-        (an error naming its role, rank, pid and node, the last complete checkpoint and how to
-        resume; Ray's original error, its cause); None for any other error."""
-        from verl.single_controller.ray import WorkerDiedError, worker_death
-
-        groups = [self.actor_rollout_wg, self.critic_wg]
-        if self.rollout_wg is not self.actor_rollout_wg:
-            groups.append(self.rollout_wg)
-        death = worker_death(err, groups)
-        if death is None:
-            return None
-        # The group's WorkerDiedError was raised from Ray's error: that one stays the cause.
-        cause = err.__cause__ if isinstance(err, WorkerDiedError) and err.__cause__ is not None else err
-        return WorkerDiedError(f"{death}. {self._resume_hint()}", death.place), cause
-
-    def _resume_hint(self) -> str:
-        """Where a new run of the same command would continue from, and what to pass for it."""
-        trainer = self.config.trainer
-        root = Path(trainer.default_local_dir).absolute()
-        latest = checkpointing.latest_checkpoint(root)
-        if latest is None:
-            save_freq = int(trainer.save_freq)
-            why = (f"trainer.save_freq={save_freq}" if save_freq > 0
-                   else f"trainer.save_freq={save_freq} saves none; set trainer.save_freq=N to save every N steps")
-            return (f"Last complete checkpoint: none under {root} ({why}); running the same command "
-                    "starts again from step 0.")
-        where = f"Last complete checkpoint: {latest} (step {checkpointing.step_of(latest)})."
-        mode = str(trainer.resume_mode)
-        if mode == "auto":
-            return f"{where} Running the same command resumes from it (trainer.resume_mode=auto)."
-        return (f"{where} To resume from it, run the same command with trainer.resume_mode=auto "
-                f"(or trainer.resume_mode={latest}); this run had trainer.resume_mode={mode}.")
-
-    # ------------------------------------------------------------------ pipeline
-    def _drawn_batches(self) -> Iterator[tuple[DataProto, dict[str, Any]]]:
-        """Every training batch from the dataloader's position on, epoch after epoch, each with the
-        dataloader's state right after it was drawn."""
-        while True:
-            for batch in self.train_dataloader:
-                yield batch, self.train_dataloader.state_dict()
-
-    def _fit_pipelined(self, tracker: Tracking, bar: Any) -> None:
-        """trainer.pipeline=one_step_off|async: the producer rolls out on the rollout pool while this
-        thread trains (verl/trainer/ppo/pipeline.py)."""
-        from verl.trainer.ppo.pipeline import RolloutProducer, staleness_bound
-
-        bound = staleness_bound(self.config)
-        self._producer = producer = RolloutProducer(self._rollout, self._push_weights, self.global_step,
-                                                    self.total_training_steps, bound, self._rollout_version)
-        if bool(self.config.actor_rollout_ref.rollout.get("partial", False)):
-            # partial rollout: newer weights reach the rollout in flight between two turns
-            self._generation_manager(validation=False).turn_version = producer.refresh
-        producer.start(self._drawn_batches())
-        clock = mu.StepClock()
-        while self.global_step < self.total_training_steps:
-            item, train_idle = producer.next_batch()
-            if item is None:
-                break
-            if self.global_step - item.version > bound:
-                producer.stats.dropped += 1
-                logger.warning("dropped batch %d: sampled by version %d, %d steps stale (bound %d)", item.index,
-                               item.version, self.global_step - item.version, bound)
-                continue
-            metrics, timing = item.metrics, item.timing
-            metrics.update(producer.metrics(item, self.global_step, train_idle))
-            self._trained_loader_state = item.loader_state
-            with mu.timer("step", timing):
-                batch = self._train_on(item.batch, metrics, timing)
-            metrics = self._step_metrics(batch, metrics, timing)
-            metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
-            metrics.update(clock.lap())
-            tracker.log(metrics, step=self.global_step)
-            self.history.append({"step": self.global_step, **metrics})
-            bar.update(1)
 
     # ------------------------------------------------------------------ loop
     def _tracker(self) -> Tracking:

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from verl.utils import batch_keys as K
+
 IS_LEVELS = (None, "token", "sequence", "auto")
 RS_LEVELS = (None, "token", "sequence", "geometric")
 LOSS_TYPES = ("ppo_clip", "reinforce")
@@ -305,3 +307,54 @@ def _effective_sample_size(weights: torch.Tensor) -> float:
         return 1.0
     total, squares = float(weights.sum()), float(weights.square().sum())
     return total * total / (weights.numel() * squares) if squares > 0 and math.isfinite(squares) else 0.0
+
+
+# --------------------------------------------------------------------------- a batch's correction (the trainer's step)
+def require_rollout_log_probs(batch: Any) -> torch.Tensor:
+    """The engine's log-probs of the sampled tokens (rollout correction, bypass mode), when they are
+    the distribution the actor recomputes; a clear error otherwise."""
+    if K.ROLLOUT_LOG_PROBS not in batch.batch.keys():
+        raise RuntimeError("algorithm.rollout_correction needs the engine's log-probs of the sampled tokens, "
+                           "and this rollout returned none")
+    if not batch.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True):
+        raise RuntimeError(
+            "algorithm.rollout_correction: vLLM returned log-probs renormalised over its top-p / top-k set "
+            "(actor_rollout_ref.rollout.top_p < 1 or top_k > 0 at a temperature other than 1), not the "
+            "distribution the actor recomputes; sample with top_p=1, top_k=-1 or turn the correction off")
+    return batch.batch[K.ROLLOUT_LOG_PROBS]
+
+
+def mask_cut_context(batch: Any, metrics: dict[str, float]) -> None:
+    """Keep tokens sampled from a cut rolling context out of the actor and critic updates.
+
+    When the rolling context dropped old turns, the policy sampled the later tokens from a
+    shorter context than the full sequence that old log-probs, values and the update see, so
+    their PPO ratio is not an importance ratio of the sampling policy. Advantages are computed
+    after, with those tokens still steps of the recursion (the reward sits on the last policy
+    token) but out of the whitening statistics; the losses skip them.
+    """
+    if K.CONTEXT_CUT_MASK not in batch.batch.keys():
+        return
+    cut_BR = batch.batch[K.CONTEXT_CUT_MASK].to(batch.batch[K.RESPONSE_MASK].dtype)
+    response_mask = batch.batch[K.RESPONSE_MASK]
+    metrics["env/context_cut_masked_tokens"] = float((response_mask * cut_BR).sum())
+    batch.batch[K.RESPONSE_MASK] = response_mask * (1 - cut_BR)
+
+
+def correct_batch(batch: Any, cfg: RolloutCorrectionConfig, metrics: dict[str, float]) -> None:
+    """IS weights (pi_old / pi_rollout) for the actor's policy loss and rejected tokens out of
+    response_mask (so out of the losses and, computed next, out of the advantages' statistics), from
+    the engine's log-probs and the actor's recomputed ones, written into `batch` (a DataProto)."""
+    if not cfg.enabled:
+        return
+    require_rollout_log_probs(batch)
+    # ratios over the tokens the engine sampled (loss_mask), also when state_masking=false puts
+    # observations in response_mask
+    policy = batch.batch[K.LOSS_MASK] if K.LOSS_MASK in batch.batch.keys() else None
+    corr = compute_rollout_correction(
+        batch.batch[K.OLD_LOG_PROBS], batch.batch[K.ROLLOUT_LOG_PROBS], batch.batch[K.RESPONSE_MASK], cfg,
+        policy_mask=policy)
+    batch.batch[K.RESPONSE_MASK] = corr.response_mask
+    if corr.weights is not None:
+        batch.batch[K.ROLLOUT_IS_WEIGHTS] = corr.weights
+    metrics.update(corr.metrics)
