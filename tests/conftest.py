@@ -5,10 +5,14 @@ Nothing is downloaded: HF hub access is switched off for the whole test run.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import random
 import socket
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +31,34 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_ranks(target: Callable[..., None], args_of: Callable[[int], tuple], world: int = 2) -> list[Any]:
+    """`world` spawned processes running target(*args_of(rank)), started."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(rank)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def join_ranks(procs: list[Any], out_dir: Path | str, timeout: float = 240) -> None:
+    """Wait (bounded) for spawned ranks; kill any still running and fail naming them, or naming the
+    tracebacks the ranks wrote to `out_dir/*.err`, or a non-zero exit code."""
+    for p in procs:
+        p.join(timeout=timeout)
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for rank in hung:
+        procs[rank].kill()
+    errors = [f.read_text() for f in Path(out_dir).glob("*.err")]
+    assert not hung, f"rank(s) {hung} still running after {timeout:g} s (killed): {errors}"
+    assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
+
+
+def run_ranks(target: Callable[..., None], args_of: Callable[[int], tuple], out_dir: Path | str, world: int = 2,
+              timeout: float = 240) -> None:
+    """start_ranks, then join_ranks."""
+    join_ranks(start_ranks(target, args_of, world), out_dir, timeout)
 
 
 def free_port_pair() -> int:

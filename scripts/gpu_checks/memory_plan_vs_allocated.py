@@ -177,8 +177,9 @@ def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
         kwargs["attn_implementation"] = attn
     with torch.device(device):
         module = AutoModelForCausalLM.from_config(config, **kwargs)
-    # The worker's own methods (not a copy), on a view holding the two attributes they read.
+    # The worker's own methods (not a copy), on a view holding the attributes and the method they read.
     worker = SimpleNamespace(device=device, device_mesh=mesh)
+    worker._prepare = lambda *args: _FSDPWorkerBase._prepare(worker, *args)
     module = _FSDPWorkerBase._wrap(worker, module, model_cfg, trainable=True)
     optimizer, scheduler = fsdp_utils.build_optimizer(module, arr.actor.optim)
     ppo = DataParallelPPOActor(arr.actor, module, optimizer, use_remove_padding=use_rmpad)

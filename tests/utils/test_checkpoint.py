@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import traceback
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import run_ranks
 from tests.workers._batches import free_port
 
 torch.set_num_threads(1)
@@ -91,19 +91,8 @@ def _roundtrip(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 
 def _run_two_ranks(target, model_dir: str, out_dir) -> None:
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, model_dir, str(out_dir))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = [f.read_text() for f in out_dir.glob("*.err")]
-    assert not errors, errors
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(target, lambda r: (r, port, model_dir, str(out_dir)), out_dir)
 
 
 def test_checkpoint_round_trips_model_optimizer_schedule_and_hf_export_loads(tiny_model_dir, tmp_path):

@@ -9,7 +9,6 @@ rank (an allocation the byte count sees), the new one broadcasts bf16 and casts 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import traceback
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import free_port
+from tests.conftest import free_port, run_ranks
 from tests.utils._host_bytes import LiveCpuTensorBytes
 
 LAYERS = 8   # enough layers that half the model is well above the largest tensor (the embedding)
@@ -134,18 +133,8 @@ def _rank_main(rank: int, port: int, folders: dict[str, str], out_dir: str) -> N
 
 
 def _spawn_two_ranks(folders: dict[str, str], out: Path) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, folders, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    errors = [f.read_text() for f in out.glob("*.err")]
-    assert not hung and not errors and all(p.exitcode == 0 for p in procs), errors
+    run_ranks(_rank_main, lambda r: (r, port, folders, str(out)), out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import run_ranks
 from tests.workers._batches import free_port, make_ppo_batch
 from verl.utils import batch_keys as K
 from verl.utils.fsdp_utils import apply_fsdp2
@@ -420,21 +421,9 @@ def test_fused_head_gradients_are_exact_with_the_weights_sharded_over_two_ranks(
     inside the root's forward, where it is unsharded, and its backward sees it gathered again.
     The averaged gradients equal the plain path's on an unwrapped model (measured: 5e-7 of the
     largest element; a head reading a shard would fail outright or be off by O(1))."""
-    import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_two_rank_fused_head_gradients, args=(r, port, tiny_model_dir, str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    errors = [f.read_text() for f in tmp_path.glob("*.err")]
-    assert not hung and not errors and all(p.exitcode == 0 for p in procs), errors
+    run_ranks(_two_rank_fused_head_gradients, lambda r: (r, port, tiny_model_dir, str(tmp_path)), tmp_path)
     worst = torch.load(tmp_path / "worst.pt")
     assert set(worst) == {False, True}
     assert max(worst.values()) < 1e-4, worst

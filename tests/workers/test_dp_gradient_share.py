@@ -8,7 +8,6 @@ a gradient halved on 2 ranks, and gradient clipping would not.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import traceback
 from typing import Any
@@ -20,6 +19,7 @@ from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.conftest import join_ranks, start_ranks
 from tests.workers._batches import free_port, make_ppo_batch
 from verl.utils import batch_keys as K
 from verl.utils.fsdp_utils import apply_fsdp2
@@ -120,12 +120,8 @@ def _two_rank_update(rank: int, port: int, model_dir: str, result_dir: str, role
 
 def _assert_two_ranks_match_one_process(role: str, model_dir: str, tmp_path: Any,
                                         loss_agg_mode: str = "token-mean") -> None:
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_two_rank_update, args=(r, port, model_dir, str(tmp_path), role, loss_agg_mode))
-             for r in range(2)]
-    for p in procs:
-        p.start()
+    procs = start_ranks(_two_rank_update, lambda r: (r, port, model_dir, str(tmp_path), role, loss_agg_mode))
 
     # Meanwhile the reference: the whole mini-batch in this process, no process group, no FSDP.
     torch.set_num_threads(1)
@@ -133,13 +129,7 @@ def _assert_two_ranks_match_one_process(role: str, model_dir: str, tmp_path: Any
     ref_grads, ref_norm = _update(_load(role, model_dir), data, mini_batch_size=ROWS, role=role,
                                   loss_agg_mode=loss_agg_mode)
 
-    for p in procs:
-        p.join(timeout=240)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    errors = [f.read_text() for f in tmp_path.glob("*.err")]
-    assert not hung and not errors and all(p.exitcode == 0 for p in procs), errors
+    join_ranks(procs, tmp_path)
     got = torch.load(tmp_path / "two_rank.pt")
     assert got["tokens"][0] != got["tokens"][1], "the ranks must hold unequal token counts"
     assert ref_norm > 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import traceback
@@ -12,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import run_ranks
 from tests.workers._batches import free_port
 from verl.protocol import DataProto
 from verl.utils import batch_keys as K
@@ -183,19 +183,9 @@ def _two_rank_generation(rank: int, port: int, model_dir: str, result_dir: str) 
 
 
 def test_ranks_with_different_generation_lengths_do_not_hang(tiny_model_dir, model_and_tokenizer, tmp_path):
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_two_rank_generation, args=(r, port, tiny_model_dir, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    errors = [f.read_text() for f in tmp_path.glob("*.err")]
-    assert not hung, "a rank hung in generation"
-    assert not errors and all(p.exitcode == 0 for p in procs), errors
+    # a rank hung in generation fails here, naming it
+    run_ranks(_two_rank_generation, lambda r: (r, port, tiny_model_dir, str(tmp_path)), tmp_path, timeout=180)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["total"] == 1 + 12
     # The sharded model generates exactly what the unsharded one does.
