@@ -34,8 +34,9 @@
 #                      on the cluster, one replica per node (retriever.serve=ray, docs/multinode.md),
 #                      over index_file / corpus_file (or file_path), retriever_name, retriever_path:
 #                      this script appends those overrides to the command
-#   RETRIEVER_CPUS     serve=ray: CPUs of each replica (default 32: a wiki-18 e5 Flat index needs >= 23 to
-#                      answer a 512-query turn within retriever.timeout; the config check says so if too few)
+#   RETRIEVER_CPUS     serve=ray: CPUs of each replica (default 32 for a dense retriever: a wiki-18 e5 Flat
+#                      index needs >= 23 to answer a 512-query turn within retriever.timeout, and the config
+#                      check says so if too few; 1 for retriever_name=bm25)
 #   RAY_AUTH_MODE      exported as is; default "disabled" (token auth needs the same token file
 #                      on every node: set RAY_AUTH_MODE=token with a shared ~/.ray/auth_token)
 set -euo pipefail
@@ -134,13 +135,15 @@ node_ip() { on_node "$1" hostname --ip-address | awk '{print $1}'; }
 # RETRIEVER_SERVE=ray: the command gets the retriever.serve overrides (defaults as retrieval_launch.sh's)
 if [ "${RETRIEVER_SERVE:-}" = ray ]; then
     [ -z "${RETRIEVER_URL:-}" ] || die "RETRIEVER_SERVE=ray and RETRIEVER_URL both set: choose one retriever"
+    serve_cpus=${RETRIEVER_CPUS:-32}
+    [ "${retriever_name:-e5}" = bm25 ] && serve_cpus=${RETRIEVER_CPUS:-1}
     serve_index=${index_file:-${file_path:+$file_path/e5_Flat.index}}
     serve_corpus=${corpus_file:-${file_path:+$file_path/wiki-18.jsonl}}
     [ -n "$serve_index" ] && [ -n "$serve_corpus" ] || die "RETRIEVER_SERVE=ray needs index_file and corpus_file (or file_path) in the environment"
     set -- "$@" retriever.serve=ray "+retriever.server_args.index_path=$serve_index" \
         "+retriever.server_args.corpus_path=$serve_corpus" "+retriever.server_args.retriever_name=${retriever_name:-e5}" \
         "+retriever.server_args.retriever_model=${retriever_path:-intfloat/e5-base-v2}" \
-        "retriever.replica_resources.num_cpus=${RETRIEVER_CPUS:-32}" "retriever.health_wait_s=$retriever_wait"
+        "retriever.replica_resources.num_cpus=$serve_cpus" "retriever.health_wait_s=$retriever_wait"
 elif [ -n "${RETRIEVER_SERVE:-}" ]; then
     die "RETRIEVER_SERVE=${RETRIEVER_SERVE}: the only value is ray (unset it for the job's own retrieval server)"
 fi
