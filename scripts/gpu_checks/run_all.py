@@ -132,6 +132,16 @@ def _async_rollout_figures(out: Path, log: str) -> dict[str, Any]:
     return {}
 
 
+def _sharded_init_figures(out: Path, log: str) -> dict[str, Any]:
+    """The script's indented JSON object, the last thing it prints."""
+    start = log.rfind("\n{")
+    try:
+        report = json.loads(log[start + 1:] if start >= 0 else log)
+    except ValueError:
+        return {}
+    return {"ok": report.get("ok"), "checks": report.get("checks")}
+
+
 def _measure(name: str, module: str, what: str, big: bool, expected_s: int, figures: Callable) -> Check:
     out = ("--out", "{out}/report.json")
     gpu = (*BIG_3B, *out) if big else out
@@ -154,6 +164,9 @@ CHECKS: tuple[Check, ...] = (
           "pytest", 30, 180, 300, _pytest_figures),
     Check("issue13", "HF rollout's cached greedy and stops on CUDA, NCCL reduce, prompt-forward memory",
           "scripts.gpu_checks.issue13_rollout_and_reduce", (), None, "script", 25, 180, 0, _issue13_figures),
+    Check("sharded_init", "model init on the meta device, rank 0 streaming the checkpoint over NCCL (issue 32 item "
+          "2): every shard and buffer on the GPU, the from_pretrained weights and logits, flat host memory",
+          "scripts.gpu_checks.sharded_init", (), ("--device", "cpu"), "script", 20, 180, 300, _sharded_init_figures),
     _measure("memory_plan_0.5b", "scripts.gpu_checks.memory_plan_vs_allocated",
              "plan vs max_memory_allocated, Qwen2.5-0.5B shape, first and second update, log-prob pass",
              False, 40, _memory_figures),
