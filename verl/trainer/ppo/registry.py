@@ -1,0 +1,127 @@
+"""Registries of policy losses and advantage estimators, veRL's shape (DESIGN §3.5).
+
+A policy loss is registered under its `actor_rollout_ref.actor.policy_loss.loss_mode` name and
+called as veRL calls it:
+
+    fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+       rollout_is_weights=None) -> (loss, metrics)
+
+with `config` the actor config node. An advantage estimator is registered under its
+`algorithm.adv_estimator` name and called with veRL's keyword arguments (`token_level_rewards`,
+`response_mask`, `index`, `epsilon`, `norm_adv_by_std_in_grpo`, `config`, ...); it returns
+`(advantages, returns)`.
+
+A user's own functions live in one file named by `custom_algorithms.path`; importing it runs its
+`@register_policy_loss(...)` / `@register_adv_est(...)` decorators (`load_custom_algorithms`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+POLICY_LOSS_REGISTRY: dict[str, Callable[..., Any]] = {}
+ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
+ADV_ESTIMATOR_KEY = "algorithm.adv_estimator"
+CUSTOM_ALGORITHMS_KEY = "custom_algorithms.path"
+
+
+def _name(name: str | Enum) -> str:
+    return str(name.value if isinstance(name, Enum) else name)
+
+
+def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str | Enum) -> Callable[[F], F]:
+    key = _name(name)
+
+    def decorate(fn: F) -> F:
+        existing = registry.get(key)
+        # the same function again (a module imported twice) is harmless; another one is a clash
+        if existing is not None and getattr(existing, "__qualname__", None) != getattr(fn, "__qualname__", None):
+            raise ValueError(f"{kind} {key!r} is already registered ({existing.__module__}.{existing.__qualname__}); "
+                             f"pick another name for {fn.__module__}.{fn.__qualname__}")
+        registry[key] = fn
+        return fn
+
+    return decorate
+
+
+def register_policy_loss(name: str | Enum) -> Callable[[F], F]:
+    """Decorator: register a policy loss under `name` (a value of actor.policy_loss.loss_mode)."""
+    return _register(POLICY_LOSS_REGISTRY, "policy loss", name)
+
+
+def register_adv_est(name: str | Enum) -> Callable[[F], F]:
+    """Decorator: register an advantage estimator under `name` (a value of algorithm.adv_estimator)."""
+    return _register(ADV_ESTIMATOR_REGISTRY, "advantage estimator", name)
+
+
+def get_policy_loss_fn(name: str | Enum) -> Callable[..., Any]:
+    """The policy loss registered as `name`; a ValueError naming the key and the choices otherwise."""
+    return _lookup(POLICY_LOSS_REGISTRY, POLICY_LOSS_KEY, name)
+
+
+def get_adv_estimator_fn(name: str | Enum) -> Callable[..., Any]:
+    """The advantage estimator registered as `name`; a ValueError naming the key and the choices otherwise."""
+    return _lookup(ADV_ESTIMATOR_REGISTRY, ADV_ESTIMATOR_KEY, name)
+
+
+def _lookup(registry: dict[str, Callable[..., Any]], key: str, name: str | Enum) -> Callable[..., Any]:
+    _load_builtins()
+    try:
+        return registry[_name(name)]
+    except KeyError:
+        raise ValueError(f"unknown {key} {_name(name)!r}; registered: {sorted(registry)} "
+                         f"(your own: register it in the file named by {CUSTOM_ALGORITHMS_KEY})") from None
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    """Every registered loss_mode, built-in and custom."""
+    _load_builtins()
+    return tuple(sorted(POLICY_LOSS_REGISTRY))
+
+
+def adv_estimator_names() -> tuple[str, ...]:
+    """Every registered adv_estimator, built-in and custom."""
+    _load_builtins()
+    return tuple(sorted(ADV_ESTIMATOR_REGISTRY))
+
+
+def _load_builtins() -> None:
+    # the built-in functions register themselves when core_algos (and the modules it imports) load
+    import verl.trainer.ppo.core_algos  # noqa: F401
+
+
+def load_custom_algorithms(path: str | None) -> None:
+    """Import the user's file named by custom_algorithms.path (None: nothing), running its registrations.
+
+    Called in the driver and in every worker before a lookup, so a custom loss reaches the actor
+    and a custom estimator the driver. A missing file or one that fails to import is an error that
+    names the key and the file."""
+    if not path:
+        return
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"{CUSTOM_ALGORITHMS_KEY}: no file {str(file)!r}")
+    module_name = "search_r1_custom_algorithms_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    if module_name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{CUSTOM_ALGORITHMS_KEY}: cannot import {str(file)!r} as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise ImportError(f"{CUSTOM_ALGORITHMS_KEY}: importing {str(file)!r} failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
