@@ -123,7 +123,7 @@ def check_algorithm(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> li
     errors: list[str] = []
     algo, actor = cfg.algorithm, cfg.actor_rollout_ref.actor
     if run.algorithm.need_critic and not cfg.critic.model.path:
-        errors.append("algorithm.adv_estimator=gae needs a critic: set critic.model.path")
+        errors.append(f"algorithm.adv_estimator={run.algorithm.adv_estimator} needs a critic: set critic.model.path")
     if algo.kl_penalty not in KL_TYPES:
         errors.append(f"algorithm.kl_penalty={algo.kl_penalty!r} is unknown; choose one of {list(KL_TYPES)}")
     if actor.kl_loss_type not in KL_TYPES:
@@ -149,6 +149,13 @@ def check_algorithm(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> li
             "<think> text (token-exact rollouts); set algorithm.no_think_rl=false"
         )
     return errors
+
+
+def check_adv_estimator(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
+    """The estimator's needs: samples per prompt, ReMax's sync trainer, the optimal token baseline's actor."""
+    from verl.trainer.ppo import advantage_estimators
+
+    return advantage_estimators.config_errors(cfg, run.algorithm.samples_per_prompt)
 
 
 def check_bypass_mode(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
@@ -449,6 +456,7 @@ RULES: tuple[Rule, ...] = (
     check_pipeline,
     check_data,
     check_algorithm,
+    check_adv_estimator,
     check_bypass_mode,
     check_rollout,
     check_max_model_len,

@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 from verl.trainer.config_schema import OPTIONAL_TRAINER_KEYS, ConfigError
 
 PIPELINES = ("sync", "one_step_off", "async")
-ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "rloo")
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -216,9 +215,11 @@ class Algorithm:
         from verl.trainer.ppo import rollout_correction
 
         algo, rollout, errors = cfg.algorithm, cfg.actor_rollout_ref.rollout, []
-        if algo.adv_estimator not in ADV_ESTIMATORS:
+        from verl.trainer.ppo.registry import adv_estimator_names
+
+        if algo.adv_estimator not in adv_estimator_names():
             errors.append(f"algorithm.adv_estimator={algo.adv_estimator!r} is unknown; choose one of "
-                          f"{list(ADV_ESTIMATORS)}")
+                          f"{list(adv_estimator_names())} (or register your own in custom_algorithms.path)")
         samples = {}
         for key in ("n_agent", "n"):
             value = rollout.get(key, 1)
@@ -239,7 +240,9 @@ class Algorithm:
 
     @property
     def need_critic(self) -> bool:
-        return self.adv_estimator == "gae"
+        from verl.trainer.ppo.advantage_estimators import NEEDS_CRITIC
+
+        return self.adv_estimator in NEEDS_CRITIC
 
     @property
     def need_reference_policy(self) -> bool:

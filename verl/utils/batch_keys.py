@@ -26,6 +26,7 @@ ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) float: truncated pi_old / pi
 TOKEN_VERSIONS = "token_versions"         # (B, R) long: policy version that sampled each position (partial rollout; -1 pad)
 REF_LOG_PROB = "ref_log_prob"        # (B, R) float: log-probs of the reference policy
 VALUES = "values"                    # (B, R) float: critic values
+REWARD_BASELINES = "reward_baselines"        # (B,) float: ReMax's baseline, the greedy rollout's score of the row's prompt
 TOKEN_LEVEL_SCORES = "token_level_scores"    # (B, R) float: rule reward, on the last policy token
 TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) float: scores minus in-reward KL penalty
 ADVANTAGES = "advantages"            # (B, R) float
@@ -57,7 +58,7 @@ META_METRICS = "metrics"             # dict[str, float | list[float]] returned b
 TENSOR_KEYS = frozenset({
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PROMPTS, RESPONSES, INFO_MASK, LOSS_MASK, CONTEXT_CUT_MASK,
     RESPONSE_MASK, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, ROLLOUT_IS_WEIGHTS, TOKEN_VERSIONS, REF_LOG_PROB, VALUES,
-    TOKEN_LEVEL_SCORES,
+    TOKEN_LEVEL_SCORES, REWARD_BASELINES,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS,
 })
 NON_TENSOR_KEYS = frozenset({UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX})

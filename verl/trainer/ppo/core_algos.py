@@ -12,14 +12,22 @@ Shapes: B = rows, R = response length, V = vocabulary.
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+from verl.trainer.ppo.registry import get_adv_estimator_fn, register_adv_est
 from verl.utils import torch_functional as tf
 
+logger = logging.getLogger(__name__)
+
+# today's four, registered below; every registered name: registry.adv_estimator_names()
 ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "rloo")
 KL_PENALTY_TYPES = ("kl", "abs", "mse", "low_var_kl")
 
@@ -98,6 +106,7 @@ def _kept(response_mask: torch.Tensor, kept_mask: torch.Tensor | None) -> torch.
     return (response_mask if kept_mask is None else kept_mask).float()
 
 
+@register_adv_est("gae")
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
                                  response_mask: torch.Tensor, gamma: float, lam: float,
                                  kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +137,7 @@ def _check_index(index: np.ndarray, batch: int) -> None:
         raise ValueError(f"non-tensor key 'uid' (GRPO/RLOO group index) has {len(index)} rows, batch has {batch}")
 
 
+@register_adv_est("grpo")
 def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                    index: np.ndarray, epsilon: float = 1e-6,
                                    norm_adv_by_std_in_grpo: bool = True,
@@ -157,6 +167,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     return advantages, advantages
 
 
+@register_adv_est("rloo")
 def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                    index: np.ndarray,
                                    kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,11 +187,15 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     return advantages, advantages
 
 
+@register_adv_est("reinforce_plus_plus")
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                                  gamma: float, kept_mask: torch.Tensor | None = None,
-                                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                                                  gamma: float | None = None, kept_mask: torch.Tensor | None = None,
+                                                  config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Discounted return-to-go over policy tokens (observation spans skipped), whitened over the kept
-    tokens (`kept_mask`, None: `response_mask`; the recursion runs over `response_mask`, as GAE's)."""
+    tokens (`kept_mask`, None: `response_mask`; the recursion runs over `response_mask`, as GAE's).
+    `gamma` None: the algorithm config's (veRL passes only `config`), else 1."""
+    if gamma is None:
+        gamma = float(config.get("gamma", 1.0)) if config is not None else 1.0
     with torch.no_grad():
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros(token_level_rewards.shape[0], dtype=returns.dtype, device=returns.device)
@@ -193,31 +208,61 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     return advantages, returns * kept
 
 
+def _parameters(fn: Callable[..., Any]) -> tuple[set[str], set[str], bool]:
+    """(its parameter names, those without a default, whether it takes **kwargs)."""
+    params = inspect.signature(fn).parameters.values()
+    names = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return names, required, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+_warned_no_kept_mask: set[str] = set()
+
+
 def compute_advantage(adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                       values: torch.Tensor | None = None, index: np.ndarray | None = None,
                       gamma: float = 1.0, lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
-                      kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch on `algorithm.adv_estimator`.  -> (advantages_BR, returns_BR)
+                      kept_mask: torch.Tensor | None = None, config: Any = None, epsilon: float | None = None,
+                      reward_baselines: torch.Tensor | None = None, **batch_keys: Any,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimator registered as `algorithm.adv_estimator` (registry.get_adv_estimator_fn), called with
+    veRL's keyword arguments.  -> (advantages_BR, returns_BR)
 
     `response_mask`: the trajectory's tokens (the recursions run over them); `kept_mask`: those the
     losses keep after rejection (None: all), over which every statistic (whitening, group
-    membership) is taken."""
-    if adv_estimator == "gae":
-        if values is None:
-            raise ValueError("algorithm.adv_estimator=gae needs the batch key 'values' (a critic)")
-        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam,
-                                            kept_mask=kept_mask)
-    if adv_estimator in ("grpo", "rloo") and index is None:
-        raise ValueError(f"algorithm.adv_estimator={adv_estimator} needs the non-tensor key 'uid' as index")
-    if adv_estimator == "grpo":
-        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
-                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, kept_mask=kept_mask)
-    if adv_estimator == "rloo":
-        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, kept_mask=kept_mask)
-    if adv_estimator == "reinforce_plus_plus":
-        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma,
-                                                             kept_mask=kept_mask)
-    raise ValueError(f"unknown algorithm.adv_estimator {adv_estimator!r}; expected one of {ADV_ESTIMATORS}")
+    membership) is taken. `config`: the algorithm config node (None: one made of gamma, lam and
+    norm_adv_by_std_in_grpo); `batch_keys`: further batch tensors by veRL's names (old_log_probs,
+    sum_pi_squared, rollout_is_weights). An estimator gets the arguments it names, all of them if it
+    takes **kwargs. One that does not name `kept_mask` (a veRL one) gets the kept tokens as its
+    `response_mask`, as veRL's rejection leaves its response_mask, so its recursions skip rejected tokens."""
+    fn = get_adv_estimator_fn(adv_estimator)
+    if config is None:
+        config = OmegaConf.create({"adv_estimator": str(adv_estimator), "gamma": gamma, "lam": lam,
+                                   "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo})
+    names, required, takes_kwargs = _parameters(fn)
+    offered: dict[str, Any] = {"token_level_rewards": token_level_rewards, "response_mask": response_mask,
+                               "values": values, "index": index, "gamma": gamma, "lam": lam,
+                               "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, "config": config,
+                               "epsilon": epsilon, "reward_baselines": reward_baselines, **batch_keys}
+    if "kept_mask" in names:
+        offered["kept_mask"] = kept_mask
+    elif kept_mask is not None:
+        offered["response_mask"] = kept_mask
+        if adv_estimator not in _warned_no_kept_mask and not torch.equal(kept_mask.bool(), response_mask.bool()):
+            _warned_no_kept_mask.add(str(adv_estimator))
+            logger.warning("algorithm.adv_estimator=%s takes no kept_mask: it gets the tokens the losses keep "
+                           "(after rollout-correction rejection / the cut-context mask) as response_mask, as in "
+                           "veRL, so its recursions skip the rejected tokens", adv_estimator)
+    offered = {k: v for k, v in offered.items() if v is not None}
+    missing = sorted(required - offered.keys())
+    if missing:
+        if "values" in missing:
+            raise ValueError(f"algorithm.adv_estimator={adv_estimator} needs the batch key 'values' (a critic)")
+        if "index" in missing:
+            raise ValueError(f"algorithm.adv_estimator={adv_estimator} needs the non-tensor key 'uid' as index")
+        raise ValueError(f"algorithm.adv_estimator={adv_estimator} needs {missing}, which the batch does not have")
+    kwargs = offered if takes_kwargs else {k: v for k, v in offered.items() if k in names}
+    return fn(**kwargs)
 
 
 # --------------------------------------------------------------------------- KL
@@ -325,3 +370,7 @@ def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torc
     vf_loss = 0.5 * tf.agg_loss(torch.max(unclipped, clipped), mask, loss_agg_mode)
     vf_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
     return vf_loss, vf_clipfrac
+
+
+# the other estimators register when this module loads
+from verl.trainer.ppo import advantage_estimators as _advantage_estimators  # noqa: E402,F401

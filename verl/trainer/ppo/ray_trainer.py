@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.trainer.config_schema import interpolations
-from verl.trainer.ppo import core_algos, rollout_correction
+from verl.trainer.ppo import core_algos, remax, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
 from verl.trainer.ppo.checkpointing import CheckpointedTraining
 from verl.trainer.ppo.pipeline import PipelinedTraining
@@ -248,11 +248,13 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
         if woke and gen_meta is not None:
             gen_meta["engine_wake_ups"] = max(woke)
 
-    def _generate(self, batch: DataProto, validation: bool, step: int | None = None) -> tuple[DataProto, dict[str, Any]]:
+    def _generate(self, batch: DataProto, validation: bool, step: int | None = None,
+                  greedy: bool = False) -> tuple[DataProto, dict[str, Any]]:
         """Generate for every row of `batch` (for training step `step` + 1; default the current);
-        returns (batch with the rollout keys, generation meta_info)."""
+        returns (batch with the rollout keys, generation meta_info). `greedy`: sampling off on the
+        training path (ReMax's baseline rollout)."""
         gen_batch = batch.pop(batch_keys=list(GEN_INPUT_KEYS))
-        gen_batch.meta_info = self._gen_meta(validation)
+        gen_batch.meta_info = self._gen_meta(validation or greedy)
         phase_meta: dict[str, Any] = {}
         with self._engines_awake(phase_meta, validation, step):
             if self.config.do_search:
@@ -318,7 +320,8 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
             algo.adv_estimator, batch.batch[K.TOKEN_LEVEL_REWARDS], trajectory_mask,
             values=batch.batch[K.VALUES] if self.use_critic else None,
             index=batch.non_tensor_batch[K.UID], gamma=float(algo.gamma), lam=float(algo.lam),
-            norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo), kept_mask=batch.batch[K.RESPONSE_MASK])
+            norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo), kept_mask=batch.batch[K.RESPONSE_MASK],
+            config=algo, **remax.estimator_batch_keys(batch))
         batch.batch[K.ADVANTAGES] = advantages_BR
         batch.batch[K.RETURNS] = returns_BR
 
@@ -377,9 +380,15 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
         samples = self.run.algorithm.samples_per_prompt
         # uid before repeating: the samples of one prompt share it (the GRPO group).
         batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        baselines_P = None
+        if remax.enabled(self.config):
+            with mu.timer("gen_max", timing):
+                baselines_P = remax.greedy_baselines(self, batch, step)
         batch = batch.repeat(repeat_times=samples, interleave=True)
         with mu.timer("gen", timing):
             batch, gen_meta = self._generate(batch, validation=False, step=step)
+        if baselines_P is not None:
+            remax.add_baselines(batch, baselines_P, samples)
         metrics.update(mu.compute_env_metrics(gen_meta))
         metrics.update(mu.compute_rollout_metrics(gen_meta))
         check_search_failures(metrics, self.config, f"rollout of training step {step + 1}")

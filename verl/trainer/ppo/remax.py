@@ -1,0 +1,69 @@
+"""ReMax's greedy baseline rollout (Li et al. 2023, arXiv:2310.10505) and the batch keys the
+registered estimators may read, for the sync trainer (ray_trainer.RayPPOTrainer._rollout).
+
+With `algorithm.adv_estimator=remax` each step first rolls out every prompt once more with sampling
+off -- the same generation path as the sampled rollout (the generation manager with its searches,
+or the plain engine call) -- scores it with the same reward function, and stores that score on
+each of the prompt's sampled rows as `reward_baselines` (B,). veRL does the same (its `gen_max`
+phase); here the greedy rollout runs on the prompts before they are repeated (one greedy row per
+prompt, not rollout.n identical ones).
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from verl.protocol import DataProto
+from verl.utils import batch_keys as K
+
+REMAX = "remax"
+# batch tensors passed to every estimator that names them (veRL's names)
+ESTIMATOR_BATCH_KEYS = (K.REWARD_BASELINES, K.OLD_LOG_PROBS, K.ROLLOUT_IS_WEIGHTS, "sum_pi_squared")
+
+
+def enabled(config: DictConfig) -> bool:
+    """Whether the run needs the greedy baseline rollout."""
+    return str(config.algorithm.adv_estimator) == REMAX
+
+
+def greedy_baselines(trainer: Any, prompts: DataProto, step: int) -> torch.Tensor:
+    """The reward of one greedy rollout per row of `prompts` (the batch before repeating), (P,).
+
+    `trainer._generate(..., greedy=True)` runs the training rollout's path with do_sample false;
+    `trainer.reward_fn` scores it as it scores the sampled rows."""
+    greedy_batch = deepcopy(prompts)
+    output, _ = trainer._generate(greedy_batch, validation=False, step=step, greedy=True)
+    scores = trainer.reward_fn(output)
+    if isinstance(scores, DataProto):
+        scores = scores.batch[K.TOKEN_LEVEL_SCORES]
+    return scores.float().sum(dim=-1)
+
+
+def add_baselines(batch: DataProto, baselines_P: torch.Tensor, samples_per_prompt: int) -> None:
+    """Each prompt's greedy score onto its samples (the rows `batch.repeat(interleave=True)` made)."""
+    if baselines_P.shape[0] * samples_per_prompt != len(batch):
+        raise ValueError(f"remax: {baselines_P.shape[0]} greedy baselines for {len(batch)} rows "
+                         f"({samples_per_prompt} samples per prompt)")
+    batch.batch[K.REWARD_BASELINES] = baselines_P.repeat_interleave(samples_per_prompt)
+
+
+def estimator_batch_keys(batch: DataProto) -> dict[str, torch.Tensor]:
+    """The optional batch tensors the estimator may take (veRL passes the same by name)."""
+    keys = batch.batch.keys()
+    return {key: batch.batch[key] for key in ESTIMATOR_BATCH_KEYS if key in keys}
+
+
+def config_errors(cfg: DictConfig) -> list[str]:
+    """Where the greedy baseline rollout is not wired: the pipelines."""
+    if not enabled(cfg):
+        return []
+    pipeline = str(cfg.trainer.get("pipeline", "sync"))
+    if pipeline != "sync":
+        return [f"algorithm.adv_estimator=remax needs trainer.pipeline=sync (got {pipeline}): its greedy baseline "
+                "rollout runs in the sync trainer's step; a pipeline's rollout pool generates the next batch "
+                "while this one trains, and the greedy pass is not wired there"]
+    return []
