@@ -63,8 +63,10 @@ def run_benchmark(adv: str = "grpo", steps: int = 4, workers: int = 2, batch_siz
 
 
 def main() -> None:
+    from verl.trainer.ppo.registry import adv_estimator_names
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--adv", default="grpo", choices=["grpo", "gae", "rloo", "reinforce_plus_plus"])
+    parser.add_argument("--adv", default="grpo", choices=adv_estimator_names())
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
