@@ -1,24 +1,42 @@
-"""ReMax end to end through `run_ppo`: real Ray workers (FSDP on gloo, HF rollout) on the toy task; the
-greedy baseline rollout runs in the step, and advantages are 0/1 scores minus a 0/1 baseline."""
+"""ReMax end to end through `run_ppo`: real Ray workers (FSDP on gloo, HF rollout) on the toy task with
+searches (a stand-in retrieval server); the greedy baseline rollout runs through the same generation
+manager, sampling off, once per prompt, before the sampled rollout."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
+from search_r1.llm_agent.generation import LLMGenerationManager
+from tests.trainer.test_main_ppo import fake_search_server
 from verl.trainer.main_ppo import compose_config, run_ppo
+from verl.utils import batch_keys as K
 
 
-def test_one_remax_step_rolls_out_greedily_and_trains_without_a_critic(
-        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+def test_one_remax_step_rolls_out_greedily_with_searches_and_trains_without_a_critic(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[bool, int]] = []
+    run_llm_loop = LLMGenerationManager.run_llm_loop
+
+    def recording(self, gen_batch, initial_input_ids):  # noqa: ANN001, ANN202
+        calls.append((bool(gen_batch.meta_info[K.META_DO_SAMPLE]), len(gen_batch)))
+        return run_llm_loop(self, gen_batch, initial_input_ids)
+
+    monkeypatch.setattr(LLMGenerationManager, "run_llm_loop", recording)
     paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=3)
-    cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="remax",
-                                       n_agent=2) + ["critic.model.path=null"])
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    history = run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
+    with fake_search_server() as server:
+        cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="remax",
+                                           n_agent=2, batch_size=4) + [
+            "critic.model.path=null", "do_search=true", "max_turns=1", "actor_rollout_ref.actor.state_masking=true",
+            "data.max_prompt_length=512", f"retriever.url={server['url']}/retrieve", "data.max_obs_length=160"])
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        history = run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
+    # the greedy pass on the 4 prompts, then the sampled one on 4 x 2 rows
+    assert calls == [(False, 4), (True, 8)]
     assert [h["step"] for h in history] == [1]
     step = history[0]
     assert step["timing_s/gen_max"] > 0 and step["timing_s/gen"] > 0
