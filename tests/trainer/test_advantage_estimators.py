@@ -372,3 +372,21 @@ def test_an_estimator_without_kwargs_gets_only_what_it_names() -> None:
         torch.testing.assert_close(adv, REWARDS * MASK)
     finally:
         ADV_ESTIMATOR_REGISTRY.pop("test_narrow_estimator", None)
+
+
+def test_an_estimator_without_kept_mask_under_rejection_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    @register_adv_est("test_no_kept_mask_estimator")
+    def no_kept(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs: object
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_level_rewards * response_mask, token_level_rewards * response_mask
+
+    try:
+        with caplog.at_level("WARNING"):
+            core_algos.compute_advantage("test_no_kept_mask_estimator", REWARDS, MASK, kept_mask=MASK)
+        assert "takes no kept_mask" not in caplog.text        # nothing rejected: nothing to say
+        with caplog.at_level("WARNING"):
+            adv, _ = core_algos.compute_advantage("test_no_kept_mask_estimator", REWARDS, MASK, kept_mask=KEPT)
+        assert "algorithm.adv_estimator=test_no_kept_mask_estimator takes no kept_mask" in caplog.text
+        torch.testing.assert_close(adv, REWARDS * KEPT)
+    finally:
+        ADV_ESTIMATOR_REGISTRY.pop("test_no_kept_mask_estimator", None)
