@@ -1,5 +1,8 @@
 """PPO / GRPO / REINFORCE++ / RLOO algorithm core: advantages, losses, KL.
 
+The advantage estimators register under their `algorithm.adv_estimator` names (registry.py); the
+four here, the others in advantage_estimators.py; `compute_advantage` calls the registered one.
+
 Names and signatures follow veRL (DESIGN §3.5). One departure from the
 original Search-R1: every function here honours `response_mask` as THE mask
 (1 = token the policy sampled). In particular GAE runs over policy tokens
