@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from verl.utils import ulysses
 from verl.utils.attention import PACKED_ATTENTION, PACKED_FLASH_ATTENTION, VARLEN_ATTN_MISSING
 
 
@@ -119,27 +120,42 @@ def _packed_attention_forward(name: str) -> Callable[..., tuple[torch.Tensor, No
 
         position_ids = kwargs.get("position_ids")
         padded_or_cached = attention_mask is not None or query.shape[2] != key.shape[2]
+        sp = ulysses.active()
+        if sp is not None and not padded_or_cached:
+            # Ulysses: my heads of every token in, varlen over the whole packed row, my tokens back.
+            query, key, value = (ulysses.heads_to_sequence(t, sp) for t in (query, key, value))
+            out = _packed(name, module, query, key, value, sp.full_position_ids, scaling, dropout, kwargs)
+            return ulysses.sequence_to_heads(out, sp), None
         if padded_or_cached or position_ids is None or not getattr(module, "is_causal", True):
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)
-        batch, heads, n, head_dim = query.shape
-        cu_seqlens, max_len = cu_seqlens_from_position_ids(position_ids.expand(batch, -1))
-        if cu_seqlens.numel() - 1 == batch:   # one sequence per row: plain causal attention
-            return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
-                                          **kwargs)
-        if kwargs.get("sliding_window") is not None:
-            raise NotImplementedError(f"{name}: packed attention with a sliding window is not supported; set "
-                                      "model.use_remove_padding=False for this model")
-        if dropout:
-            raise NotImplementedError(f"{name}: packed attention has no attention dropout ({dropout}); set the "
-                                      "model's attention_dropout to 0 or model.use_remove_padding=False")
-        scale = float(scaling) if scaling is not None else head_dim ** -0.5
-        q, k, v = (t.transpose(1, 2).reshape(batch * n, t.shape[1], head_dim) for t in (query, key, value))
-        out = varlen_kernel(query.device.type, name)(q, k, v, cu_seqlens.to(query.device), max_len, scale)
-        return out.reshape(batch, n, heads, head_dim), None
+        return _packed(name, module, query, key, value, position_ids, scaling, dropout, kwargs), None
 
     forward.__name__ = f"{name}_attention_forward"
     return forward
+
+
+def _packed(name: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            position_ids: torch.Tensor, scaling: float | None, dropout: float, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Causal attention within each sequence of the packed rows -> (B, N, Hq, D)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, n, head_dim = query.shape
+    cu_seqlens, max_len = cu_seqlens_from_position_ids(position_ids.expand(batch, -1))
+    if cu_seqlens.numel() - 1 == batch:   # one sequence per row: plain causal attention
+        kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
+                                      **kwargs)[0]
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(f"{name}: packed attention with a sliding window is not supported; set "
+                                  "model.use_remove_padding=False for this model")
+    if dropout:
+        raise NotImplementedError(f"{name}: packed attention has no attention dropout ({dropout}); set the "
+                                  "model's attention_dropout to 0 or model.use_remove_padding=False")
+    scale = float(scaling) if scaling is not None else head_dim ** -0.5
+    q, k, v = (t.transpose(1, 2).reshape(batch * n, t.shape[1], head_dim) for t in (query, key, value))
+    out = varlen_kernel(query.device.type, name)(q, k, v, cu_seqlens.to(query.device), max_len, scale)
+    return out.reshape(batch, n, heads, head_dim)
 
 
 def _packed_mask(**kwargs: Any) -> torch.Tensor | None:
