@@ -105,3 +105,62 @@ def test_two_rank_sp_log_probs_and_gradients_equal_sp1(tmp_path):
     """~60 s here: two spawned ranks import transformers and run two tiny forwards and backwards each."""
     port = free_port()
     run_ranks(_two_rank_ulysses, lambda r: (r, port, str(tmp_path)), tmp_path, timeout=180)
+
+
+def _two_rank_actor(rank: int, port: int, model_dir: str, result_dir: str) -> None:
+    try:
+        import copy
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers import AutoModelForCausalLM
+
+        from tests.workers._batches import make_ppo_batch
+        from tests.workers.test_packed_equality import _config, meta
+        from verl.utils import batch_keys as K
+        from verl.utils.attention import attn_implementation
+        from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        attn = attn_implementation("cpu", True)
+
+        def actor(sp: bool) -> DataParallelPPOActor:
+            module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+            if sp:
+                module = apply_fsdp2(module, init_device_mesh("cpu", (2,)))   # FSDP's mean over the SP ranks
+            return DataParallelPPOActor(_config(ppo_micro_batch_size=3), module,
+                                        torch.optim.SGD(module.parameters(), lr=1.0), use_remove_padding=True,
+                                        sp_group=dist.group.WORLD if sp else None)
+
+        plain, sp = actor(False), actor(True)
+        # The same batch on both ranks (an SP group's ranks share their rows); 6 rows, 3 per micro-batch.
+        data = meta(make_ppo_batch(plain.actor_module.config.vocab_size, batch_size=6, prompt_len=8,
+                                   response_len=10, seed=5), dynamic=False)
+        lp_plain, ent_plain = plain.compute_log_prob(copy.copy(data), calculate_entropy=True)
+        lp_sp, ent_sp = sp.compute_log_prob(copy.copy(data), calculate_entropy=True)
+        real = data.batch[K.ATTENTION_MASK][:, -10:].bool()
+        torch.testing.assert_close(lp_sp[real], lp_plain[real], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent_sp[real], ent_plain[real], atol=1e-5, rtol=0)
+        data.batch[K.OLD_LOG_PROBS] = lp_plain + 0.05 * torch.randn(lp_plain.shape, generator=torch.Generator().manual_seed(0))
+        plain.update_policy(copy.copy(data))
+        sp.update_policy(copy.copy(data))
+        for (name, p), ref in zip(sp.actor_module.named_parameters(), plain.actor_module.parameters()):
+            value = p.detach().full_tensor()
+            scale = float(ref.detach().abs().max())
+            torch.testing.assert_close(value, ref.detach(), atol=1e-7 + 1e-4 * scale, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        dist.destroy_process_group()
+    except Exception:
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.slow
+def test_two_rank_sp_actor_log_probs_and_update_equal_the_single_process_actor(tiny_model_dir, tmp_path):
+    """DataParallelPPOActor with sp_group over two gloo ranks (FSDP2 over both) against the same actor
+    unsplit: log-probs, entropies and the weights after one SGD(lr=1) step (i.e. the gradients)."""
+    port = free_port()
+    run_ranks(_two_rank_actor, lambda r: (r, port, tiny_model_dir, str(tmp_path)), tmp_path, timeout=240)
