@@ -164,3 +164,56 @@ def test_two_rank_sp_actor_log_probs_and_update_equal_the_single_process_actor(t
     unsplit: log-probs, entropies and the weights after one SGD(lr=1) step (i.e. the gradients)."""
     port = free_port()
     run_ranks(_two_rank_actor, lambda r: (r, port, tiny_model_dir, str(tmp_path)), tmp_path, timeout=240)
+
+
+def _two_rank_critic(rank: int, port: int, model_dir: str, result_dir: str) -> None:
+    try:
+        import copy
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from tests.workers._batches import make_ppo_batch
+        from tests.workers.test_packed_equality import _config, meta
+        from verl.utils import batch_keys as K
+        from verl.utils.attention import attn_implementation
+        from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.model import load_value_model
+        from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+
+        def critic(sp: bool) -> DataParallelPPOCritic:
+            torch.manual_seed(0)   # the value head is initialised fresh: the same in both copies
+            module = load_value_model(model_dir, attn_implementation=attn_implementation("cpu", True),
+                                      use_remove_padding=True)
+            if sp:
+                module = apply_fsdp2(module, init_device_mesh("cpu", (2,)))
+            return DataParallelPPOCritic(_config(ppo_micro_batch_size=3), module,
+                                         torch.optim.SGD(module.parameters(), lr=1.0), use_remove_padding=True,
+                                         sp_group=dist.group.WORLD if sp else None)
+
+        plain, sp = critic(False), critic(True)
+        data = meta(make_ppo_batch(plain.critic_module.config.vocab_size, batch_size=6, prompt_len=8,
+                                   response_len=10, seed=6), dynamic=False)
+        values = plain.compute_values(copy.copy(data))
+        torch.testing.assert_close(sp.compute_values(copy.copy(data)), values, atol=1e-5, rtol=0)
+        data.batch[K.VALUES] = values
+        plain.update_critic(copy.copy(data))
+        sp.update_critic(copy.copy(data))
+        for (name, p), ref in zip(sp.critic_module.named_parameters(), plain.critic_module.parameters()):
+            scale = float(ref.detach().abs().max())
+            torch.testing.assert_close(p.detach().full_tensor(), ref.detach(), atol=1e-7 + 1e-4 * scale, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        dist.destroy_process_group()
+    except Exception:
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.slow
+def test_two_rank_sp_critic_values_and_update_equal_the_single_process_critic(tiny_model_dir, tmp_path):
+    port = free_port()
+    run_ranks(_two_rank_critic, lambda r: (r, port, tiny_model_dir, str(tmp_path)), tmp_path, timeout=240)
