@@ -169,7 +169,7 @@ def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
     they were made changes nothing that is measured: the measured calls start with them on the GPU)."""
     model_cfg = arr.model
     use_rmpad = bool(model_cfg.get("use_remove_padding", False))
-    attn = attn_implementation(device, use_rmpad)
+    attn = attn_implementation(device, use_rmpad, str(model_cfg.get("packing_kernel", "varlen_attn")))
     config = load_model_config(model_cfg.path, model_cfg.get("override_config"))
     torch.manual_seed(0)
     kwargs: dict[str, Any] = {"dtype": torch.float32}

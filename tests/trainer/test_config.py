@@ -214,23 +214,36 @@ def test_vllm_is_needed_when_the_rollout_resolves_to_vllm(monkeypatch: pytest.Mo
     validate_config(compose_config([*SMALL, "actor_rollout_ref.rollout.name=hf"]), has_gpu=True)
 
 
-def test_flash_attn_is_needed_for_remove_padding_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packing_on_cuda_needs_no_flash_attn_unless_its_kernel_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: packing runs through torch's varlen_attn on CUDA; flash-attn only when
+    model.packing_kernel=flash_attn asks for it."""
+    import verl.utils.attention as attention
+
     _without(monkeypatch, "flash_attn")
     packed = [*SMALL, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.model.use_remove_padding=true",
               "critic.model.use_remove_padding=true"]
+    validate_config(compose_config([*packed, "trainer.device=cuda"]))   # varlen_attn: torch's own kernel
+    validate_config(compose_config(packed), has_gpu=True)
+    flash = [*packed, "actor_rollout_ref.model.packing_kernel=flash_attn"]   # the critic's follows the actor's
     with pytest.raises(ConfigError) as info:
+        validate_config(compose_config([*flash, "trainer.device=cuda"]))
+    for section in ("actor_rollout_ref.model", "critic.model"):
+        assert f"{section}.packing_kernel=flash_attn on CUDA packs with flash-attn, which is not installed: " \
+               f"`{FLASH_ATTN_INSTALL}` (docs/training.md), or set {section}.packing_kernel=varlen_attn" \
+               in str(info.value)
+    validate_config(compose_config(flash), has_gpu=False)           # CPU: the reference path, no flash-attn
+    validate_config(compose_config([*flash, "trainer.device=cpu"]))
+    # GRPO builds no critic: only the actor's section is named
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_config([*flash, "trainer.device=cuda", "algorithm.adv_estimator=grpo"]))
+    assert "critic.model" not in str(info.value)
+    # A torch without varlen_attn: the message says what to do.
+    monkeypatch.setattr(attention, "has_varlen_attn", lambda: False)
+    with pytest.raises(ConfigError, match="no torch.nn.attention.varlen.varlen_attn.*packing_kernel=flash_attn"):
         validate_config(compose_config([*packed, "trainer.device=cuda"]))
-    for key in ("actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding"):
-        assert f"{key}=True on CUDA packs sequences with flash-attn, which is not installed: " \
-               f"`{FLASH_ATTN_INSTALL}` (docs/training.md), or set {key}=False" in str(info.value)
-    with pytest.raises(ConfigError, match="flash-attn"):
-        validate_config(compose_config(packed), has_gpu=True)        # device auto on a GPU host
-    validate_config(compose_config(packed), has_gpu=False)           # CPU: packing needs no flash-attn
     validate_config(compose_config([*packed, "trainer.device=cpu"]))
-    # GRPO builds no critic: only the actor's key is named
-    with pytest.raises(ConfigError) as info:
-        validate_config(compose_config([*packed, "trainer.device=cuda", "algorithm.adv_estimator=grpo"]))
-    assert "critic.model.use_remove_padding" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"critic.model.packing_kernel='xformers': expected one of"):
+        validate_config(compose_config([*SMALL, "critic.model.packing_kernel=xformers"]))
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -47,7 +47,11 @@ def actor_config(**overrides):
 
 
 def make_actor(model_dir, mesh, remove_padding=False, lr=1e-2, sgd=False, **overrides):
-    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from verl.utils.attention import attn_implementation
+
+    attn = attn_implementation("cpu", remove_padding)   # packing: the registered packed attention, as workers load
+    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                  **({"attn_implementation": attn} if attn else {}))
     module = apply_fsdp2(module, mesh)
     # SGD with lr=1 leaves params - grad: comparing parameters then compares gradients, whose
     # differences are summation-order rounding. (After one Adam step each element moves by about
@@ -248,22 +252,30 @@ def test_vocabulary_wide_work_sees_response_positions_only(tiny_model_dir, singl
         assert rows == [(6, 6)]   # the R positions that predict a response token, no more
 
 
-def test_packing_on_cuda_without_a_loadable_flash_attn_is_refused(monkeypatch):
-    """Issue 13 item 12 and issue 21 item 15, pinned on CPU: the attention choice for device "cuda".
-    flash-attn is imported, not only found: a build for another torch fails only when loaded, and
-    packing must then stop the run instead of falling back to sdpa over one dense mask."""
+def test_packing_kernel_choice_per_device(monkeypatch):
+    """Issue 35, pinned on CPU: packing loads the registered packed attention on every device;
+    on CUDA it needs flash-attn only when packing_kernel=flash_attn asks for it, imported, not only
+    found (a build for another torch fails only when loaded), and a torch with varlen_attn otherwise."""
     import sys
     from types import ModuleType
 
-    from verl.utils.attention import attn_implementation
+    import verl.utils.attention as attention
+    from verl.utils.attention import PACKED_ATTENTION, PACKED_FLASH_ATTENTION, attn_implementation
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)    # installed but not loadable
+    assert attn_implementation("cuda", use_remove_padding=True) == PACKED_ATTENTION
     with pytest.raises(ValueError, match="needs a working flash-attn.*--no-build-isolation"):
-        attn_implementation("cuda", use_remove_padding=True)
+        attn_implementation("cuda", use_remove_padding=True, packing_kernel="flash_attn")
     assert attn_implementation("cuda", use_remove_padding=False) is None
-    assert attn_implementation("cpu", use_remove_padding=True) is None
+    assert attn_implementation("cpu", use_remove_padding=True) == PACKED_ATTENTION
+    assert attn_implementation("cpu", use_remove_padding=True, packing_kernel="flash_attn") == PACKED_ATTENTION
+    with pytest.raises(ValueError, match="packing_kernel='triton': expected one of"):
+        attn_implementation("cpu", use_remove_padding=True, packing_kernel="triton")
     monkeypatch.setitem(sys.modules, "flash_attn", ModuleType("flash_attn"))
-    assert attn_implementation("cuda", use_remove_padding=True) == "flash_attention_2"
+    assert attn_implementation("cuda", True, packing_kernel="flash_attn") == PACKED_FLASH_ATTENTION
+    monkeypatch.setattr(attention, "has_varlen_attn", lambda: False)
+    with pytest.raises(ValueError, match="no torch.nn.attention.varlen.varlen_attn"):
+        attn_implementation("cuda", use_remove_padding=True)
 
 
 def test_packing_check_holds_in_bf16_and_when_kernels_depend_on_shape(tiny_model_dir):

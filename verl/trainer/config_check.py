@@ -441,13 +441,29 @@ def check_imports(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list
             errors.append("actor_rollout_ref.rollout.name=auto is the vLLM rollout on a GPU run, but vllm is not "
                           "installed: `pip install -e .[gpu]`, or set actor_rollout_ref.rollout.name=hf to roll "
                           "out with the (much slower) HF generate loop")
-    if on_cuda and not is_installed("flash_attn"):
-        keys = ["actor_rollout_ref.model.use_remove_padding"] + (["critic.model.use_remove_padding"]
-                                                                 if run.algorithm.need_critic else [])
-        for key in keys:
-            if OmegaConf.select(cfg, key):
-                errors.append(f"{key}=True on CUDA packs sequences with flash-attn, which is not installed: "
-                              f"`{FLASH_ATTN_INSTALL}` (docs/training.md), or set {key}=False")
+    errors += _packing_kernel_errors(cfg, on_cuda, run.algorithm.need_critic)
+    return errors
+
+
+def _packing_kernel_errors(cfg: DictConfig, on_cuda: bool, need_critic: bool) -> list[str]:
+    """Packing runs through the registered packed attention (verl/utils/attention.py): torch's
+    varlen_attn on CUDA (no flash-attn needed), flash-attn's kernel when model.packing_kernel=flash_attn."""
+    from verl.utils.attention import PACKING_KERNELS, VARLEN_ATTN_MISSING, has_varlen_attn
+
+    errors = []
+    for section in ["actor_rollout_ref.model"] + (["critic.model"] if need_critic else []):
+        kernel = OmegaConf.select(cfg, f"{section}.packing_kernel", default="varlen_attn")
+        if kernel not in PACKING_KERNELS:
+            errors.append(f"{section}.packing_kernel={kernel!r}: expected one of {list(PACKING_KERNELS)}")
+            continue
+        if not (on_cuda and OmegaConf.select(cfg, f"{section}.use_remove_padding")):
+            continue
+        if kernel == "flash_attn" and not is_installed("flash_attn"):
+            errors.append(f"{section}.packing_kernel=flash_attn on CUDA packs with flash-attn, which is not "
+                          f"installed: `{FLASH_ATTN_INSTALL}` (docs/training.md), or set "
+                          f"{section}.packing_kernel=varlen_attn (torch's kernel, no extra package)")
+        elif kernel == "varlen_attn" and not has_varlen_attn():
+            errors.append(f"{section}.use_remove_padding=True on CUDA: {VARLEN_ATTN_MISSING}")
     return errors
 
 

@@ -1,6 +1,12 @@
-"""Which attention kernel the workers load a model with, and what packing needs installed.
+"""Which attention implementation the workers load a model with, and what packing needs installed.
 
-    attn_implementation("cuda", use_remove_padding=True)   # "flash_attention_2", or a clear error
+Packing (`model.use_remove_padding=True`) runs through the implementation registered with
+transformers in `verl/utils/packed_attention.py` ("search_r1_varlen"): torch's own varlen_attn on
+CUDA (no flash-attn needed), flash-attn's kernel with `model.packing_kernel=flash_attn`, and an
+exact per-sequence reference on CPU. This module imports neither torch nor transformers at import
+time (the config check reads its constants).
+
+    attn_implementation("cuda", use_remove_padding=True)   # "search_r1_varlen"
 """
 
 from __future__ import annotations
@@ -9,20 +15,48 @@ from __future__ import annotations
 # compiles against the torch already installed, so it is not an ordinary extra.
 FLASH_ATTN_INSTALL = "pip install flash-attn==2.8.3.post2 --no-build-isolation"
 
+PACKED_ATTENTION = "search_r1_varlen"               # varlen_attn on CUDA, the reference on CPU
+PACKED_FLASH_ATTENTION = "search_r1_varlen_fa2"   # flash-attn's varlen kernel on CUDA, the reference on CPU
+# (neither name contains "flash": transformers routes such names to its own flash-attention loader)
+PACKING_KERNELS = ("varlen_attn", "flash_attn")     # model.packing_kernel's values
+VARLEN_ATTN_MISSING = (
+    "this torch build has no torch.nn.attention.varlen.varlen_attn (packing on CUDA runs through it): install the "
+    "locked torch (docs/training.md, 'Installing on GPUs'), or set model.packing_kernel=flash_attn with flash-attn "
+    f"installed (`{FLASH_ATTN_INSTALL}`), or set model.use_remove_padding=False")
 
-def attn_implementation(device: str, use_remove_padding: bool) -> str | None:
-    """flash-attn's varlen kernel for packed batches on CUDA; the model's default otherwise.
 
-    Packing on CUDA without a working flash-attn would fall back to sdpa with one dense (N x N)
-    mask over the whole packed micro-batch: slow and memory-hungry, so it is refused. The package
-    is imported, not only found: a build for another torch or CUDA fails only when loaded."""
-    if device != "cuda" or not use_remove_padding:
-        return None
+def has_varlen_attn() -> bool:
+    """Whether this torch build has torch.nn.attention.varlen.varlen_attn."""
     try:
-        import flash_attn  # noqa: F401
-    except Exception as err:  # ImportError, or OSError/RuntimeError from a mismatched binary
-        raise ValueError(f"model.use_remove_padding=True on CUDA needs a working flash-attn ({type(err).__name__}: "
-                         f"{err}); install it with `{FLASH_ATTN_INSTALL}` (after a CUDA torch; docs/training.md, "
-                         "'Installing on GPUs'), or set actor_rollout_ref.model.use_remove_padding=False (and "
-                         "critic.model.use_remove_padding=False)") from err
-    return "flash_attention_2"
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attn_implementation(device: str, use_remove_padding: bool, packing_kernel: str = "varlen_attn") -> str | None:
+    """The registered packed attention when packing; the model's default (sdpa) otherwise.
+
+    On CUDA, packing_kernel=varlen_attn needs a torch with varlen_attn; packing_kernel=flash_attn needs
+    flash-attn, imported, not only found: a build for another torch or CUDA fails only when loaded."""
+    if not use_remove_padding:
+        return None
+    if packing_kernel not in PACKING_KERNELS:
+        raise ValueError(f"model.packing_kernel={packing_kernel!r}: expected one of {list(PACKING_KERNELS)}")
+    from verl.utils.packed_attention import register_packed_attention
+
+    register_packed_attention()
+    if device != "cuda":
+        return PACKED_ATTENTION
+    if packing_kernel == "flash_attn":
+        try:
+            import flash_attn  # noqa: F401
+        except Exception as err:  # ImportError, or OSError/RuntimeError from a mismatched binary
+            raise ValueError(f"model.packing_kernel=flash_attn needs a working flash-attn ({type(err).__name__}: "
+                             f"{err}); install it with `{FLASH_ATTN_INSTALL}` (after a CUDA torch; docs/training.md, "
+                             "'Installing on GPUs'), or set model.packing_kernel=varlen_attn (torch's kernel, no "
+                             "extra package)") from err
+        return PACKED_FLASH_ATTENTION
+    if not has_varlen_attn():
+        raise ValueError(VARLEN_ATTN_MISSING)
+    return PACKED_ATTENTION

@@ -8,8 +8,8 @@
 The workers instead build the architecture with `build_*` on the meta device and receive their
 shards from rank 0 (`verl/utils/sharded_init.py`), so no rank holds the whole model.
 
-Attention: `attn_implementation` (verl/utils/attention.py: flash_attention_2 for packed batches
-on CUDA) is passed to Hugging Face; if it refuses it, packing (`use_remove_padding`) is an error
+Attention: `attn_implementation` (verl/utils/attention.py: the registered packed attention,
+verl/utils/packed_attention.py, when packing) is passed to Hugging Face; if it refuses it, packing (`use_remove_padding`) is an error
 naming the key, and otherwise the model's default kernel is used, with a warning.
 """
 

@@ -2,10 +2,12 @@
 
 A rollout batch is mostly padding (left-padded prompts, right-padded responses).
 Packing drops every pad token and lays the sequences end to end in a single row;
-position ids restart at 0 for each sequence. Hugging Face models given
-`attention_mask=None` and such restarting `position_ids` build a block-diagonal
-causal mask (sdpa / eager; flash-attn varlen on GPU), so no token attends across a
-sequence boundary and the result equals the padded forward.
+position ids restart at 0 for each sequence. The workers load packing models with the
+attention registered in `verl/utils/packed_attention.py`, which reads the sequence
+boundaries from those position ids (varlen_attn on CUDA, per-sequence sdpa on CPU); a
+model on plain sdpa / eager builds a dense block-diagonal causal mask from them instead.
+Either way no token attends across a sequence boundary and the result equals the padded
+forward.
 
     packed = pack_batch(input_ids, attention_mask, position_ids)
     logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,

@@ -172,8 +172,10 @@ class _FSDPWorkerBase(Worker):
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
         self.device_mesh = init_device_mesh(self.device, (self.world_size,), mesh_dim_names=("fsdp",))
 
-    def _attn_implementation(self, use_remove_padding: bool) -> str | None:
-        return attn_implementation(self.device, use_remove_padding)
+    def _attn_implementation(self, model_cfg: Any) -> str | None:
+        """The registered packed attention (verl/utils/attention.py) when the model packs; sdpa otherwise."""
+        return attn_implementation(self.device, bool(model_cfg.get("use_remove_padding", False)),
+                                   str(model_cfg.get("packing_kernel", "varlen_attn")))
 
     def _prepare(self, module: nn.Module, model_cfg: Any, trainable: bool) -> None:
         """Gradient checkpointing or freezing: what must be set before FSDP2 wraps the model."""
@@ -263,7 +265,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         model_cfg = self.config.model
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
         use_rmpad = bool(model_cfg.get("use_remove_padding", False))
-        attn = self._attn_implementation(use_rmpad)
+        attn = self._attn_implementation(model_cfg)
         self.actor_module = self.actor_optimizer = self.actor_lr_scheduler = None
         self._weights_version = 0   # bumped by every change of the actor's weights
         if self._is_actor:   # the rollout pool (role rollout) holds no FSDP copy: its engine is built below
@@ -675,7 +677,7 @@ class CriticWorker(_FSDPWorkerBase):
         model_cfg = self.config.model
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.get("tokenizer_path") or model_cfg.path)
         use_rmpad = bool(model_cfg.get("use_remove_padding", False))
-        attn = self._attn_implementation(use_rmpad)
+        attn = self._attn_implementation(model_cfg)
         torch.manual_seed(0)   # the RNG state the critic's shuffles start from: the same on every rank
         self.critic_module = self._load_sharded(
             lambda: build_value_model(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),

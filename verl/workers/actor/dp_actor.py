@@ -16,11 +16,13 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from verl.trainer.ppo import core_algos
 from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
+from verl.utils import ulysses
 from verl.utils.logprob_head import lm_head_computes_log_probs
 from verl.utils.remove_padding import (
     check_packing_isolates_sequences,
@@ -59,8 +61,11 @@ class DataParallelPPOActor(BasePPOActor):
     """PPO actor over an HF causal LM wrapped by FSDP (or a plain module in one process)."""
 
     def __init__(self, config: Any, actor_module: nn.Module, actor_optimizer: torch.optim.Optimizer | None = None,
-                 use_remove_padding: bool | None = None) -> None:
+                 use_remove_padding: bool | None = None, sp_group: Any = None) -> None:
         super().__init__(config)
+        # Ulysses: the ranks of `sp_group` hold the same micro-batches and split each packed row
+        # (verl/utils/ulysses.py); None = no sequence parallelism.
+        self.sp_group = sp_group
         self.actor_module = actor_module
         self.actor_optimizer = actor_optimizer
         self._packing_checked = False
@@ -94,8 +99,12 @@ class DataParallelPPOActor(BasePPOActor):
             slot_of[packed.indices] = torch.arange(packed.indices.numel(), device=device)
             slots_BR = slot_of[torch.arange(batch_size, device=device)[:, None] * seqlen + predicting_R[None, :]]
             kept = slots_BR >= 0
-            log_probs_M, entropy_M = self._head(packed.input_ids, packed.position_ids, None, slots_BR[kept],
-                                                responses[kept][None], temperature, calculate_entropy)
+            if self.sp_group is not None:
+                log_probs_M, entropy_M = self._head_sequence_parallel(packed, slots_BR[kept], responses[kept],
+                                                                      temperature, calculate_entropy)
+            else:
+                log_probs_M, entropy_M = self._head(packed.input_ids, packed.position_ids, None, slots_BR[kept],
+                                                    responses[kept][None], temperature, calculate_entropy)
             log_probs = torch.zeros(batch_size, response_length, dtype=torch.float32, device=device)
             log_probs[kept] = log_probs_M[0]
             entropy = None
@@ -120,6 +129,30 @@ class DataParallelPPOActor(BasePPOActor):
             out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, logits_to_keep=keep)
         return fused.read(out.logits)
+
+    def _head_sequence_parallel(self, packed: Any, slots_M: torch.Tensor, labels_M: torch.Tensor,
+                                temperature: float, calculate_entropy: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_head` over this rank's slice of the packed row: the fused head runs on every position of
+        the slice (each labelled with its next token, the response token at the kept slots), the
+        slices' results are gathered over the SP group, then the kept slots are read."""
+        n = packed.input_ids.shape[-1]
+        labels_N = packed.input_ids[0].roll(-1).clone()
+        labels_N[slots_M] = labels_M
+        with ulysses.sequence_parallel(self.sp_group, packed.position_ids):
+            ids_1n, pos_1n, pad = ulysses.slice_packed(packed.input_ids, packed.position_ids, self.sp_group)
+            chunk = ids_1n.shape[-1]
+            start = dist.get_rank(self.sp_group) * chunk
+            labels_padded = torch.cat([labels_N, labels_N.new_zeros(pad)])
+            keep = torch.arange(chunk, device=ids_1n.device)
+            log_probs_1n, entropy_1n = self._head(ids_1n, pos_1n, None, keep,
+                                                  labels_padded[start:start + chunk][None], temperature,
+                                                  calculate_entropy)
+        log_probs_M = ulysses.gather_tokens(log_probs_1n[0], self.sp_group)[:n][slots_M][None]
+        entropy_M = None
+        if calculate_entropy:
+            entropy_M = ulysses.gather_tokens(entropy_1n[0], self.sp_group)[:n][slots_M][None]
+        return log_probs_M, entropy_M
 
     def compute_log_prob(self, data: Any, calculate_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:

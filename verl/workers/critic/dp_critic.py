@@ -21,6 +21,7 @@ from torch import nn
 from verl.trainer.ppo import core_algos
 from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
+from verl.utils import ulysses
 from verl.utils.remove_padding import check_packing_isolates_sequences, pack_batch, unpack_to_padded
 from verl.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl.workers.actor.dp_actor import clip_and_check_grad, shuffle_seed
@@ -32,8 +33,9 @@ class DataParallelPPOCritic:
     """PPO critic over a one-label token-classification model (FSDP-wrapped or plain)."""
 
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer | None,
-                 use_remove_padding: bool | None = None) -> None:
+                 use_remove_padding: bool | None = None, sp_group: Any = None) -> None:
         self.config = config
+        self.sp_group = sp_group   # Ulysses over these ranks (same micro-batches), as DataParallelPPOActor
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         if use_remove_padding is None:
@@ -51,14 +53,26 @@ class DataParallelPPOCritic:
                 check_packing_isolates_sequences(self.critic_module, self.critic_module.config.vocab_size)
                 self._packing_checked = True
             packed = pack_batch(input_ids, attention_mask, position_ids)
-            out_N = self.critic_module(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                       attention_mask=None, use_cache=False).logits.squeeze(0)
+            if self.sp_group is not None:
+                out_N = self._packed_values_sequence_parallel(packed)
+            else:
+                out_N = self.critic_module(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                           attention_mask=None, use_cache=False).logits.squeeze(0)
             values_BT = unpack_to_padded(out_N.squeeze(-1).float(), packed)
         else:
             values_BT = self.critic_module(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=False).logits.squeeze(-1).float()
         values = values_BT[:, -response_length - 1:-1]
         return values * attention_mask[:, -response_length:].to(values.dtype)
+
+    def _packed_values_sequence_parallel(self, packed: Any) -> torch.Tensor:
+        """(N, 1) values of the packed row: this rank's slice through the model, gathered over the group."""
+        n = packed.input_ids.shape[-1]
+        with ulysses.sequence_parallel(self.sp_group, packed.position_ids):
+            ids_1n, pos_1n, _ = ulysses.slice_packed(packed.input_ids, packed.position_ids, self.sp_group)
+            out_n = self.critic_module(input_ids=ids_1n, position_ids=pos_1n, attention_mask=None,
+                                       use_cache=False).logits.squeeze(0)
+        return ulysses.gather_tokens(out_n, self.sp_group)[:n]
 
     def _loss_mask(self, micro: Any) -> torch.Tensor:
         """response_mask (policy tokens); with critic.state_masking=False, every real response token."""
