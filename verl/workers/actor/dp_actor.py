@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.registry import get_policy_loss_fn
 from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
 from verl.utils.logprob_head import lm_head_computes_log_probs
@@ -55,6 +56,12 @@ def shuffle_seed(config: Any, update_calls: int, epoch: int) -> int:
     return int(config.get("shuffle_seed", 0)) * 1_000_003 + update_calls * 1_009 + epoch
 
 
+def loss_mode(config: Any) -> str:
+    """actor.policy_loss.loss_mode; vanilla (dual-clip PPO) when the node or the key is absent."""
+    node = config.get("policy_loss", None)
+    return str((node.get("loss_mode", None) if node is not None else None) or "vanilla")
+
+
 class DataParallelPPOActor(BasePPOActor):
     """PPO actor over an HF causal LM wrapped by FSDP (or a plain module in one process)."""
 
@@ -67,6 +74,8 @@ class DataParallelPPOActor(BasePPOActor):
         self._update_calls = 0   # update_policy calls so far: part of the shuffle seed
         self.use_remove_padding = bool(config.get("use_remove_padding", False)
                                        if use_remove_padding is None else use_remove_padding)
+        # looked up now too, so that an unknown loss_mode fails when the worker builds its model
+        get_policy_loss_fn(loss_mode(config))
 
     # ------------------------------------------------------------------ forward
     def _forward_micro_batch(self, micro: Any, temperature: float, calculate_entropy: bool
@@ -168,28 +177,28 @@ class DataParallelPPOActor(BasePPOActor):
         return list(batch.split(mini_size))
 
     def _micro_batch_loss(self, micro: Any, temperature: float, metrics: dict[str, list[float]]) -> torch.Tensor:
-        """Clipped policy loss (dual-clip for negative advantages, `clip_ratio_c`) - entropy bonus
-        (+ KL-to-reference loss), all over response_mask."""
+        """Policy loss (actor.policy_loss.loss_mode, from the registry; vanilla: dual-clip PPO) -
+        entropy bonus (+ KL-to-reference loss), all over response_mask."""
         cfg = self.config
         loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
+        scale = cfg.get("loss_scale_factor", None)
         response_mask = micro[K.RESPONSE_MASK].float()
         entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=True)
         is_weights = micro[K.ROLLOUT_IS_WEIGHTS] if K.ROLLOUT_IS_WEIGHTS in micro.keys() else None
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = core_algos.compute_policy_loss(
-            micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask, cfg.clip_ratio, loss_agg_mode,
-            is_weights, clip_ratio_c=float(cfg.get("clip_ratio_c", core_algos.DEFAULT_CLIP_RATIO_C)))
-        entropy_loss = tf.agg_loss(entropy, response_mask, loss_agg_mode)
+        policy_loss_fn = get_policy_loss_fn(loss_mode(cfg))
+        pg_loss, pg_metrics = policy_loss_fn(micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask,
+                                             loss_agg_mode, cfg, rollout_is_weights=is_weights)
+        entropy_loss = tf.agg_loss(entropy, response_mask, loss_agg_mode, loss_scale_factor=scale)
         policy_loss = pg_loss - float(cfg.get("entropy_coeff", 0.0)) * entropy_loss
         if cfg.get("use_kl_loss", False):
             kld = core_algos.kl_penalty(log_prob, micro[K.REF_LOG_PROB], cfg.kl_loss_type)
-            kl_loss = tf.agg_loss(kld, response_mask, loss_agg_mode)
+            kl_loss = tf.agg_loss(kld, response_mask, loss_agg_mode, loss_scale_factor=scale)
             policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
             metrics["actor/kl_loss"].append(kl_loss.item())
             metrics["actor/kl_coef"].append(float(cfg.kl_loss_coef))
         metrics["actor/pg_loss"].append(pg_loss.item())
-        metrics["actor/pg_clipfrac"].append(pg_clipfrac.item())
-        metrics["actor/pg_clipfrac_lower"].append(pg_clipfrac_lower.item())
-        metrics["actor/ppo_kl"].append(ppo_kl.item())
+        for name, value in pg_metrics.items():
+            metrics[name].append(float(value))
         metrics["actor/entropy"].append(entropy_loss.item())
         return policy_loss
 
