@@ -207,3 +207,27 @@ def test_the_actor_logs_the_chosen_losss_metrics(tiny_model_dir, mode):
     assert metrics["actor/pg_loss"] == [pytest.approx(float(expected), rel=1e-4, abs=1e-6)]
     for name, value in expected_metrics.items():
         assert metrics[name] == [pytest.approx(value, rel=1e-4, abs=1e-6)]
+
+
+@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "vanilla"])
+def test_a_mini_batch_split_into_micro_batches_updates_as_the_unsplit_one(tiny_model_dir, mode):
+    """gspo / geo_mean average over rows whatever loss_agg_mode (token-mean here) says: the actor weighs
+    their micro-batches by row share, the entropy term's by token share, so 2 + 2 + 2 rows (with unequal
+    token counts) give the update of 6 rows in one micro-batch."""
+    probe = _actor(tiny_model_dir)
+    data = make_ppo_batch(probe.actor_module.config.vocab_size, batch_size=6, seed=9)
+    data.batch[K.RESPONSE_MASK][0, 2:] = 0
+    data.meta_info = {K.META_TEMPERATURE: 1.0, K.META_MICRO_BATCH_SIZE: 6}
+    log_probs, _ = probe.compute_log_prob(data)
+    # old log-probs near the current ones: ratios inside the clip band, the policy term has a gradient
+    data.batch[K.OLD_LOG_PROBS] = log_probs + 0.01 * torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(1))
+    updated = []
+    for micro in (6, 2):
+        actor = _actor(tiny_model_dir, policy_loss={"loss_mode": mode}, ppo_mini_batch_size=6,
+                       ppo_micro_batch_size=micro, entropy_coeff=0.01)
+        before = [p.detach().clone() for p in actor.actor_module.parameters()]
+        actor.update_policy(data)
+        updated.append([p.detach() - b for p, b in zip(actor.actor_module.parameters(), before, strict=True)])
+    assert any(float(d.abs().max()) > 0 for d in updated[0])
+    for split, whole in zip(updated[1], updated[0], strict=True):
+        torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-4)

@@ -324,3 +324,10 @@ def compute_policy_loss_geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Ten
     return pg_loss, _metrics(tf.masked_mean(-log_ratio, mask),
                              tf.masked_mean((was_clipped & (advantages > 0)).to(mask.dtype), mask),
                              tf.masked_mean((was_clipped & (advantages < 0)).to(mask.dtype), mask))
+
+
+# the losses that aggregate on their own, whatever actor.loss_agg_mode says (veRL's): the actor
+# weighs their micro-batches by that aggregation (a row share), not by loss_agg_mode's
+compute_policy_loss_gspo.fixed_loss_agg_mode = "seq-mean-token-mean"
+compute_policy_loss_sapo.fixed_loss_agg_mode = "seq-mean-token-mean"
+compute_policy_loss_geo_mean.fixed_loss_agg_mode = "seq-mean-token-mean"   # a mean over rows
