@@ -211,23 +211,25 @@ def test_gradients_are_freed_when_the_update_returns(tiny_model_dir):
     assert all(p.grad is None for p in actor.actor_module.parameters())
 
 
-def test_update_under_data_parallelism_weighs_micro_batches_by_the_global_mini_batch(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_update_under_data_parallelism_weighs_micro_batches_by_the_global_mini_batch(tiny_model_dir, monkeypatch,
+                                                                                      mode):
     """On 2 ranks that hold the same rows, FSDP's average of the two gradients is each rank's own: it
     must equal the one-process gradient (the totals are faked here; the 2-rank run is the slow
     tests/workers/test_dp_gradient_share.py)."""
     data = make_ppo_batch(_vocab(tiny_model_dir), batch_size=6, seed=11)
-    one = make_actor(tiny_model_dir, lr=1.0, ppo_mini_batch_size=6)
+    one = make_actor(tiny_model_dir, lr=1.0, ppo_mini_batch_size=6, loss_agg_mode=mode)
     before = params(one)
     one.update_policy(with_meta(data))
     monkeypatch.setattr(tf, "data_parallel_totals", lambda tokens, rows, device: (2 * tokens, 2.0 * rows, 2))
-    two = make_actor(tiny_model_dir, lr=1.0, ppo_mini_batch_size=6)
+    two = make_actor(tiny_model_dir, lr=1.0, ppo_mini_batch_size=6, loss_agg_mode=mode)
     two.update_policy(with_meta(data))
     assert step_norm(before, one) > 0
     for got, expected in zip(two.actor_module.parameters(), one.actor_module.parameters(), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_a_row_rejected_whole_is_not_a_row_of_the_seq_mean_in_any_micro_batch_split(tiny_model_dir, mode):
     """A row whose every token left response_mask (rollout-correction rejection) counts in neither the
     loss's denominator nor a micro-batch's row share: the update equals the one without that row, with

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from verl.trainer.config_check_policy_loss import check_policy_loss, load_custom_algorithms
 from verl.trainer.config_schema import ConfigError, raise_if, undeclared_keys, unknown_key_message
 from verl.trainer.run_config import CRITIC_FORWARD_MICRO, RunConfig
 from verl.utils.attention import FLASH_ATTN_INSTALL
@@ -31,7 +32,8 @@ ROLLOUT_NAMES = ("auto", "hf", "vllm")
 SGLANG_NAMES = ("sglang", "sglang_async")
 TRUNCATIONS = ("error", "left", "right", "middle")
 KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# as verl.utils.torch_functional.LOSS_AGG_MODES (not imported: this module stays free of torch)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # Logger backends that need a package: backend -> (module to find, how to install it).
 LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
@@ -473,6 +475,7 @@ RULES: tuple[Rule, ...] = (
     check_data,
     check_algorithm,
     check_adv_estimator,
+    check_policy_loss,
     check_bypass_mode,
     check_rollout,
     check_max_model_len,
@@ -510,6 +513,8 @@ def check(cfg: DictConfig, has_gpu: bool | None = None) -> tuple[RunConfig | Non
     """(the run's typed sections, or None when a section's own values are wrong; every problem found)."""
     OmegaConf.set_struct(cfg, True)
     errors: list[str] = [unknown_key_message(key) for key in undeclared_keys(cfg)]
+    # first: the user's losses / estimators are choices the rules below accept
+    errors.extend(load_custom_algorithms(cfg))
     try:
         run = RunConfig.from_config(cfg)
     except ConfigError as err:   # a section's own values: the rules read them, so they wait

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # Rows per chunk in logprobs_from_logits: bounds the (rows, V) float32 temporary
 # created by logsumexp, which dominates memory with a large vocabulary.
@@ -112,7 +112,7 @@ def micro_batch_share(micro_mask: torch.Tensor, mini_mask_total: float, micro_ro
 
     token-mean: its share of the mini-batch's loss tokens, so micro-batches of unequal token
     counts (dynamic batch size) sum to the token-mean of the whole mini-batch; the seq-mean
-    modes: its share of the rows, counting rows with at least one loss token only
+    modes (seq-mean-token-sum-norm included): its share of the rows, counting rows with at least one loss token only
     (`rows_with_tokens`, as `agg_loss` does), so `micro_rows` and `mini_rows` are such counts.
     Under data parallelism pass the totals over all ranks (`data_parallel_totals`) and their
     number: FSDP averages gradients over the ranks, so each share is scaled by `dp_size` and the
@@ -171,21 +171,33 @@ def pad_sequence_to_length(tensor: torch.Tensor, max_len: int, pad_value: float,
     return F.pad(tensor, padding, "constant", pad_value)
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str,
+             loss_scale_factor: float | None = None) -> torch.Tensor:
     """Reduce a (B, R) per-token loss to a scalar.
 
     token-mean: mean over all masked tokens of the batch (long answers weigh more);
     seq-mean-token-sum: per-row sum, then mean over rows;
-    seq-mean-token-mean: per-row mean, then mean over rows (each row weighs the same).
+    seq-mean-token-mean: per-row mean, then mean over rows (each row weighs the same);
+    seq-mean-token-sum-norm (Dr. GRPO, arXiv:2503.20783): per-row sum divided by a constant,
+    `loss_scale_factor` (actor.loss_scale_factor; None: R, the padded response length), then mean
+    over rows -- no per-row length normalisation, so no length bias.
     The seq-mean modes average over the rows with at least one masked token (as veRL): a row
     whose tokens were all rejected (rollout correction) is out of the loss, denominator included.
     No rows with tokens: 0.
+    (veRL's seq-mean-token-sum-norm sums over the micro-batch's rows without dividing by their
+    number and relies on the micro-batch scaling; here it is a per-row mean like the other seq-mean
+    modes, so a mini-batch split into micro-batches and ranks gives the unsplit loss.)
     """
     if loss_agg_mode == "token-mean":
         return masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        per_row = (masked_sum(loss_mat, loss_mask, axis=-1) if loss_agg_mode == "seq-mean-token-sum"
-                   else masked_mean(loss_mat, loss_mask, axis=-1))
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        per_row = (masked_mean(loss_mat, loss_mask, axis=-1) if loss_agg_mode == "seq-mean-token-mean"
+                   else masked_sum(loss_mat, loss_mask, axis=-1))
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            scale = float(loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+            if not scale > 0:
+                raise ValueError(f"actor.loss_scale_factor must be > 0, got {loss_scale_factor!r}")
+            per_row = per_row / scale
         rows = loss_mask.sum(dim=-1) > 0
         return masked_sum(per_row, rows) / rows.sum().clamp(min=1)
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r} (actor.loss_agg_mode); expected one of {LOSS_AGG_MODES}")

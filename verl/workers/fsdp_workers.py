@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, MeshRank, register
+from verl.trainer.ppo.registry import CUSTOM_ALGORITHMS_WORKER_KEY, load_custom_algorithms
 from verl.trainer.run_config import default_micro_per_worker
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
@@ -240,6 +241,9 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._push_manifest: Any = None   # PushManifest: what a push sends, in which dtype (set on joining)
         # role rollout (a pipelined run's rollout pool): the engine alone, fed by pushes (verl/workers/rollout_pool.py)
         self._rollout_pool: Any = None
+        # custom_algorithms.path (set here by the driver, `worker_config_with_custom_algorithms`): its
+        # policy losses registered in this process before the actor looks its loss_mode up
+        load_custom_algorithms(config.get(CUSTOM_ALGORITHMS_WORKER_KEY))
         check_supported(config.actor, "actor_rollout_ref.actor")
         check_fsdp_size(config.actor.fsdp_config, self.world_size, "actor_rollout_ref.actor.fsdp_config")
         if self._is_ref:

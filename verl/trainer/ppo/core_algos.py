@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from verl.trainer.ppo import policy_losses  # registers the built-in policy losses
+from verl.trainer.ppo.policy_losses import DEFAULT_CLIP_RATIO_C, LOG_RATIO_CLAMP  # noqa: F401  (re-exported)
 from verl.trainer.ppo.registry import get_adv_estimator_fn, register_adv_est
 from verl.utils import torch_functional as tf
 
@@ -309,50 +311,25 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_probs: torch.Tens
 
 
 # --------------------------------------------------------------------------- losses
-LOG_RATIO_CLAMP = 20.0   # |log pi_theta - log pi_old| bound in the PPO ratio
-DEFAULT_CLIP_RATIO_C = 3.0   # actor.clip_ratio_c: the dual-clip bound (veRL's default)
-
-
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, cliprange: float,
                         loss_agg_mode: str = "token-mean", is_weights: torch.Tensor | None = None,
-                        clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+                        clip_ratio_c: float = DEFAULT_CLIP_RATIO_C, cliprange_low: float | None = None,
+                        cliprange_high: float | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dual-clip PPO surrogate (veRL's).  -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), all scalars.
 
-    Per token: max(-A r, -A clip(r, 1 - eps, 1 + eps)), and for A < 0 at most -A * clip_ratio_c
-    (Ye et al. 2019, arXiv:1912.09729): without that bound a token whose ratio is far above 1
-    (a stale pipeline batch, bypass mode's ratio against the engine) and whose advantage is
-    negative would scale its gradient by the ratio. Past the bound the token's loss is constant:
-    no gradient. pg_clipfrac is the fraction of policy tokens whose clipped term was the active one,
-    pg_clipfrac_lower the fraction held at the dual-clip bound.
+    The `vanilla` policy loss with its metrics as tensors (`policy_losses.ppo_clip_loss`):
+    per token max(-A r, -A clip(r, 1 - low, 1 + high)) (low / high: `cliprange` when None), and
+    for A < 0 at most -A * clip_ratio_c (Ye et al. 2019, arXiv:1912.09729).
     `is_weights` (B, R): rollout correction's pi_old / pi_rollout weights, multiplying each token's
     clipped loss (verl/trainer/ppo/rollout_correction.py); None: all 1.
     Values outside `response_mask` never reach the loss or the metrics, NaN or inf included.
     """
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (the dual-clip bound), got {clip_ratio_c}")
-    in_loss = response_mask.bool()
-    mask = response_mask.to(log_prob.dtype)
-    # selected, not multiplied, so a -inf / NaN log-prob on padding gives ratio 1 there, not NaN;
-    # bounded as veRL does: a token the old policy (in bypass mode the engine) found nearly
-    # impossible gives a large but finite ratio, never inf (0 * inf would be NaN in the loss)
-    log_ratio = torch.where(in_loss, log_prob - old_log_prob, torch.zeros_like(log_prob))
-    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = tf.masked_mean(-log_ratio, mask)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    clip_loss = torch.max(unclipped, clipped)
-    dual_bound = -advantages * clip_ratio_c
-    negative = advantages < 0
-    per_token = torch.where(negative, torch.min(clip_loss, dual_bound), clip_loss)
-    if is_weights is not None:
-        per_token = per_token * is_weights.to(per_token.dtype)
-    pg_loss = tf.agg_loss(per_token, mask, loss_agg_mode)
-    pg_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
-    pg_clipfrac_lower = tf.masked_mean((torch.gt(clip_loss, dual_bound) & negative).to(mask.dtype), mask)
-    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    return policy_losses.ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c,
+                                       loss_agg_mode, is_weights)
 
 
 def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor,

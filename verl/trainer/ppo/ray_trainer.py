@@ -34,6 +34,7 @@ from verl.trainer.ppo import core_algos, remax, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
 from verl.trainer.ppo.checkpointing import CheckpointedTraining
 from verl.trainer.ppo.pipeline import PipelinedTraining
+from verl.trainer.ppo.registry import worker_config_with_custom_algorithms
 from verl.trainer.ppo.resource_pools import ResourcePoolManager, Role
 from verl.trainer.ppo.rollout_setup import (
     GEN_INPUT_KEYS,
@@ -185,7 +186,8 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
         ppo_mini_batch_size}`) would read the actor's already divided value. `run_ppo` resolves the
         whole config; this refuses a config that was not.
         """
-        configs = {"actor_rollout": self.config.actor_rollout_ref}
+        configs = {"actor_rollout": worker_config_with_custom_algorithms(
+            self.config.actor_rollout_ref, self.config.get("custom_algorithms", {}).get("path"))}
         if self.use_critic:
             configs["critic"] = self.config.critic
         for name, node in configs.items():

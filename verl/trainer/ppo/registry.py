@@ -30,9 +30,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 POLICY_LOSS_REGISTRY: dict[str, Callable[..., Any]] = {}
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., Any]] = {}
 
+# the loss modes verl.trainer.ppo.policy_losses registers (named here so the config check needs no torch)
+BUILTIN_POLICY_LOSSES = ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo")
+
 POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 ADV_ESTIMATOR_KEY = "algorithm.adv_estimator"
 CUSTOM_ALGORITHMS_KEY = "custom_algorithms.path"
+# the key of the actor workers' config (actor_rollout_ref) that carries custom_algorithms.path to them
+CUSTOM_ALGORITHMS_WORKER_KEY = "custom_algorithms_path"
 
 
 def _name(name: str | Enum) -> str:
@@ -125,3 +130,19 @@ def load_custom_algorithms(path: str | None) -> None:
         del sys.modules[module_name]
         raise ImportError(f"{CUSTOM_ALGORITHMS_KEY}: importing {str(file)!r} failed: "
                           f"{type(exc).__name__}: {exc}") from exc
+
+
+def worker_config_with_custom_algorithms(actor_rollout_ref: Any, path: str | None) -> Any:
+    """The actor workers' config: `actor_rollout_ref` itself without a custom file, else a copy that
+    carries the file's (absolute) path as `custom_algorithms_path`, which the worker imports (the
+    workers are processes of their own: the driver's registrations do not reach them)."""
+    if not path:
+        return actor_rollout_ref
+    import copy
+
+    from omegaconf import open_dict
+
+    config = copy.deepcopy(actor_rollout_ref)
+    with open_dict(config):
+        config[CUSTOM_ALGORITHMS_WORKER_KEY] = str(Path(path).expanduser().resolve())
+    return config

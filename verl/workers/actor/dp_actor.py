@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.registry import get_policy_loss_fn
 from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
 from verl.utils import ulysses
@@ -57,6 +59,16 @@ def shuffle_seed(config: Any, update_calls: int, epoch: int) -> int:
     return int(config.get("shuffle_seed", 0)) * 1_000_003 + update_calls * 1_009 + epoch
 
 
+def _share(micro_mask: torch.Tensor, mini_tokens: float, mini_rows: float, dp_size: int, mode: str) -> float:
+    return tf.micro_batch_share(micro_mask, mini_tokens, tf.rows_with_tokens(micro_mask), mini_rows, mode, dp_size)
+
+
+def loss_mode(config: Any) -> str:
+    """actor.policy_loss.loss_mode; vanilla (dual-clip PPO) when the node or the key is absent."""
+    node = config.get("policy_loss", None)
+    return str((node.get("loss_mode", None) if node is not None else None) or "vanilla")
+
+
 class DataParallelPPOActor(BasePPOActor):
     """PPO actor over an HF causal LM wrapped by FSDP (or a plain module in one process)."""
 
@@ -72,6 +84,8 @@ class DataParallelPPOActor(BasePPOActor):
         self._update_calls = 0   # update_policy calls so far: part of the shuffle seed
         self.use_remove_padding = bool(config.get("use_remove_padding", False)
                                        if use_remove_padding is None else use_remove_padding)
+        # looked up now too, so that an unknown loss_mode fails when the worker builds its model
+        get_policy_loss_fn(loss_mode(config))
 
     # ------------------------------------------------------------------ forward
     def _forward_micro_batch(self, micro: Any, temperature: float, calculate_entropy: bool
@@ -200,29 +214,37 @@ class DataParallelPPOActor(BasePPOActor):
             batch = batch[torch.randperm(batch.batch_size[0], generator=generator)]
         return list(batch.split(mini_size))
 
-    def _micro_batch_loss(self, micro: Any, temperature: float, metrics: dict[str, list[float]]) -> torch.Tensor:
-        """Clipped policy loss (dual-clip for negative advantages, `clip_ratio_c`) - entropy bonus
-        (+ KL-to-reference loss), all over response_mask."""
+    def _micro_batch_loss(self, micro: Any, temperature: float, metrics: dict[str, list[float]],
+                          share: Any = None) -> torch.Tensor:
+        """Policy loss (actor.policy_loss.loss_mode, from the registry; vanilla: dual-clip PPO) -
+        entropy bonus (+ KL-to-reference loss), all over response_mask.
+
+        `share(mode)`: this micro-batch's weight in its mini-batch for a term aggregated by `mode`
+        (None: 1); each term is weighted by its own, so a loss that aggregates on its own
+        (`fixed_loss_agg_mode`: gspo, sapo, geo_mean) is split like the whole mini-batch too."""
         cfg = self.config
+        share = share or (lambda mode: 1.0)
         loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
+        scale = cfg.get("loss_scale_factor", None)
         response_mask = micro[K.RESPONSE_MASK].float()
         entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=True)
         is_weights = micro[K.ROLLOUT_IS_WEIGHTS] if K.ROLLOUT_IS_WEIGHTS in micro.keys() else None
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = core_algos.compute_policy_loss(
-            micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask, cfg.clip_ratio, loss_agg_mode,
-            is_weights, clip_ratio_c=float(cfg.get("clip_ratio_c", core_algos.DEFAULT_CLIP_RATIO_C)))
-        entropy_loss = tf.agg_loss(entropy, response_mask, loss_agg_mode)
-        policy_loss = pg_loss - float(cfg.get("entropy_coeff", 0.0)) * entropy_loss
+        policy_loss_fn = get_policy_loss_fn(loss_mode(cfg))
+        pg_loss, pg_metrics = policy_loss_fn(micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask,
+                                             loss_agg_mode, cfg, rollout_is_weights=is_weights)
+        entropy_loss = tf.agg_loss(entropy, response_mask, loss_agg_mode, loss_scale_factor=scale)
+        pg_mode = getattr(policy_loss_fn, "fixed_loss_agg_mode", loss_agg_mode)
+        policy_loss = (pg_loss * share(pg_mode)
+                       - float(cfg.get("entropy_coeff", 0.0)) * entropy_loss * share(loss_agg_mode))
         if cfg.get("use_kl_loss", False):
             kld = core_algos.kl_penalty(log_prob, micro[K.REF_LOG_PROB], cfg.kl_loss_type)
-            kl_loss = tf.agg_loss(kld, response_mask, loss_agg_mode)
-            policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss
+            kl_loss = tf.agg_loss(kld, response_mask, loss_agg_mode, loss_scale_factor=scale)
+            policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss * share(loss_agg_mode)
             metrics["actor/kl_loss"].append(kl_loss.item())
             metrics["actor/kl_coef"].append(float(cfg.kl_loss_coef))
         metrics["actor/pg_loss"].append(pg_loss.item())
-        metrics["actor/pg_clipfrac"].append(pg_clipfrac.item())
-        metrics["actor/pg_clipfrac_lower"].append(pg_clipfrac_lower.item())
-        metrics["actor/ppo_kl"].append(ppo_kl.item())
+        for name, value in pg_metrics.items():
+            metrics[name].append(float(value))
         metrics["actor/entropy"].append(entropy_loss.item())
         return policy_loss
 
@@ -259,15 +281,12 @@ class DataParallelPPOActor(BasePPOActor):
                     float(mini[K.RESPONSE_MASK].sum()), tf.rows_with_tokens(mini[K.RESPONSE_MASK]),
                     mini[K.RESPONSE_MASK].device)
                 for micro in micro_batches:
-                    loss = self._micro_batch_loss(micro, temperature, metrics)
-                    # Each micro-batch weighs its share of the mini-batch's tokens (token-mean) or
-                    # rows with a loss token (seq-mean modes; a row rejected whole counts in neither):
-                    # the sum is the loss of the whole mini-batch, however (dynamic batch size) the
-                    # rows were split.
-                    share = tf.micro_batch_share(micro[K.RESPONSE_MASK], mini_tokens,
-                                                 tf.rows_with_tokens(micro[K.RESPONSE_MASK]), mini_rows,
-                                                 cfg.get("loss_agg_mode", "token-mean"), dp_size)
-                    (loss * share).backward()
+                    # each term weighs the micro-batch's share of the mini-batch's tokens (token-mean)
+                    # or rows with a loss token (seq-mean modes; a row rejected whole counts in
+                    # neither): the sum is the loss of the whole mini-batch, however (dynamic batch
+                    # size) the rows were split
+                    share = partial(_share, micro[K.RESPONSE_MASK], mini_tokens, mini_rows, dp_size)
+                    self._micro_batch_loss(micro, temperature, metrics, share).backward()
                 grad_norm, finite = self._optimizer_step()
                 grad_nonfinite += int(not finite)
                 metrics["actor/grad_norm"].append(grad_norm)
