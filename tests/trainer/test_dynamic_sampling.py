@@ -52,25 +52,39 @@ def _last_token_scores(values: list[float]) -> Any:
     return reward_fn
 
 
-def test_overlong_shaping_counts_policy_tokens_and_lands_on_the_last_one() -> None:
-    # width 10, max_response_length 8, buffer 4: penalty from the 5th policy token, -0.25 per token.
+def test_overlong_shaping_counts_the_longest_turn_and_lands_on_the_last_policy_token() -> None:
+    # tag protocol: max_response_length 8 bounds each turn; buffer 4: from the 5th token, -0.25 a token.
     mask = torch.tensor([
-        [1, 1, 1, 1, 1, 1, 0, 0, 0, 0],     # 6 policy tokens: -0.5
-        [1, 1, 0, 0, 0, 0, 0, 0, 1, 1],     # 4 policy tokens around 6 observation tokens: no penalty
+        [1, 1, 1, 1, 1, 1, 0, 0, 0, 0],     # one turn of 6: -0.5
+        [1, 1, 0, 0, 0, 0, 0, 0, 1, 1],     # two turns of 2 around an observation: no penalty
         [1, 1, 1, 1, 1, 1, 1, 1, 0, 0],     # 8: -1.0
+        [1, 1, 1, 1, 0, 0, 1, 1, 1, 1],     # 8 policy tokens, but turns of 4: no penalty
     ])
-    batch = _scored_batch(mask, ["a", "a", "b"])
+    batch = _scored_batch(mask, ["a", "a", "b", "b"])
     shaping = OverlongBuffer(enable=True, len=4, penalty_factor=1.0, log=True)
-    metrics = score_rollouts(_last_token_scores([1.0, 1.0, 0.0]), batch, shaping, 8, row_values=True)
+    metrics = score_rollouts(_last_token_scores([1.0, 1.0, 0.0, 0.0]), batch, shaping, 8, row_values=True)
     scores = batch.batch[K.TOKEN_LEVEL_SCORES]
     assert scores[0, 5].item() == pytest.approx(0.5) and scores[1, 9].item() == pytest.approx(1.0)
     assert scores[2, 7].item() == pytest.approx(-1.0)
-    assert scores.sum(-1).tolist() == pytest.approx([0.5, 1.0, -1.0])   # nothing anywhere else
-    assert batch.non_tensor_batch["score"].tolist() == [1.0, 1.0, 0.0]      # before shaping
-    assert batch.non_tensor_batch["seq_reward"].tolist() == pytest.approx([0.5, 1.0, -1.0])
-    assert batch.non_tensor_batch["acc"].tolist() == [1.0, 1.0, 0.0]       # no EM breakdown: the score
-    assert metrics["reward/overlong_reward_mean"] == pytest.approx(-0.5)
-    assert metrics["reward/overlong_fraction"] == pytest.approx(2 / 3)
+    assert scores.sum(-1).tolist() == pytest.approx([0.5, 1.0, -1.0, 0.0])   # nothing anywhere else
+    assert batch.non_tensor_batch["score"].tolist() == [1.0, 1.0, 0.0, 0.0]     # before shaping
+    assert batch.non_tensor_batch["seq_reward"].tolist() == pytest.approx([0.5, 1.0, -1.0, 0.0])
+    assert batch.non_tensor_batch["acc"].tolist() == [1.0, 1.0, 0.0, 0.0]      # no EM breakdown: the score
+    assert metrics["reward/overlong_reward_mean"] == pytest.approx(-1.5 / 4)
+    assert metrics["reward/overlong_fraction"] == pytest.approx(2 / 4)
+
+
+def test_tool_protocol_overlong_counts_the_whole_response_with_tool_messages() -> None:
+    # veRL's length: every real response token. 3 policy + 4 tool-message tokens = 7 of max 8, buffer 4: -0.75
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 1, 0]])
+    batch = _scored_batch(mask, ["a"])
+    batch.batch[K.ATTENTION_MASK] = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0]])   # 2 prompt + 8 response
+    cfg = compose_config(["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+                          "data.max_response_length=8", "actor_rollout_ref.rollout.multi_turn.enable=true"])
+    shaping = OverlongBuffer.from_config(cfg)
+    assert shaping.whole_response
+    score_rollouts(_last_token_scores([1.0]), batch, shaping, 8)
+    assert batch.batch[K.TOKEN_LEVEL_SCORES][0, 6].item() == pytest.approx(0.25)
 
 
 def test_shaping_off_leaves_the_scores_and_writes_no_row_values() -> None:
@@ -83,7 +97,8 @@ def test_shaping_off_leaves_the_scores_and_writes_no_row_values() -> None:
 def test_overlong_buffer_keys_are_checked() -> None:
     cfg = compose_config(["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
                           "data.max_response_length=8", "reward_model.overlong_buffer.penalty_factor=0.5"])
-    assert OverlongBuffer.from_config(cfg) == OverlongBuffer(enable=True, len=4, penalty_factor=0.5, log=False)
+    assert OverlongBuffer.from_config(cfg) == OverlongBuffer(enable=True, len=4, penalty_factor=0.5, log=False,
+                                                             whole_response=False)
     bad = compose_config(["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=9",
                           "data.max_response_length=8"])
     assert any("reward_model.overlong_buffer.len=9" in e for e in config_errors(bad))

@@ -8,11 +8,15 @@ per-row values dynamic sampling filters on.
 Overlong shaping (DAPO, veRL's `DAPORewardManager`): a row longer than
 `max_response_length - len` tokens loses `(length - (max_response_length - len)) / len * penalty_factor`,
 linearly from 0 to `penalty_factor` over the last `len` tokens; it is added to the score on the
-row's last policy token. The length is the row's policy tokens (response_mask: observations and
-padding excluded), where veRL counts every response token: a retrieved passage is not the policy's
-choice, and counting it would penalise searching. In the tool protocol policy tokens are bounded by
-`data.max_response_length` with the tool messages; in the tag protocol it bounds each turn, so the
-buffer reads the row's policy tokens over all its turns against it (docs/training.md, "DAPO").
+row's last policy token. The length is what `data.max_response_length` bounds, so the penalty grows
+as a row nears the length at which it would be cut:
+
+- tool protocol (rollout.multi_turn.enable): the whole response, tool messages included (veRL's
+  valid response length; its agent loop cuts the trajectory there);
+- tag protocol (and single turn): the row's longest turn, i.e. the longest run of policy tokens
+  (the bound is per generation turn; retrieved passages and the other turns do not count, so a row
+  is not penalised for searching more). Single turn: the response's policy tokens.
+(docs/training.md, "DAPO").
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class OverlongBuffer:
     len: int = 0
     penalty_factor: float = 1.0
     log: bool = False
+    whole_response: bool = False    # tool protocol: count the whole response; else the longest policy turn
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> OverlongBuffer:
@@ -57,7 +62,8 @@ class OverlongBuffer:
             errors.append(f"reward_model.overlong_buffer.penalty_factor={factor!r} must be a number >= 0")
         if errors:
             raise ConfigError(errors[0], errors)
-        return cls(enable=True, len=int(length), penalty_factor=float(factor), log=log)
+        tool = bool(cfg.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False))
+        return cls(enable=True, len=int(length), penalty_factor=float(factor), log=log, whole_response=tool)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_response_length: int, buffer_len: int,
@@ -66,6 +72,25 @@ def overlong_penalty(lengths: torch.Tensor, max_response_length: int, buffer_len
     expected = max_response_length - buffer_len
     exceed = lengths.float() - expected
     return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
+
+
+def longest_run(mask_BR: torch.Tensor) -> torch.Tensor:
+    """Length of each row's longest run of 1s in a (B, R) mask: its longest generation turn."""
+    run = torch.zeros(mask_BR.shape[0], dtype=torch.long, device=mask_BR.device)
+    best = torch.zeros_like(run)
+    for col in range(mask_BR.shape[-1]):
+        run = (run + 1) * mask_BR[:, col].long()
+        best = torch.maximum(best, run)
+    return best
+
+
+def overlong_lengths(batch: DataProto, whole_response: bool) -> torch.Tensor:
+    """The length per row the buffer reads (module docstring): the response's real tokens, or the
+    longest run of policy tokens (response_mask)."""
+    if whole_response:
+        width = batch.batch[K.RESPONSES].shape[-1]
+        return batch.batch[K.ATTENTION_MASK][:, -width:].sum(-1)
+    return longest_run(batch.batch[K.RESPONSE_MASK])
 
 
 def _last_positions(mask_BR: torch.Tensor) -> torch.Tensor:
@@ -96,7 +121,8 @@ def score_rollouts(reward_fn: Any, batch: DataProto, shaping: OverlongBuffer, ma
     acc = np.array([float(b.em) for b in breakdowns]) if breakdowns is not None else raw.copy()
     if shaping.enable:
         mask_BR = batch.batch[K.RESPONSE_MASK]
-        penalty_B = overlong_penalty(mask_BR.sum(-1), max_response_length, shaping.len, shaping.penalty_factor)
+        lengths_B = overlong_lengths(batch, shaping.whole_response)
+        penalty_B = overlong_penalty(lengths_B, max_response_length, shaping.len, shaping.penalty_factor)
         rows = torch.arange(scores_BR.shape[0], device=scores_BR.device)
         scores_BR[rows, _last_positions(mask_BR).to(scores_BR.device)] += penalty_B.to(scores_BR.device)
         if shaping.log:
