@@ -246,3 +246,51 @@ def test_a_dapo_config_passes_the_checks() -> None:
 def test_dapo_contradictions_name_their_keys(extra: list[str], needle: str) -> None:
     errors = config_errors(compose_config(DAPO + extra))
     assert any(needle in e for e in errors), errors
+
+
+# --------------------------------------------------------------------------- the real trainer, scripted workers
+def test_fit_draws_generation_batches_across_epochs_until_enough_groups_then_trains_once(
+        tiny_model_dir: str, tmp_path) -> None:
+    from tests.trainer.test_main_ppo import _scripted_trainer
+
+    # 8 training prompts in generation batches of 8 (one a epoch), train batches of 4 prompts x 2 samples
+    trainer = _scripted_trainer(tiny_model_dir, tmp_path, extra=(
+        "algorithm.filter_groups.enable=true", "data.gen_batch_size=8",
+        "algorithm.filter_groups.max_num_gen_batches=3"))
+    assert trainer.train_dataloader.batch_size == 8
+    calls: list[list[str]] = []
+
+    def reward(batch: DataProto) -> torch.Tensor:
+        """Call 1: only the first 2 groups differ (1, 0); call 2: every group does."""
+        uids = batch.non_tensor_batch[K.UID].tolist()
+        calls.append(uids)
+        scores = torch.zeros(batch.batch[K.RESPONSES].shape)
+        varying = 4 if len(calls) == 1 else len(uids)
+        scores[0:varying:2, -1] = 1.0
+        return scores
+
+    trainer.reward_fn = reward
+    history = trainer.fit()
+    assert [h["step"] for h in history] == [1] and len(calls) == 2
+    step = history[0]
+    # 8 groups a batch: 2 kept of the first, 8 of the second; 4 trained
+    assert step["train/num_gen_batches"] == 2.0 and step["train/filter_groups/generated"] == 16.0
+    assert step["train/filter_groups/kept"] == 10.0 and step["train/filter_groups/filtered"] == 6.0
+    assert step["train/filter_groups/unused"] == 6.0
+    (update,) = trainer.actor_rollout_wg.updates
+    trained = update.non_tensor_batch[K.UID].tolist()
+    # the 2 kept groups of the first batch and the first 2 of the second, every row of each
+    assert sorted(set(trained)) == sorted(set(calls[0][:4]) | set(calls[1][:4])) and len(trained) == 8
+    # GRPO advantages of a (1, 0) group are +-0.707, nonzero on every row trained
+    assert (update.batch[K.ADVANTAGES].abs().sum(-1) > 0).all()
+
+
+def test_fit_stops_at_the_cap_when_every_group_is_all_right(tiny_model_dir: str, tmp_path) -> None:
+    from tests.trainer.test_main_ppo import _scripted_trainer
+
+    trainer = _scripted_trainer(tiny_model_dir, tmp_path, extra=(
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"))
+    # ContainsTokenReward: every scripted response holds the target token, so every group scores 1, 1
+    with pytest.raises(DynamicSamplingError, match="kept 0 groups.*max_num_gen_batches=2"):
+        trainer.fit()
+    assert len(trainer.actor_rollout_wg.generate_calls) == 2 and trainer.actor_rollout_wg.updates == []
