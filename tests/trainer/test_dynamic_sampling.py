@@ -170,6 +170,27 @@ def test_concat_padded_pads_positions_on_and_keeps_equal_widths() -> None:
     assert torch.equal(same.batch[K.RESPONSES][:2], narrow.batch[K.RESPONSES])
 
 
+def test_concat_padded_pads_every_key_a_multi_turn_rollout_carries() -> None:
+    # the tag / tool protocols' extra keys: info_mask (whole sequence), loss_mask, engine log-probs and
+    # token versions (response); versions pad with -1 (no version), the rest with 0
+    parts = []
+    for prompt_w, resp_w in ((2, 3), (3, 5)):
+        part = _gen_batch({f"g{prompt_w}": [1, 0]}, prompt_w=prompt_w, resp_w=resp_w)
+        part.batch[K.INFO_MASK] = torch.ones(2, prompt_w + resp_w, dtype=torch.long)
+        part.batch[K.LOSS_MASK] = torch.ones(2, resp_w, dtype=torch.long)
+        part.batch[K.ROLLOUT_LOG_PROBS] = torch.full((2, resp_w), -0.5)
+        part.batch[K.TOKEN_VERSIONS] = torch.zeros(2, resp_w, dtype=torch.long)
+        part.meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] = prompt_w == 2
+        parts.append(part)
+    out = concat_padded(parts, PAD)
+    assert out.batch[K.INFO_MASK][0].tolist() == [0, 1, 1, 1, 1, 1, 0, 0]
+    assert out.batch[K.LOSS_MASK][0].tolist() == [1, 1, 1, 0, 0]
+    assert out.batch[K.ROLLOUT_LOG_PROBS][0].tolist() == [-0.5, -0.5, -0.5, 0.0, 0.0]
+    assert out.batch[K.TOKEN_VERSIONS][0].tolist() == [0, 0, 0, -1, -1]
+    assert out.batch[K.INPUT_IDS].shape == (4, 8) and out.batch[K.INPUT_IDS][0, 0].item() == PAD
+    assert out.meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] is False    # holds only if it holds for every part
+
+
 # --------------------------------------------------------------------------- the trainer's step
 class _StubTrainer(DynamicSamplingTraining):
     """_sampling_step's view of RayPPOTrainer: a rollout that returns queued groups, a train step that records."""
