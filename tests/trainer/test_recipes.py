@@ -46,3 +46,22 @@ def test_the_dapo_recipe_turns_on_dynamic_sampling_and_overlong_shaping() -> Non
     assert OverlongBuffer.from_config(cfg) == OverlongBuffer(enable=True, len=128, penalty_factor=1.0, log=True)
     assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-mean"
     assert not cfg.actor_rollout_ref.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward is False
+
+
+def test_preflight_reports_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None:
+    from tests.trainer._preflight_data import write_data
+    from tests.trainer.test_preflight import SMALL
+    from verl.trainer.main_ppo import compose_config
+    from verl.trainer.preflight import run_preflight
+
+    cfg = compose_config([*SMALL, *write_data(tmp_path / "data"), "algorithm.adv_estimator=grpo",
+                          "actor_rollout_ref.rollout.n_agent=2", "data.train_batch_size=4", "data.gen_batch_size=6",
+                          "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=5",
+                          "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=100",
+                          "data.max_response_length=500"])
+    report = run_preflight(cfg, has_gpu=False)
+    text = report.render()
+    assert report.ok, text
+    assert ("dynamic sampling (algorithm.filter_groups): generation batches of data.gen_batch_size=6 prompts "
+            "until 4 prompts' groups differ in acc, at most 5 a step") in text
+    assert "overlong shaping (reward_model.overlong_buffer): penalty from 400 tokens, up to -1" in text
