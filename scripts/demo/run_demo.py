@@ -4,6 +4,7 @@
     python -m scripts.demo.run_demo trainer.total_training_steps=20 demo.data_dir=/tmp/demo
     bash train_grpo.sh                                               # same, on a machine with no GPU
     python -m scripts.demo.run_demo demo.algorithm=ppo               # PPO (GAE + critic) instead of GRPO
+    python -m scripts.demo.run_demo demo.recipe=dapo                 # dapo|gspo|drgrpo|reinforce_plus_plus_baseline|rloo
     bash train_ppo.sh                                                # same, on a machine with no GPU
 
 Steps (each cached under demo.data_dir, so a second run goes straight to RL). It prints
@@ -51,6 +52,7 @@ from scripts.demo.build import (
     claim_data_dir,
     split_args,
 )
+from scripts.demo.recipes import RECIPES, with_recipe
 from scripts.demo.tool_demonstrations import MAX_TOOL_RESPONSE_LENGTH, write_tool_config
 from scripts.demo.warmstart import MANIFEST, read_manifest, resolve_warmstart, settings_for, shipped_path
 from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS
@@ -249,23 +251,35 @@ def overall_em(metrics: dict, source_counts: dict[str, int]) -> tuple[float, dic
 
 
 def split_algorithm(argv: list[str]) -> tuple[str, list[str]]:
-    """(`demo.algorithm`, the other arguments): grpo unless `demo.algorithm=ppo` is given."""
-    algorithm, rest = "grpo", []
+    """(`demo.algorithm`, the other arguments): grpo unless `demo.algorithm=ppo` is given; a
+    `demo.recipe=<name>` (scripts/demo/recipes.py) is the algorithm `<name>`, on GRPO's settings."""
+    algorithm, recipe, rest = "grpo", None, []
     for arg in argv:
         key, _, value = arg.partition("=")
         if key == "demo.algorithm":
             if value not in ALGORITHMS:
                 raise SystemExit(f"demo.algorithm takes {' or '.join(ALGORITHMS)}, got {value!r}")
             algorithm = value
+        elif key == "demo.recipe":
+            if value not in RECIPES:
+                raise SystemExit(f"demo.recipe takes one of {', '.join(RECIPES)}, got {value!r}")
+            recipe = value
         else:
             rest.append(arg)
+    if recipe is not None:
+        if algorithm != "grpo":
+            raise SystemExit(f"demo.recipe={recipe} runs on the GRPO demo's settings; drop demo.algorithm={algorithm}")
+        algorithm = recipe
     return algorithm, rest
 
 
 def algorithm_overrides(algorithm: str) -> list[str]:
-    """DEFAULT_RL_OVERRIDES, with PPO_RL_OVERRIDES in place of the keys they set for ppo."""
+    """DEFAULT_RL_OVERRIDES, with PPO_RL_OVERRIDES in place of the keys they set for ppo (a recipe's
+    overrides for a demo.recipe)."""
     if algorithm == "grpo":
         return list(DEFAULT_RL_OVERRIDES)
+    if algorithm in RECIPES:
+        return with_recipe(list(DEFAULT_RL_OVERRIDES), algorithm)
     ppo_keys = {o.lstrip("+").partition("=")[0] for o in PPO_RL_OVERRIDES}
     return [o for o in DEFAULT_RL_OVERRIDES if o.lstrip("+").partition("=")[0] not in ppo_keys] + \
         list(PPO_RL_OVERRIDES)

@@ -192,3 +192,55 @@ def test_a_partial_rollout_takes_new_weights_between_turns_and_records_each_toke
     for h in history:
         assert h["env/number_of_valid_search"] > 0 and h["env/search_failures"] == 0
         assert h["pipeline/staleness"] <= 1.0
+
+
+@pytest.mark.slow
+def test_dapo_dynamic_sampling_filters_groups_and_generates_again(ray_cluster, search_world: SearchWorld,
+                                                                  tmp_path: Path) -> None:
+    # DAPO end to end: dynamic sampling and overlong shaping through run_ppo, with search (this module's
+    # world, so the slow suite builds it once)
+    import torch
+
+    from verl.utils import batch_keys as K
+
+    calls: list[dict] = []
+
+    def alternating_reward(batch):
+        """Odd calls: every row 0 (each group all equal: filtered); even calls: 1, 0, 1, 0 ... (a group's
+        two samples differ: kept). The score sits on the row's last policy token."""
+        mask = batch.batch[K.RESPONSE_MASK]
+        scores = torch.zeros(mask.shape)
+        keep = len(calls) % 2 == 1
+        for row in range(mask.shape[0]):
+            positions = torch.nonzero(mask[row]).flatten()
+            if keep and row % 2 == 0 and len(positions):
+                scores[row, positions[-1]] = 1.0
+        calls.append({"rows": mask.shape[0], "width": mask.shape[1], "uids": list(batch.non_tensor_batch[K.UID])})
+        return scores
+
+    overrides = _search_overrides(search_world, tmp_path, "grpo", [
+        "data.train_batch_size=1", "data.gen_batch_size=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
+        "actor_rollout_ref.rollout.micro_batch_size=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size=2",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=4",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=20",
+        "reward_model.overlong_buffer.penalty_factor=0.1", "reward_model.overlong_buffer.log=true",
+    ])
+    history = run_ppo(compose_config(overrides), reward_fn=alternating_reward)
+    assert [h["step"] for h in history] == [1]
+    step = history[-1]
+    # two generation batches of one prompt x 2 samples: the first group filtered, the second trained
+    assert [c["rows"] for c in calls] == [2, 2]
+    assert step["train/num_gen_batches"] == 2.0
+    assert step["train/filter_groups/generated"] == 2.0
+    assert step["train/filter_groups/kept"] == 1.0 and step["train/filter_groups/filtered"] == 1.0
+    assert step["train/filter_groups/filtered_ratio"] == pytest.approx(0.5)
+    # the trained group is the second batch's: its scores 1 and 0 (less any overlong penalty) are what GRPO saw
+    assert step["critic/score/max"] <= 1.0 and step["critic/score/min"] <= 0.0
+    assert step["critic/score/max"] > 0.5
+    assert 0.0 <= step["reward/overlong_fraction"] <= 1.0 and step["reward/overlong_reward_mean"] <= 0.0
+    assert step["actor/grad_nonfinite"] == 0
+    assert step["env/number_of_valid_search"] > 0   # multi-turn rows with searches were filtered and padded together

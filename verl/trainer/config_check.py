@@ -160,6 +160,31 @@ def check_adv_estimator(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -
     return advantage_estimators.config_errors(cfg, run.algorithm.samples_per_prompt)
 
 
+def check_dynamic_sampling(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
+    """DAPO's algorithm.filter_groups (verl/trainer/ppo/dynamic_sampling.py): groups to filter, the sync
+    loop, a metric known before the log-probs."""
+    errors: list[str] = []
+    sampling = run.sampling
+    if not sampling.enable:
+        if sampling.gen_batch_size != int(cfg.data.train_batch_size):
+            errors.append(f"data.gen_batch_size={sampling.gen_batch_size} differs from data.train_batch_size="
+                          f"{cfg.data.train_batch_size} but algorithm.filter_groups.enable=False: generation "
+                          "batches larger than the train batch are for dynamic sampling only (set both, or null)")
+        return errors
+    if run.algorithm.samples_per_prompt < 2:
+        errors.append("algorithm.filter_groups.enable=True needs groups: rollout.n * rollout.n_agent="
+                      f"{run.algorithm.samples_per_prompt} sample per prompt leaves nothing to compare")
+    if run.pools.pipelined:
+        errors.append(f"algorithm.filter_groups.enable=True needs trainer.pipeline=sync (got {cfg.trainer.pipeline!r}): "
+                      "a pipelined step trains one drawn batch per step and its checkpoint records that batch's "
+                      "dataloader position; dynamic sampling draws a varying number per step")
+    if sampling.metric == "seq_final_reward" and run.algorithm.use_kl_in_reward:
+        errors.append("algorithm.filter_groups.metric=seq_final_reward with an in-reward KL "
+                      "(algorithm.use_kl_in_reward): groups are filtered before the log-probs the penalty needs; "
+                      "use seq_reward, acc or score")
+    return errors
+
+
 def check_bypass_mode(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
     """Rollout correction's bypass mode needs an engine log-prob for every token in the loss, of the
     distribution the actor trains."""
@@ -476,6 +501,7 @@ RULES: tuple[Rule, ...] = (
     check_algorithm,
     check_adv_estimator,
     check_policy_loss,
+    check_dynamic_sampling,
     check_bypass_mode,
     check_rollout,
     check_max_model_len,

@@ -428,6 +428,15 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
                         f"{cfg.data.train_batch_size} prompts x {run.algorithm.samples_per_prompt} samples = "
                         f"{run.batches.rollouts_per_step} rollouts per step ({cfg.algorithm.adv_estimator})")
     report.lines.append(f"loggers: {', '.join(run.trainer.loggers)}")
+    if run.sampling.enable:
+        cap = run.sampling.max_num_gen_batches
+        report.lines.append(f"dynamic sampling (algorithm.filter_groups): generation batches of data.gen_batch_size="
+                            f"{run.sampling.gen_batch_size} prompts until {cfg.data.train_batch_size} prompts' groups "
+                            f"differ in {run.sampling.metric}, at most {cap if cap > 0 else 'unbounded'} a step")
+    if run.shaping.enable:
+        report.lines.append(f"overlong shaping (reward_model.overlong_buffer): penalty from "
+                            f"{int(cfg.data.max_response_length) - run.shaping.len} tokens, up to "
+                            f"-{run.shaping.penalty_factor:g} at data.max_response_length={cfg.data.max_response_length}")
     if run.protocol.tool:
         mt = rollout.multi_turn
         report.lines.append(f"tool protocol: {mt.tool_config_path}; max_assistant_turns={mt.max_assistant_turns}, "

@@ -357,6 +357,8 @@ class RunConfig:
     algorithm: Algorithm
     batches: Batches
     trainer: Trainer
+    sampling: Any = None           # dynamic_sampling.FilterGroups: algorithm.filter_groups, data.gen_batch_size (DAPO)
+    shaping: Any = None            # reward_shaping.OverlongBuffer: reward_model.overlong_buffer (DAPO)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> RunConfig:
@@ -368,5 +370,10 @@ class RunConfig:
         algorithm = _build(errors, Algorithm, cfg)
         trainer = _build(errors, Trainer, cfg)
         batches = _build(errors, Batches, cfg, pools, algorithm) if pools and algorithm else None
+        from verl.trainer.ppo.dynamic_sampling import FilterGroups
+        from verl.trainer.ppo.reward_shaping import OverlongBuffer
+
+        sampling, shaping = _build(errors, FilterGroups, cfg), _build(errors, OverlongBuffer, cfg)
         _raise(errors)
-        return cls(pools=pools, protocol=protocol, algorithm=algorithm, batches=batches, trainer=trainer)
+        return cls(pools=pools, protocol=protocol, algorithm=algorithm, batches=batches, trainer=trainer,
+                   sampling=sampling, shaping=shaping)

@@ -33,9 +33,11 @@ from verl.trainer.config_schema import interpolations
 from verl.trainer.ppo import core_algos, remax, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
 from verl.trainer.ppo.checkpointing import CheckpointedTraining
+from verl.trainer.ppo.dynamic_sampling import DynamicSamplingTraining
 from verl.trainer.ppo.pipeline import PipelinedTraining
 from verl.trainer.ppo.registry import worker_config_with_custom_algorithms
 from verl.trainer.ppo.resource_pools import ResourcePoolManager, Role
+from verl.trainer.ppo.reward_shaping import OverlongBuffer, score_rollouts
 from verl.trainer.ppo.rollout_setup import (
     GEN_INPUT_KEYS,
     check_search_failures,
@@ -56,7 +58,7 @@ def run_log_dir(config: DictConfig) -> Path:
     return Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs")
 
 
-class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
+class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTraining):
     """Owns the data, the worker groups, the reward functions, the logger and the step loop."""
 
     def __init__(
@@ -116,10 +118,14 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
                       return_raw_chat=bool(data.get("return_raw_chat", False)))
         self.train_dataset = RLHFDataset(data.train_files, self.tokenizer, data_num=data.train_data_num, **common)
         self.val_dataset = RLHFDataset(data.val_files, self.tokenizer, data_num=data.val_data_num, **common)
-        if len(self.train_dataset) < data.train_batch_size:
+        # dynamic sampling (algorithm.filter_groups) draws data.gen_batch_size prompts per generation batch
+        loader_batch, loader_key = self.run.sampling.gen_batch_size, "data.gen_batch_size"
+        if not self.run.sampling.enable or loader_batch == data.train_batch_size:
+            loader_key = "data.train_batch_size"
+        if len(self.train_dataset) < loader_batch:
             raise ValueError(f"data.train_files: {len(self.train_dataset)} usable prompts, fewer than "
-                             f"data.train_batch_size={data.train_batch_size}")
-        self.train_dataloader = build_dataloader(self.train_dataset, data.train_batch_size, train=True,
+                             f"{loader_key}={loader_batch}")
+        self.train_dataloader = build_dataloader(self.train_dataset, loader_batch, train=True,
                                                  seed=seed, shuffle=protocol.shuffle_train)
         self.val_dataloader = build_dataloader(self.val_dataset, data.val_batch_size, train=False)
 
@@ -292,11 +298,11 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
         metrics["perf/seqlen_balance_max_over_mean"] = float(max(loads) / max(np.mean(loads), 1e-9))
 
     def _compute_reward(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        scores_BR = self.reward_fn(batch)
-        if isinstance(scores_BR, DataProto):
-            scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
-        batch.batch[K.TOKEN_LEVEL_SCORES] = scores_BR.float()
-        metrics.update(getattr(self.reward_fn, "last_metrics", {}) or {})
+        """token_level_scores (the rule reward, overlong shaping: reward_shaping.py) unless dynamic sampling
+        scored the batch already; then token_level_rewards."""
+        if K.TOKEN_LEVEL_SCORES not in batch.batch.keys():
+            metrics.update(score_rollouts(self.reward_fn, batch, OverlongBuffer.from_config(self.config),
+                                          int(self.config.data.max_response_length)))
         if self.use_kl_in_reward:
             kl_mask = batch.batch[K.RESPONSE_MASK]
             if self._bypass_old_log_prob and K.CONTEXT_CUT_MASK in batch.batch.keys():
@@ -512,7 +518,10 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
             clock = mu.StepClock()
             while self.global_step < self.total_training_steps:
                 for batch in self.train_dataloader:
-                    metrics = self.train_step(batch)
+                    # dynamic sampling: None while the step's groups are still being collected
+                    metrics = self._sampling_step(batch) if self.run.sampling.enable else self.train_step(batch)
+                    if metrics is None:
+                        continue
                     metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
                     # from the previous step's end (the same clock as a pipelined run's steps)
                     metrics.update(clock.lap())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Dr. GRPO (arXiv 2503.20783, veRL's keys) for a search agent on the Search-R1 NQ data, one node of 8
+# GPUs (80 GB): GRPO without the two length and difficulty biases, i.e. advantages not divided by the
+# group's std (algorithm.norm_adv_by_std_in_grpo=false) and the loss summed over tokens and divided by
+# a constant (seq-mean-token-sum-norm) instead of each sequence's length; no KL. Otherwise
+# train_grpo.sh (512 prompts x 5 samples, 10 mini-batches, vLLM, search).
+#
+#   BASE_MODEL=Qwen/Qwen2.5-3B bash example/recipes/drgrpo/train_drgrpo.sh [extra hydra overrides...]
+#   BASE_MODEL=Qwen/Qwen2.5-7B bash example/recipes/drgrpo/train_drgrpo.sh
+#   bash example/recipes/drgrpo/train_drgrpo.sh ... +trainer.preflight=true   # check the config only
+#
+# Environment: that of train_grpo.sh; BASE_MODEL defaults to Qwen/Qwen2.5-3B here. Extra arguments
+# are Hydra overrides and win. docs/training.md, "Recipes".
+set -euo pipefail
+
+export BASE_MODEL=${BASE_MODEL:-Qwen/Qwen2.5-3B}
+export EXPERIMENT_NAME=${EXPERIMENT_NAME:-nq-search-r1-drgrpo-$(basename "$BASE_MODEL" | tr '[:upper:]' '[:lower:]')}
+
+exec bash "$(dirname "$0")/../../../train_grpo.sh" \
+    algorithm.adv_estimator=grpo \
+    algorithm.norm_adv_by_std_in_grpo=false \
+    actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm \
+    actor_rollout_ref.actor.use_kl_loss=false \
+    algorithm.use_kl_in_reward=false \
+    trainer.total_training_steps=500 \
+    "$@"
