@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from verl.trainer.config_lora import check_lora
 from verl.trainer.config_schema import ConfigError, raise_if, undeclared_keys, unknown_key_message
 from verl.trainer.run_config import CRITIC_FORWARD_MICRO, RunConfig
 from verl.utils.attention import FLASH_ATTN_INSTALL
@@ -459,6 +460,7 @@ RULES: tuple[Rule, ...] = (
     check_trainer,
     check_batch_sizes,
     check_imports,
+    check_lora,
 )
 
 
