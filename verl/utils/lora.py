@@ -106,7 +106,11 @@ class LoraSpec:
         """PEFT's LoRA layers into `module` in place; everything else frozen (in `frozen_dtype` if
         given). Works on a model whose parameters are on the meta device."""
         peft = import_peft()
-        peft.inject_adapter_in_model(self.peft_config(), module, adapter_name=ADAPTER_NAME)
+        try:
+            peft.inject_adapter_in_model(self.peft_config(), module, adapter_name=ADAPTER_NAME)
+        except ValueError as err:   # PEFT's own message does not name our key
+            raise ValueError(f"actor_rollout_ref.model.target_modules={self.target_modules!r} / exclude_modules="
+                             f"{self.exclude_modules!r} matched no module of {type(module).__name__}: {err}") from err
         adapters = 0
         for name, param in module.named_parameters():
             if is_adapter_param(name):
