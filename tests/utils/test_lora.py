@@ -133,3 +133,15 @@ def test_lora_config_rules_name_the_key(overrides, message):
 def test_lora_config_valid():
     assert config_errors(compose_config(["actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_alpha=32",
                                          "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])) == []
+
+
+def test_infer_loads_an_adapter_folder_with_its_base(tiny_model_dir, tmp_path):
+    from infer import adapter_base, load_model
+
+    spec = LoraSpec(rank=4, alpha=8, target_modules="all-linear")
+    model = _injected(tiny_model_dir, spec, seed=1)
+    save_adapter(adapter_state(model), spec, tiny_model_dir, str(tmp_path))
+    assert adapter_base(str(tmp_path)) == tiny_model_dir and adapter_base(tiny_model_dir) is None
+    loaded, tokenizer = load_model(str(tmp_path), "cpu")   # no tokenizer in the folder: the base's
+    assert len(tokenizer) > 0
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=1e-5, atol=1e-5)
