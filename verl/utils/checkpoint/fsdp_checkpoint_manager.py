@@ -1,4 +1,6 @@
 """Sharded, resumable checkpoints of an FSDP2 model, its optimizer and its LR schedule.
+(A LoRA model's checkpoint holds its adapter and the adapter's optimizer state; the frozen base is
+the model path's, loaded at start-up.)
 
 Each rank writes only its own shard of the model and optimizer through
 torch.distributed.checkpoint (DCP); the full state is never gathered on one
@@ -71,7 +73,12 @@ class FSDPCheckpointManager:
 
     def _state_dicts(self) -> dict[str, Any]:
         options = StateDictOptions(full_state_dict=False)
-        state = {"model": get_model_state_dict(self.model, options=options)}
+        model_state = get_model_state_dict(self.model, options=options)
+        if self.lora is not None:   # the frozen base comes from model.path at start-up: the adapter alone
+            from verl.utils.lora import is_adapter_param
+
+            model_state = {k: v for k, v in model_state.items() if is_adapter_param(k)}
+        state = {"model": model_state}
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         return state
@@ -124,7 +131,8 @@ class FSDPCheckpointManager:
                                         f"(saved with a different world size, or not a checkpoint folder?)")
         state = self._state_dicts()
         dcp.load(state, checkpoint_id=dcp_path)
-        set_model_state_dict(self.model, state["model"], options=StateDictOptions(full_state_dict=False))
+        set_model_state_dict(self.model, state["model"],
+                             options=StateDictOptions(full_state_dict=False, strict=self.lora is None))
         if self.optimizer is not None:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                      options=StateDictOptions(full_state_dict=False))
