@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -70,9 +71,7 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
     if run.pools.pipelined:
         errors.append(f"{LORA_KEY}.lora_rank={rank} with trainer.pipeline={cfg.trainer.pipeline}: the weight push "
                       "to a rollout pool does not carry a LoRA model yet; use trainer.pipeline=sync")
-    from verl.trainer.config_check import is_installed
-
-    if not is_installed("peft"):
+    if importlib.util.find_spec("peft") is None:
         errors.append(f"{LORA_KEY}.lora_rank={rank} needs Hugging Face PEFT, which is not installed: "
                       "`pip install peft -c requirements-lock.txt`")
     return errors
