@@ -14,7 +14,7 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, Ra
 from verl.utils import batch_keys as K
 from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]   # ~140 s on a 2-core CPU
 
 
 def test_vllm_generates_with_the_adapted_weights(vllm_model_dir: str, ray_cluster) -> None:  # noqa: F811
