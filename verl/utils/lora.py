@@ -150,17 +150,21 @@ class LoraSpec:
         return True
 
 
-_ADAPTER_CACHE: dict[str, dict[str, torch.Tensor]] = {}
+_ADAPTER_CACHE: dict[tuple[str, float], dict[str, torch.Tensor]] = {}
 
 
 def _adapter_tensors(folder: str) -> dict[str, torch.Tensor]:
-    if folder not in _ADAPTER_CACHE:
+    """A saved adapter's tensors under PeftModel.save_pretrained's keys, read once per file version
+    (one load initialises every adapter linear from it)."""
+    path = os.path.join(folder, ADAPTER_WEIGHTS)
+    key = (os.path.abspath(path), os.path.getmtime(path))
+    if key not in _ADAPTER_CACHE:
         from safetensors.torch import load_file
 
-        tensors = load_file(os.path.join(folder, ADAPTER_WEIGHTS))
-        _ADAPTER_CACHE[folder] = {k if k.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + k: v
-                                  for k, v in tensors.items()}
-    return _ADAPTER_CACHE[folder]
+        _ADAPTER_CACHE.clear()   # only the latest adapter stays in memory
+        _ADAPTER_CACHE[key] = {k if k.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + k: v
+                               for k, v in load_file(path).items()}
+    return _ADAPTER_CACHE[key]
 
 
 def read_adapter_config(folder: str) -> dict[str, Any]:
