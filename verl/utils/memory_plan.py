@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verl.utils.memory_plan_lora import lora_counts
+from verl.utils.memory_plan_lora import lora_actor_bytes, lora_counts, lora_note
 
 GIB = 1024 ** 3
 FP32, BF16 = 4, 2
@@ -354,17 +354,10 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     actor_grads = _shard(FP32 * p, world)
     actor_optim = _shard(adamw_state_bytes(p, t), world)
     adapter = None
-    if lora is not None:
-        adapter = _shard(FP32 * lora.params, world)
-        actor_params = _shard(BF16 * p, world) + adapter
-        actor_grads = adapter
-        actor_optim = _shard(adamw_state_bytes(lora.params, lora.tensors), world)
-        notes.append(f"LoRA rank {int(arr.model.lora_rank)}: {lora.params / 1e6:.1f}M adapter parameters; 'actor "
-                     "params' = the frozen base in bf16 + the fp32 adapter (shards), grads and AdamW the adapter's "
-                     "alone; the reference is the actor with the adapter off (no reference weights)")
-        with_ref_weights = False
-    else:
-        with_ref_weights = with_ref
+    if lora is not None:   # (adapter shard, actor params, grads, AdamW state) per GPU
+        adapter, actor_params, actor_grads, actor_optim = lora_actor_bytes(lora, p, world, _shard, adamw_state_bytes)
+        notes.append(lora_note(lora, int(arr.model.lora_rank)))
+    with_ref_weights = with_ref and lora is None
     # What stays on the GPU between calls (offload moves it to the host).
     resident: dict[str, int] = {}
     if not afs.param_offload:

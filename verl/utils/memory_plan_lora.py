@@ -8,6 +8,7 @@ q/k/v/o and gate/up/down in each layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,3 +44,18 @@ def lora_counts(shape: Any, model_cfg: Any) -> LoraCounts | None:
     names = [n for n in names if n not in excluded]
     per_layer = sum(rank * (dims[n][0] + dims[n][1]) for n in names)
     return LoraCounts(per_layer * shape.num_hidden_layers, 2 * len(names) * shape.num_hidden_layers, per_layer)
+
+
+def lora_actor_bytes(lora: LoraCounts, base_params: int, world: int, shard: Callable[[int, int], int],
+                     adamw_state_bytes: Callable[[int, int], int]) -> tuple[int, int, int, int]:
+    """(fp32 adapter shard, actor params = bf16 base shard + adapter shard, grads = the adapter's,
+    AdamW state = the adapter's) in bytes per GPU."""
+    adapter = shard(4 * lora.params, world)
+    return (adapter, shard(2 * base_params, world) + adapter, adapter,
+            shard(adamw_state_bytes(lora.params, lora.tensors), world))
+
+
+def lora_note(lora: LoraCounts, rank: int) -> str:
+    return (f"LoRA rank {rank}: {lora.params / 1e6:.1f}M adapter parameters; 'actor params' = the frozen base in "
+            "bf16 + the fp32 adapter (shards), grads and AdamW the adapter's alone; the reference is the actor "
+            "with the adapter off (no reference weights)")
