@@ -93,19 +93,55 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
     return eos_token_ids(tokenizer, generation_config=model.generation_config)
 
 
+def adapter_base(model_path: str) -> str | None:
+    """The base model of a LoRA adapter folder (adapter_config.json's base_model_name_or_path, as a
+    LoRA run's global_step_N/hf export writes it), or None for a full model."""
+    import json
+
+    config = Path(model_path) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config}: no base_model_name_or_path; cannot tell which model the adapter adapts")
+    return str(base)
+
+
+def _merged_adapter(model_path: str, base: str, dtype: torch.dtype):
+    """The base model with the adapter at `model_path` merged in (PEFT's merge_and_unload)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), model_path)
+    return model.merge_and_unload()
+
+
 def load_model(model_path: str, device: str = "cpu", engine: str = "hf"):
     """(model, tokenizer) from an HF folder or hub id: an HF model in eval mode on `device`, or
-    with engine="vllm" a vLLM engine over the same folder."""
+    with engine="vllm" a vLLM engine over the same folder. A LoRA adapter folder (adapter_config.json,
+    adapter_model.safetensors) loads its base model with the adapter merged in; vLLM gets the merged
+    model written to a temporary folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if engine == "vllm":
-        return VLLMTurns(model_path, device), AutoTokenizer.from_pretrained(model_path)
-    if engine != "hf":
+    if engine not in ("hf", "vllm"):
         raise ValueError(f"--engine must be hf or vllm, got {engine!r}")
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    base = adapter_base(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path if base is None or (Path(model_path) / "tokenizer_config.json")
+                                              .is_file() else base)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    if engine == "vllm":
+        if base is not None:
+            import tempfile
+
+            merged_dir = tempfile.mkdtemp(prefix="search_r1_merged_lora_")
+            _merged_adapter(model_path, base, dtype).save_pretrained(merged_dir)
+            tokenizer.save_pretrained(merged_dir)
+            model_path = merged_dir
+        return VLLMTurns(model_path, device), tokenizer
+    if base is not None:
+        model = _merged_adapter(model_path, base, dtype).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     model.eval()
     return model, tokenizer
 
@@ -201,7 +237,8 @@ def print_turn(turn: Turn) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--question", default=None, help="ask one question; omit for an interactive prompt")
-    p.add_argument("--model_path", default=DEFAULT_MODEL, help="HF folder or hub id")
+    p.add_argument("--model_path", default=DEFAULT_MODEL,
+                   help="HF folder or hub id, or a LoRA adapter folder (its base model is loaded, the adapter merged)")
     p.add_argument("--retriever_url", default=DEFAULT_RETRIEVER_URL)
     p.add_argument("--topk", type=int, default=3)
     p.add_argument("--max_turns", type=int, default=2, help="searches allowed before the final turn")

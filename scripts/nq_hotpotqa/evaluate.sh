@@ -5,7 +5,8 @@
 #       bash scripts/nq_hotpotqa/evaluate.sh [extra Hydra overrides...]
 #
 # Environment (all optional except BASE_MODEL):
-#   BASE_MODEL      HF folder or hub id of the model to evaluate
+#   BASE_MODEL      HF folder or hub id of the model to evaluate, or a LoRA adapter folder (adapter_config.json:
+#                   its base_model_name_or_path is loaded with the adapter, actor_rollout_ref.model.lora_adapter_path)
 #   DATA_DIR        folder holding test.parquet (default data/nq_search)
 #   OUTPUT_JSON     where to write {"val/test_score/<source>": em, ..., "overall": em} (default eval_results.json)
 #   RETRIEVER_URL   a running retrieval server (default http://127.0.0.1:8000/retrieve)
@@ -60,6 +61,15 @@ overrides = [
     "retriever.topk=3",
     "+trainer.val_only=true",
 ]
+# A LoRA adapter folder (a LoRA run's global_step_N/hf): its base model, with the adapter loaded on it.
+adapter_config = os.path.join("${BASE_MODEL}", "adapter_config.json")
+if os.path.isfile(adapter_config):
+    with open(adapter_config) as f:
+        adapter = json.load(f)
+    overrides = [o for o in overrides if not o.startswith("actor_rollout_ref.model.path=")] + [
+        f"actor_rollout_ref.model.path={adapter['base_model_name_or_path']}",
+        f"actor_rollout_ref.model.lora_rank={int(adapter['r'])}",
+        "actor_rollout_ref.model.lora_adapter_path=${BASE_MODEL}"]
 extra = sys.argv[1:]
 extra_keys = {a.lstrip("+").partition("=")[0] for a in extra}
 overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in extra_keys] + extra

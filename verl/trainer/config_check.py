@@ -20,6 +20,7 @@ from collections.abc import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer.config_check_policy_loss import check_policy_loss, load_custom_algorithms
+from verl.trainer.config_lora import check_lora
 from verl.trainer.config_schema import ConfigError, raise_if, undeclared_keys, unknown_key_message
 from verl.trainer.run_config import CRITIC_FORWARD_MICRO, RunConfig
 from verl.utils.attention import FLASH_ATTN_INSTALL
@@ -512,6 +513,7 @@ RULES: tuple[Rule, ...] = (
     check_trainer,
     check_batch_sizes,
     check_imports,
+    check_lora,
 )
 
 

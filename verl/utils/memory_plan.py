@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verl.utils.memory_plan_lora import lora_actor_bytes, lora_counts, lora_note
+
 GIB = 1024 ** 3
 FP32, BF16 = 4, 2
 # AdamW (torch.optim.AdamW, not fused/capturable) state per parameter tensor: exp_avg and
@@ -210,6 +212,8 @@ class MemoryPlan:
     notes: list[str]
     device_gib: float | None
     sequence_length: int
+    lora_params: int = 0          # LoRA: the adapter's parameters (actor_params: the frozen base's)
+    lora_tensors: int = 0
 
     def phase_gib(self) -> dict[str, float]:
         return {p.name: round(p.total / GIB, 2) for p in self.phases}
@@ -221,7 +225,13 @@ class MemoryPlan:
     def checkpoint_bytes(self, save_hf_model: bool) -> int:
         """Bytes on disk of one checkpoint: fp32 params + AdamW state of actor (and critic), plus the
         HF export in bf16 when `trainer.save_hf_model`."""
-        size = FP32 * self.actor_params + adamw_state_bytes(self.actor_params, self.actor_tensors)
+        if self.lora_params:   # LoRA: the adapter and its AdamW state (the base is model.path's)
+            size = FP32 * self.lora_params + adamw_state_bytes(self.lora_params, self.lora_tensors)
+            if save_hf_model:   # the export: the adapter alone (fp32)
+                size += FP32 * self.lora_params
+            save_hf_model = False
+        else:
+            size = FP32 * self.actor_params + adamw_state_bytes(self.actor_params, self.actor_tensors)
         if self.critic_params is not None and self.critic_tensors is not None:
             size += FP32 * self.critic_params + adamw_state_bytes(self.critic_params, self.critic_tensors)
         if save_hf_model:
@@ -286,7 +296,7 @@ def _activations(shape: ModelShape, tokens: int, checkpointing: bool, backward: 
 
 
 def _update(name: str, model: str, others: dict[str, int], params: int, grads: int, optim: int,
-            backward: dict[str, int], activations: int, first_update: bool) -> Phase:
+            backward: dict[str, int], activations: int, first_update: bool, trained: int | None = None) -> Phase:
     """`model`'s update phase: the larger of its backward (`backward`: the gathered units, staging and
     head beside its params, grads and, after its first step, AdamW state) and its optimizer step."""
     own = {f"{model} params (fp32 shard)": params, f"{model} grads (fp32 shard)": grads}
@@ -294,7 +304,8 @@ def _update(name: str, model: str, others: dict[str, int], params: int, grads: i
     # The step: `_multi_tensor_adam`'s `_foreach_sqrt(exp_avg_sqs)`, a full fp32 copy of the shard, beside
     # params, grads and both moments (clip_grad_norm_ scales the grads in place; AdamW's `step` counters
     # are host tensors unless capturable/fused).
-    temporary = {f"{model} AdamW step temporary (foreach sqrt of exp_avg_sq, fp32 shard)": ADAM_STEP_TEMPORARIES * params}
+    temporary = {f"{model} AdamW step temporary (foreach sqrt of exp_avg_sq, fp32 shard)":
+                 ADAM_STEP_TEMPORARIES * (params if trained is None else trained)}   # trained: LoRA's adapter
     return largest_moment(name, {
         "backward": Phase("backward", certain={**others, **own, **({} if first_update else state), **backward},
                           estimated={"activations": activations}),
@@ -334,20 +345,26 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     # FSDP2 gathers one decoder layer's unit in bf16 for compute, and the next one beside it: it prefetches
     # one unit ahead in backward (FSDPParamGroup._backward_prefetch) and, in forward, keeps the current
     # all-gather's output until the next unit's copy-in.
-    layers = {"gathered layer (bf16)": BF16 * shape.layer_params(),
-              "gathered next layer (bf16, FSDP2 prefetch)": BF16 * shape.layer_params()}
+    lora = lora_counts(shape, arr.model)   # LoRA: bf16 frozen base, fp32 adapter + AdamW, no reference weights
+    layer = shape.layer_params() + (lora.per_layer if lora else 0)
+    layers = {"gathered layer (bf16)": BF16 * layer, "gathered next layer (bf16, FSDP2 prefetch)": BF16 * layer}
 
     afs = arr.actor.fsdp_config
     actor_params = _shard(FP32 * p, world)
     actor_grads = _shard(FP32 * p, world)
     actor_optim = _shard(adamw_state_bytes(p, t), world)
+    adapter = None
+    if lora is not None:   # (adapter shard, actor params, grads, AdamW state) per GPU
+        adapter, actor_params, actor_grads, actor_optim = lora_actor_bytes(lora, p, world, _shard, adamw_state_bytes)
+        notes.append(lora_note(lora, int(arr.model.lora_rank)))
+    with_ref_weights = with_ref and lora is None
     # What stays on the GPU between calls (offload moves it to the host).
     resident: dict[str, int] = {}
     if not afs.param_offload:
         resident["actor params (fp32 shard)"] = actor_params
     if not afs.optimizer_offload:
         resident["actor AdamW state (shard)"] = actor_optim
-    if with_ref and not arr.ref.fsdp_config.param_offload:
+    if with_ref_weights and not arr.ref.fsdp_config.param_offload:
         resident["reference params (fp32 shard)"] = _shard(FP32 * p, world)
     if with_critic:
         cfs = cfg.critic.model.fsdp_config
@@ -379,9 +396,13 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     # actor update: its own params, grads and optimizer on the GPU, one micro-batch's head and activations
     tokens, kept = tokens_of(bool(arr.actor.use_dynamic_bsz), int(arr.actor.ppo_max_token_len_per_gpu),
                              "actor_rollout_ref.actor.ppo_micro_batch_size")
+    head = head_bytes(shape, kept, backward=True)
+    if lora is not None:   # only the adapter's grads are reduced; the frozen lm_head gets no gradient
+        staging = (BF16 + FP32) * lora.per_layer
+        head.pop("log-prob head lm_head grad", None)
     phases.append(_update("actor_update", "actor", others("actor"), actor_params, actor_grads, actor_optim, {
-        "gathered root unit (bf16)": root_bf16, **layers, "reduce-scatter staging (bf16 + fp32)": staging,
-        **head_bytes(shape, kept, backward=True)}, _activations(shape, tokens, ckpt, backward=True), first_update))
+        "gathered root unit (bf16)": root_bf16, **layers, "reduce-scatter staging (bf16 + fp32)": staging, **head},
+        _activations(shape, tokens, ckpt, backward=True), first_update, trained=adapter))
     # log-prob passes (old policy, and the reference's), each with its own dynamic-batching keys; bypass
     # mode (algorithm.rollout_correction) takes the old log-probs from the engine: no old-policy pass
     if not run.algorithm.bypass:
@@ -396,8 +417,10 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         ref_tokens, ref_kept = tokens_of(bool(arr.ref.log_prob_use_dynamic_bsz),
                                          int(arr.ref.log_prob_max_token_len_per_gpu),
                                          "actor_rollout_ref.ref.log_prob_micro_batch_size")
+        ref_params = ({"reference params (fp32 shard)": _shard(FP32 * p, world)} if with_ref_weights else
+                      {"actor params (fp32 shard)": actor_params})   # LoRA: the actor, adapter off
         phases.append(Phase("reference_log_prob", certain={
-            **others("reference"), "reference params (fp32 shard)": _shard(FP32 * p, world),
+            **others("reference" if with_ref_weights else "actor params"), **ref_params,
             "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, ref_kept, backward=False)},
             estimated={"activations": _activations(shape, ref_tokens, False, backward=False)}))
     if with_critic:
@@ -431,7 +454,8 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     phases.append(Phase("checkpoint_save", certain=save))
     return MemoryPlan(world=world, actor_params=p, actor_tensors=t, critic_params=cp if with_critic else None,
                       critic_tensors=ct if with_critic else None, phases=phases, notes=notes,
-                      device_gib=device_gib, sequence_length=seq)
+                      device_gib=device_gib, sequence_length=seq, lora_params=lora.params if lora else 0,
+                      lora_tensors=lora.tensors if lora else 0)
 
 
 def engine_weights_name(cfg: Any) -> str:

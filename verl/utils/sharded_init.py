@@ -88,25 +88,32 @@ def parameters_on_meta() -> Iterator[None]:
 def load_sharded_model(build: Callable[[], nn.Module], path: str, mesh: Any, device: str | torch.device,
                        prepare: Callable[[nn.Module], None] | None = None,
                        mixed_precision: MixedPrecisionPolicy | None = None,
-                       seed: int = 0) -> tuple[nn.Module, LoadReport]:
+                       seed: int = 0, adapter: Any = None) -> tuple[nn.Module, LoadReport]:
     """`build()` sharded with FSDP2 over `mesh` on `device`, its weights read from `path` by the
     mesh's rank 0 alone and broadcast tensor by tensor (module docstring). Every rank of `mesh`
-    must call this, with the same `build`."""
+    must call this, with the same `build`.
+
+    `prepare` runs on the meta-device model before the names are matched: it may add parameters
+    (LoRA's adapters, verl/utils/lora.py). `adapter` (a LoraSpec, or None) then maps the wrapped
+    base weights to their checkpoint names and initialises the adapter's parameters."""
     group = mesh.get_group()
     src = dist.get_global_rank(group, 0)
     weights = HFWeights.open(path) if dist.get_rank() == src else None
     manifest = _broadcast_manifest(weights, group, src)
     with parameters_on_meta():
         module = build()
-    entries = _state_entries(module)
-    prefix = str(getattr(module, "base_model_prefix", "") or "")
-    sources = {entry.names[0]: _checkpoint_name(entry.names, manifest, prefix) for entry in entries}
-    _check_missing(entries, sources, prefix, path)
-    fresh = _FreshWeights(module, [name for name, ckpt in sources.items()
-                                   if ckpt is None and _is_parameter(module, name)])
     buffers = {name: buf.detach().clone() for name, buf in module.named_buffers(remove_duplicate=False)}
     if prepare is not None:
         prepare(module)
+    entries = _state_entries(module)
+    prefix = str(getattr(module, "base_model_prefix", "") or "")
+    rename = _adapter_checkpoint_name if adapter is not None else (lambda name: name)
+    sources = {entry.names[0]: _checkpoint_name([rename(n) for n in entry.names], manifest, prefix)
+               for entry in entries}
+    _check_missing([e for e in entries if adapter is None or not _is_adapter(e.names[0])], sources, prefix, path)
+    fresh = _FreshWeights(module, [name for name, ckpt in sources.items()
+                                   if ckpt is None and _is_parameter(module, name)],
+                          init=adapter.init_adapter if adapter is not None else None)
     apply_fsdp2(module, mesh, mixed_precision)
     module.to_empty(device=device)
     with torch.no_grad():
@@ -131,6 +138,18 @@ def load_sharded_model(build: Callable[[], nn.Module], path: str, mesh: Any, dev
     logger.info("%s: %d tensors (%.2f GiB as stored) received from rank %d; initialised fresh: %s", path,
                 len(report.loaded), report.broadcast_bytes / 2**30, src, report.fresh or "none")
     return module, report
+
+
+def _adapter_checkpoint_name(name: str) -> str:
+    from verl.utils.lora import checkpoint_name
+
+    return checkpoint_name(name)
+
+
+def _is_adapter(name: str) -> bool:
+    from verl.utils.lora import is_adapter_param
+
+    return is_adapter_param(name)
 
 
 # --------------------------------------------------------------------------- the state, entry by entry
@@ -266,8 +285,10 @@ class _FreshWeights:
     The owners are copied on the meta device before sharding (their parameters are plain then) and
     materialised one owner at a time, when the stream first reaches one of their parameters."""
 
-    def __init__(self, module: nn.Module, names: list[str]) -> None:
+    def __init__(self, module: nn.Module, names: list[str],
+                 init: Callable[[str, nn.Module], bool] | None = None) -> None:
         self._module = module
+        self._init = init   # tried first: True when it initialised the owner (LoRA adapters)
         self._names = set(names)
         self._replicas = {owner: copy.deepcopy(module.get_submodule(owner))
                           for owner in dict.fromkeys(name.rpartition(".")[0] for name in names)}
@@ -289,7 +310,9 @@ class _FreshWeights:
                 replica._parameters[param_name] = nn.Parameter(torch.empty_like(param, device="cpu"),
                                                                requires_grad=param.requires_grad)
         init_weights = _enclosing_init(self._module, owner_name)
-        if init_weights is not None:
+        if self._init is not None and self._init(owner_name, replica):
+            pass
+        elif init_weights is not None:
             init_weights(replica)
         elif hasattr(replica, "reset_parameters"):
             replica.reset_parameters()

@@ -36,6 +36,7 @@ from verl.utils.attention import attn_implementation
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.checkpoint.shared_dir import RankMarker, write_rank_marker
 from verl.utils.device import get_device_name, get_dist_backend
+from verl.utils.lora import LoraSpec, adapter_disabled, merged_state
 from verl.utils.model import build_causal_lm, build_value_model, get_model_flops_info
 from verl.utils.sharded_init import load_sharded_model
 from verl.utils.tokenizer import eos_token_ids
@@ -178,12 +179,16 @@ class _FSDPWorkerBase(Worker):
         return attn_implementation(self.device, bool(model_cfg.get("use_remove_padding", False)),
                                    str(model_cfg.get("packing_kernel", "varlen_attn")))
 
-    def _prepare(self, module: nn.Module, model_cfg: Any, trainable: bool) -> None:
-        """Gradient checkpointing or freezing: what must be set before FSDP2 wraps the model."""
+    def _prepare(self, module: nn.Module, model_cfg: Any, trainable: bool, lora: LoraSpec | None = None) -> None:
+        """Gradient checkpointing, freezing, LoRA's adapters: what must be set before FSDP2 wraps the
+        model. With LoRA the frozen base is kept in the compute dtype (bf16 on GPUs: no fp32 master
+        copy of weights nobody trains); the fp32 adapter is all that requires grad."""
         if trainable and model_cfg.get("enable_gradient_checkpointing", False):
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
             module.requires_grad_(False)
+        elif lora is not None:
+            lora.inject(module, frozen_dtype=torch.bfloat16 if self.device == "cuda" else None)
 
     def _wrap(self, module: nn.Module, model_cfg: Any, trainable: bool) -> nn.Module:
         """An already loaded model: prepared, then FSDP2 over every decoder layer and the root."""
@@ -194,15 +199,16 @@ class _FSDPWorkerBase(Worker):
             module.to(self.device)
         return module
 
-    def _load_sharded(self, build: Callable[[], nn.Module], model_cfg: Any, trainable: bool) -> nn.Module:
+    def _load_sharded(self, build: Callable[[], nn.Module], model_cfg: Any, trainable: bool,
+                      lora: LoraSpec | None = None) -> nn.Module:
         """`build()` on the meta device, prepared and sharded with FSDP2; rank 0 alone reads the
         checkpoint and streams it to every rank's shard (verl/utils/sharded_init.py: no rank ever
         holds the whole model). Weights the checkpoint lacks (the value head) are seeded with 0."""
         mixed_precision = fsdp_utils.gpu_mixed_precision() if self.device == "cuda" else None
         device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
         module, _ = load_sharded_model(build, model_cfg.path, self.device_mesh, device,
-                                       prepare=lambda m: self._prepare(m, model_cfg, trainable),
-                                       mixed_precision=mixed_precision, seed=0)
+                                       prepare=lambda m: self._prepare(m, model_cfg, trainable, lora),
+                                       mixed_precision=mixed_precision, seed=0, adapter=lora)
         return module
 
     # Offload: params / grads / optimizer state live on the host between calls when asked.
@@ -272,11 +278,14 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         attn = self._attn_implementation(model_cfg)
         self.actor_module = self.actor_optimizer = self.actor_lr_scheduler = None
         self._weights_version = 0   # bumped by every change of the actor's weights
+        # LoRA (model.lora_rank > 0): PEFT's adapters in the actor; the reference is the actor with them off
+        self.lora = LoraSpec.from_model_config(model_cfg) if self._is_actor else None
+        self.ref_module = None
         if self._is_actor:   # the rollout pool (role rollout) holds no FSDP copy: its engine is built below
             torch.manual_seed(0)   # as before the sharded load: the same RNG state on every rank after init
             self.actor_module = self._load_sharded(
                 lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
-                model_cfg, trainable=self._is_actor)
+                model_cfg, trainable=self._is_actor, lora=self.lora)
             if self._is_actor:
                 self.actor_optimizer, self.actor_lr_scheduler = fsdp_utils.build_optimizer(
                     self.actor_module, self.config.actor.optim)
@@ -298,7 +307,9 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                 self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
             else:
                 self._build_rollout_pool_engine(attn, device_index)
-        if self._is_ref:
+        if self._is_ref and self.lora is not None:
+            self.ref_policy = self.actor   # compute_ref_log_prob: the actor with its adapter disabled
+        elif self._is_ref:
             self.ref_module = self._load_sharded(
                 lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
                 model_cfg, trainable=False)
@@ -307,7 +318,8 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             self._offload(self.ref_module, None, self.config.ref.fsdp_config)
         if self._is_actor:
             self.checkpoint_manager = FSDPCheckpointManager(
-                self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer)
+                self.actor_module, self.actor_optimizer, self.actor_lr_scheduler, self.tokenizer,
+                lora=self.lora, base_model_path=model_cfg.path)
         if self.actor_module is not None:
             self._offload(self.actor_module, self.actor_optimizer, self.config.actor.fsdp_config)
         # Model building reseeded every rank alike; sampling should differ between data-parallel
@@ -478,7 +490,9 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         fsdp_cfg = self.config.actor.fsdp_config
         if self.rollout.synced_version != self._weights_version:
             self._onload(self.actor_module, None, fsdp_cfg)
-            self.rollout.sync_weights(self.actor_module.state_dict().items(), version=self._weights_version)
+            # LoRA: vLLM loads the merged weights (W + scaling * B @ A); adapter-only LoRARequests are later work
+            state = merged_state(self.actor_module) if self.lora is not None else self.actor_module.state_dict().items()
+            self.rollout.sync_weights(state, version=self._weights_version)
             self._offload(self.actor_module, None, fsdp_cfg)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -510,9 +524,15 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             K.META_USE_DYNAMIC_BSZ: ref.log_prob_use_dynamic_bsz,
             K.META_TEMPERATURE: self.config.rollout.temperature,
         })
-        self._onload(self.ref_module, None, ref.fsdp_config)
-        log_probs, _ = self.ref_policy.compute_log_prob(data)
-        self._offload(self.ref_module, None, ref.fsdp_config)
+        if self.lora is not None:   # no reference weights: the actor's base model, adapter bypassed
+            self._onload(self.actor_module, None, self.config.actor.fsdp_config)
+            with adapter_disabled(self.actor_module):
+                log_probs, _ = self.actor.compute_log_prob(data)
+            self._offload(self.actor_module, None, self.config.actor.fsdp_config)
+        else:
+            self._onload(self.ref_module, None, ref.fsdp_config)
+            log_probs, _ = self.ref_policy.compute_log_prob(data)
+            self._offload(self.ref_module, None, ref.fsdp_config)
         return DataProto.from_dict(tensors={K.REF_LOG_PROB: log_probs.cpu()})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -532,12 +552,15 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         return DataProto(meta_info={K.META_METRICS: metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0, hf_path: str | None = None) -> None:
-        """Each rank writes its shard of model + optimizer, and its scheduler / RNG state, into local_path."""
+    def save_checkpoint(self, local_path: str, global_step: int = 0, hf_path: str | None = None,
+                        merged_hf_path: str | None = None) -> None:
+        """Each rank writes its shard of model + optimizer, and its scheduler / RNG state, into local_path.
+        LoRA: `hf_path` gets the adapter, `merged_hf_path` (if given) the merged model."""
         self._require(self._is_actor, "save_checkpoint")
         fsdp_cfg = self.config.actor.fsdp_config
         self._onload(self.actor_module, self.actor_optimizer, fsdp_cfg)
-        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, hf_path=hf_path)
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, hf_path=hf_path,
+                                                merged_hf_path=merged_hf_path)
         self._offload(self.actor_module, self.actor_optimizer, fsdp_cfg)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -644,6 +667,26 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
 
         device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
         return float(get_device_peak_flops(device))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def lora_report(self) -> dict[str, Any]:
+        """What LoRA left in this rank's actor (tests, debugging; no collective): the names that require
+        grad, the optimizer's parameter count, the frozen ones' dtypes and whether any holds a grad,
+        and whether a reference model was built."""
+        from verl.utils.lora import is_adapter_param
+
+        self._require(self._is_actor, "lora_report")
+        named = list(self.actor_module.named_parameters())
+        optimized = {id(p) for group in self.actor_optimizer.param_groups for p in group["params"]}
+        return {
+            "trainable": sorted(n for n, p in named if p.requires_grad),
+            "optimizer_params": sorted(n for n, p in named if id(p) in optimized),
+            "optimizer_state_params": sorted(n for n, p in named if p in self.actor_optimizer.state),
+            "adapters": sorted(n for n, _ in named if is_adapter_param(n)),
+            "frozen_dtypes": sorted({str(p.dtype) for n, p in named if not is_adapter_param(n)}),
+            "frozen_with_grad": sorted(n for n, p in named if not is_adapter_param(n) and p.grad is not None),
+            "ref_module": self.ref_module is not None,
+        }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_state_fingerprint(self) -> dict[str, float]:

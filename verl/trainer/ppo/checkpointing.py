@@ -4,7 +4,8 @@ Layout under `trainer.default_local_dir`:
 
     global_step_{N}/actor/     worker shards: model, optimizer, LR scheduler, worker RNG
     global_step_{N}/critic/    (gae only)
-    global_step_{N}/hf/        HF-format export for inference (trainer.save_hf_model)
+    global_step_{N}/hf/        HF-format export for inference (trainer.save_hf_model; LoRA: the adapter)
+    global_step_{N}/hf_merged/ LoRA: the adapter merged into the base model (trainer.save_merged_lora)
     global_step_{N}/data.pt    driver state: dataloader position, global_step, driver RNG
     global_step_{N}/manifest.json   size and sha256 of every other file (verl/utils/checkpoint/manifest.py)
     latest_checkpointed_iteration.txt   N of the newest complete checkpoint
@@ -254,7 +255,9 @@ class CheckpointedTraining:
         self.verify_checkpoint_root()
         tmp = begin_checkpoint(root, self.global_step)
         hf_path = str(tmp / "hf") if trainer.save_hf_model else None
-        self.actor_rollout_wg.save_checkpoint(str(tmp / "actor"), self.global_step, hf_path)
+        lora = int(self.config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
+        merged_path = str(tmp / "hf_merged") if lora and trainer.get("save_merged_lora", False) else None
+        self.actor_rollout_wg.save_checkpoint(str(tmp / "actor"), self.global_step, hf_path, merged_path)
         if self.use_critic:
             self.critic_wg.save_checkpoint(str(tmp / "critic"), self.global_step)
         # A pipelined run has drawn batches beyond the one trained: it records the position after that one.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -123,9 +124,10 @@ class _ShardWriter:
 
 
 def export_hf_model(module: nn.Module, tokenizer: Any, out_dir: str, dtype: torch.dtype | None = None,
-                    max_shard_mb: float = 1024) -> None:
+                    max_shard_mb: float = 1024, state: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Write `module` (FSDP2 or plain) to `out_dir` in HF format, floating tensors in
-    `export_dtype(module, dtype)`. Every rank must call this."""
+    `export_dtype(module, dtype)`. Every rank must call this. `state`: (checkpoint name, tensor)
+    to write instead of the module's state dict (a LoRA model's merged weights, verl/utils/lora.py)."""
     rank = _rank()
     dtype = export_dtype(module, dtype)
     writer = _ShardWriter(out_dir, int(max_shard_mb * 1024**2)) if rank == 0 else None
@@ -133,7 +135,7 @@ def export_hf_model(module: nn.Module, tokenizer: Any, out_dir: str, dtype: torc
         os.makedirs(out_dir, exist_ok=True)
     config = module.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    for name, tensor in module.state_dict().items():
+    for name, tensor in (module.state_dict().items() if state is None else state):
         if tied and name.endswith("lm_head.weight"):
             # HF re-ties the head to the embeddings on load; storing it twice only costs space.
             # (The same decision on every rank, so the gathers below still line up.)

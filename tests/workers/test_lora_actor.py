@@ -1,0 +1,156 @@
+"""LoRA on the FSDP2 actor (actor_rollout_ref.model.lora_rank > 0): two Ray workers on CPU (gloo).
+
+Only the adapter trains and the optimizer holds only it; the reference is the actor with the adapter
+off (no reference weights); the HF rollout generates with the adapted model; the checkpoint resumes
+exactly and the HF export is PEFT's adapter (and, on request, the merged model); a saved adapter
+continues a run (lora_adapter_path).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.workers._batches import load_trainer_config
+from tests.workers.test_fsdp_workers import close_group, fixed_batch, make_group
+from verl.protocol import DataProto
+from verl.utils import batch_keys as K
+from verl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_param
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+torch.set_num_threads(1)
+
+
+def lora_config(model_dir: str, **extra: object):
+    cfg = load_trainer_config(model_dir, **{
+        "actor_rollout_ref.model.lora_rank": 4,
+        "actor_rollout_ref.model.lora_alpha": 8,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+        "actor_rollout_ref.model.use_remove_padding": True,
+        "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_micro_batch_size": 4,
+        "actor_rollout_ref.actor.entropy_coeff": 0.0,
+        "actor_rollout_ref.actor.optim.lr": 1e-2,
+        "actor_rollout_ref.actor.optim.total_training_steps": 20,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size": 4,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size": 4,
+        "actor_rollout_ref.rollout.micro_batch_size": 2,
+        "data.max_response_length": 6,
+        **extra,
+    })
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def base_log_probs(model_dir: str, cfg, data: DataProto) -> torch.Tensor:
+    """Log-probs of the plain base model (no LoRA), one process."""
+    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    actor_cfg = copy.deepcopy(cfg.actor_rollout_ref.actor)
+    plain = DataParallelPPOActor(actor_cfg, module, None, use_remove_padding=True)
+    data = DataProto(batch=data.batch.clone(), meta_info={K.META_TEMPERATURE: 1.0, K.META_MICRO_BATCH_SIZE: 4,
+                                                          K.META_USE_DYNAMIC_BSZ: False})
+    return plain.compute_log_prob(data)[0]
+
+
+@pytest.mark.slow   # ~100 s on a 2-core CPU: two Ray groups
+def test_lora_actor_trains_only_the_adapter_and_the_reference_is_the_base(tiny_model_dir, ray_cluster, tmp_path):
+    cfg = lora_config(tiny_model_dir)
+    wg, pool = make_group(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref")
+    group2 = None
+    try:
+        report = wg.lora_report()[0]
+        # No reference weights: role actor_rollout_ref built no second model.
+        assert report["ref_module"] is False
+        # 2 layers x 7 linear projections ("all-linear" leaves lm_head out), A and B each.
+        assert len(report["adapters"]) == 28
+        assert report["trainable"] == report["adapters"] == report["optimizer_params"]
+        assert report["frozen_dtypes"] == ["torch.float32"]   # CPU: fp32 compute (bf16 on CUDA)
+
+        data = fixed_batch(tiny_model_dir)
+        old = wg.compute_log_prob(data).batch[K.OLD_LOG_PROBS]
+        ref = wg.compute_ref_log_prob(data).batch[K.REF_LOG_PROB]
+        base = base_log_probs(tiny_model_dir, cfg, data)
+        # lora_B starts at zero: the adapted model is the base model; FSDP vs one process on one CPU.
+        torch.testing.assert_close(old, ref)
+        torch.testing.assert_close(ref, base, rtol=1e-5, atol=1e-5)
+
+        before = wg.get_state_fingerprint()[0]
+        data.batch[K.OLD_LOG_PROBS] = old
+        data.batch[K.REF_LOG_PROB] = ref
+        for _ in range(3):
+            wg.update_actor(data)
+        after = wg.get_state_fingerprint()
+        assert after[0] == after[1], "ranks disagree on the weights after an update"
+        frozen_moved = [n for n in before if not is_adapter_param(n) and before[n] != after[0][n]]
+        assert frozen_moved == []
+        assert all(before[n] != after[0][n] for n in before if ".lora_B." in n)
+        report = wg.lora_report()[0]
+        assert report["frozen_with_grad"] == []
+        assert report["optimizer_state_params"] == report["adapters"]
+
+        # The reference stays the base model after updates; the policy has moved away from it.
+        new_old = wg.compute_log_prob(data).batch[K.OLD_LOG_PROBS]
+        new_ref = wg.compute_ref_log_prob(data).batch[K.REF_LOG_PROB]
+        torch.testing.assert_close(new_ref, base, rtol=1e-5, atol=1e-5)
+        assert float((new_old - new_ref).abs().max()) > 1e-2
+
+        # The HF rollout generates with the adapted weights: its log-probs are the actor's.
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        enc = tok(["Paris", "Question: where", "The quick brown fox", "Doc 1"], return_tensors="pt", padding=True)
+        prompts = DataProto.from_dict(tensors={
+            K.INPUT_IDS: enc["input_ids"], K.ATTENTION_MASK: enc["attention_mask"],
+            K.POSITION_IDS: (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)},
+            meta_info={K.META_DO_SAMPLE: False})
+        generated = wg.generate_sequences(prompts)
+        mask = generated.batch[K.ATTENTION_MASK][:, -6:].bool()
+        actor_lp = wg.compute_log_prob(generated).batch[K.OLD_LOG_PROBS]
+        ref_lp = wg.compute_ref_log_prob(generated).batch[K.REF_LOG_PROB]
+        rollout_lp = generated.batch[K.ROLLOUT_LOG_PROBS]
+        torch.testing.assert_close(rollout_lp[mask], actor_lp[mask], rtol=1e-4, atol=1e-4)
+        assert float((rollout_lp[mask] - ref_lp[mask]).abs().max()) > 1e-3
+
+        # Checkpoint: the adapter's optimizer state resumes exactly; the export is PEFT's adapter.
+        ckpt, hf, merged = tmp_path / "actor", tmp_path / "hf", tmp_path / "hf_merged"
+        saved = wg.get_state_fingerprint()[0]
+        wg.save_checkpoint(str(ckpt), 3, str(hf), str(merged))
+        wg.update_actor(data)
+        continued = wg.get_state_fingerprint()[0]
+        wg.load_checkpoint(str(ckpt))
+        assert wg.get_state_fingerprint()[0] == saved
+        wg.update_actor(data)
+        assert wg.get_state_fingerprint()[0] == continued
+
+        assert (hf / ADAPTER_CONFIG).is_file() and (hf / ADAPTER_WEIGHTS).is_file()
+        from peft import PeftModel
+
+        wg.load_checkpoint(str(ckpt))
+        expected = wg.compute_log_prob(data).batch[K.OLD_LOG_PROBS]
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                                                    dtype=torch.float32), str(hf))
+        merged_model = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)
+        for model in (peft_model, merged_model):
+            actor = DataParallelPPOActor(copy.deepcopy(cfg.actor_rollout_ref.actor), model, None,
+                                         use_remove_padding=True)
+            got = actor.compute_log_prob(DataProto(batch=data.batch.clone(), meta_info={
+                K.META_TEMPERATURE: 1.0, K.META_MICRO_BATCH_SIZE: 4, K.META_USE_DYNAMIC_BSZ: False}))[0]
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        close_group(wg, pool)
+        wg = None
+
+        # lora_adapter_path: a new run starts from the saved adapter.
+        cfg2 = lora_config(tiny_model_dir, **{"actor_rollout_ref.model.lora_adapter_path": str(hf)})
+        group2 = make_group(ActorRolloutRefWorker, config=cfg2.actor_rollout_ref, role="actor_rollout")
+        resumed = group2[0].get_state_fingerprint()[0]
+        for name, value in saved.items():
+            assert resumed[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    finally:
+        if wg is not None:
+            close_group(wg, pool)
+        if group2 is not None:
+            close_group(*group2)

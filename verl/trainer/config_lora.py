@@ -1,0 +1,77 @@
+"""Config rules for LoRA (`actor_rollout_ref.model.lora_*`, veRL's keys; docs/training.md "LoRA")."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig
+
+LORA_KEY = "actor_rollout_ref.model"
+
+
+def lora_rank(cfg: DictConfig) -> int:
+    """The actor's LoRA rank (0: LoRA off); a bad value reads as 0 here (check_lora names it)."""
+    value = cfg.actor_rollout_ref.model.get("lora_rank", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _module_names(value: Any, key: str, errors: list[str], allow_null: bool) -> None:
+    if value is None:
+        if not allow_null:
+            errors.append(f"{key}=null: give 'all-linear' or a list of module names (q_proj, v_proj, ...)")
+        return
+    if isinstance(value, str):
+        if not value:
+            errors.append(f"{key}='' names no module")
+        return
+    if isinstance(value, (list, tuple, ListConfig)):
+        if not value and not allow_null:
+            errors.append(f"{key}=[] names no module: LoRA would train nothing")
+        if not all(isinstance(v, str) and v for v in value):
+            errors.append(f"{key}={list(value)!r} must hold module names (non-empty strings)")
+        return
+    errors.append(f"{key}={value!r} must be a string ('all-linear') or a list of module names")
+
+
+def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
+    """LoRA's keys: their values, a saved adapter to continue from, and what LoRA is not built for yet."""
+    errors: list[str] = []
+    model = cfg.actor_rollout_ref.model
+    rank = model.get("lora_rank", 0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        errors.append(f"{LORA_KEY}.lora_rank={rank!r} must be an int >= 0 (0 = LoRA off)")
+        return errors
+    critic_rank = cfg.critic.model.get("lora_rank", 0)
+    if critic_rank not in (0, None):
+        errors.append(f"critic.model.lora_rank={critic_rank!r}: critic LoRA is not supported yet (the value head "
+                      "would have to train beside the adapter, and the critic's checkpoint / export handle neither); "
+                      "set it to 0: the critic trains in full")
+    adapter_path = model.get("lora_adapter_path")
+    if rank == 0:
+        if adapter_path:
+            errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} is set but {LORA_KEY}.lora_rank=0 "
+                          "(LoRA off): set lora_rank > 0 to continue from the adapter")
+        if cfg.trainer.get("save_merged_lora", False):
+            errors.append(f"trainer.save_merged_lora=True exports a LoRA model merged; {LORA_KEY}.lora_rank=0")
+        return errors
+    alpha = model.get("lora_alpha", 16)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        errors.append(f"{LORA_KEY}.lora_alpha={alpha!r} must be a number > 0")
+    _module_names(model.get("target_modules"), f"{LORA_KEY}.target_modules", errors, allow_null=False)
+    _module_names(model.get("exclude_modules"), f"{LORA_KEY}.exclude_modules", errors, allow_null=True)
+    if adapter_path:
+        from verl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+        missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not os.path.isfile(os.path.join(str(adapter_path), f))]
+        if missing:
+            errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} has no {' / '.join(missing)}: give a "
+                          "folder a LoRA run exported (global_step_N/hf) or PeftModel.save_pretrained wrote")
+    if run.pools.pipelined:
+        errors.append(f"{LORA_KEY}.lora_rank={rank} with trainer.pipeline={cfg.trainer.pipeline}: the weight push "
+                      "to a rollout pool does not carry a LoRA model yet; use trainer.pipeline=sync")
+    if importlib.util.find_spec("peft") is None:
+        errors.append(f"{LORA_KEY}.lora_rank={rank} needs Hugging Face PEFT, which is not installed: "
+                      "`pip install peft -c requirements-lock.txt`")
+    return errors
