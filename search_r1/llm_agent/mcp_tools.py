@@ -6,6 +6,8 @@ A tool config entry
       config:
         transport: stdio                 # or http, with url: http://127.0.0.1:8010/mcp
         command: [python, -m, search_r1.search.mcp_server, --retrieval_url, http://127.0.0.1:8000/retrieve]
+        cwd: /path/to/Search-R1        # optional: the server's working directory (stdio)
+        env: {KEY: value}              # optional: added to the server's environment (stdio)
         tools: [search, open]            # optional: the server's tools to offer (default: all)
         timeout: 30                      # seconds per call
         max_calls_per_row: 8             # optional budget, per tool, per trajectory
@@ -42,7 +44,7 @@ def _target(config: dict, where: str = "mcp") -> Any:
         env = config.get("env")
         if env is not None:
             env = {**os.environ, **{str(k): str(v) for k, v in env.items()}}
-        return StdioServerParameters(command=command[0], args=command[1:], env=env)
+        return StdioServerParameters(command=command[0], args=command[1:], env=env, cwd=config.get("cwd"))
     if transport == "http":
         url = config.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -112,7 +114,7 @@ _lock = threading.Lock()
 
 def connection(config: dict) -> MCPConnection:
     """This process's connection to the server `config` names (opened once, closed at exit)."""
-    key = repr((config.get("transport"), config.get("command"), config.get("url"), config.get("env")))
+    key = repr((config.get("transport"), config.get("command"), config.get("url"), config.get("env"), config.get("cwd")))
     with _lock:
         if key not in _connections:
             _connections[key] = MCPConnection(config)
@@ -156,7 +158,7 @@ def list_tool_schemas(config: dict, where: str) -> list[dict]:
 class MCPTool:
     """Calls one tool of an MCP server; its answer's text blocks, joined, are the tool message."""
 
-    KEYS = ("transport", "command", "url", "env", "tools")
+    KEYS = ("transport", "command", "url", "env", "cwd", "tools")
 
     def __init__(self, name: str, config: dict) -> None:
         self.name = name

@@ -123,3 +123,15 @@ def test_an_unreachable_mcp_server_answers_calls_with_an_error():
     dead = mcp_tools.MCPTool("search", {"transport": "http", "url": f"http://127.0.0.1:{free_port()}/mcp"})
     text, ok = tool_backends.run_call(dead, {"query_list": ["q"]})
     assert not ok and json.loads(text)["result"].startswith("Error: could not connect to the MCP server")
+
+
+def test_shipped_web_and_mcp_example_loads_with_the_servers_tools(monkeypatch):
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((repo / "example/tool_recipe/config/tool_config/web_mcp_tool_config.yaml").read_text())
+    data["tools"][1]["config"]["command"][0] = sys.executable     # `python` of the example: this interpreter
+    data["tools"][1]["config"]["cwd"] = str(repo)
+    config = tools.parse_tool_config(data, source="web_mcp_tool_config.yaml")
+    assert config.tool_names == ["web_search", "search", "open"] and config.search_name is None
+    assert config.budgets == {"web_search": 4, "search": 8, "open": 8}

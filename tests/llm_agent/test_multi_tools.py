@@ -182,3 +182,12 @@ def test_async_rollout_with_two_tools_equals_sync(tool_tokenizer, retrieval_url)
     for key in ("tools/open/calls", "tools/open/errors", "tools/search/calls"):
         assert total[key] == sync_out.meta_info["tool_stats"][key], key
     assert total["tools/open/calls"] == 3 and total["tools/open/errors"] == 1
+
+
+def test_shipped_two_tool_example_loads():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "example/tool_recipe/config/tool_config/search_open_tool_config.yaml"
+    config = tools.load_tool_config(path)
+    assert config.tool_names == ["search", "open"] and config.budgets == {"search": 8, "open": 8}
+    assert config.search_settings().show_doc_ids and config.others[0]["config"]["fetcher"] == "direct"
