@@ -191,3 +191,26 @@ def test_shipped_two_tool_example_loads():
     config = tools.load_tool_config(path)
     assert config.tool_names == ["search", "open"] and config.budgets == {"search": 8, "open": 8}
     assert config.search_settings().show_doc_ids and config.others[0]["config"]["fetcher"] == "direct"
+
+
+def test_the_trainer_waits_for_the_retrieval_server_only_when_a_tool_uses_it(retrieval_url):
+    from omegaconf import OmegaConf
+
+    from verl.trainer.run_config import Protocol
+
+    cfg = OmegaConf.create({"retriever": {"timeout": 7}})
+    web = {"class_name": "search_r1.llm_agent.tool_backends.SerperSearchTool", "config": {}, "tool_schema": SEARCH_SCHEMA}
+    only_web = Protocol(True, True, 10, "k", True, False, tools.parse_tool_config({"tools": [web]}), "web.yaml")
+    assert not only_web.uses_retrieval_server()
+    with pytest.raises(KeyError):
+        only_web.retrieval_endpoint(cfg)
+    opener = {"class_name": "search_r1.llm_agent.tool_backends.OpenTool",
+              "config": {"retrieval_service_url": retrieval_url, "timeout": 3}, "tool_schema": OPEN_SCHEMA}
+    with_open = Protocol(True, True, 10, "k", True, False, tools.parse_tool_config({"tools": [{
+        **web, "tool_schema": {**SEARCH_SCHEMA, "function": {**SEARCH_SCHEMA["function"], "name": "web"}}}, opener]}),
+        "two.yaml")
+    assert with_open.uses_retrieval_server()
+    assert with_open.retrieval_endpoint(cfg) == (retrieval_url, 3.0, "retrieval_service_url",
+                                                 "retrieval_service_url in two.yaml")
+    searching = Protocol(True, True, 10, "k", True, False, two_tools(retrieval_url), "s.yaml")
+    assert searching.uses_retrieval_server() and searching.retrieval_endpoint(cfg)[:2] == (retrieval_url, 30.0)
