@@ -135,3 +135,11 @@ def test_shipped_web_and_mcp_example_loads_with_the_servers_tools(monkeypatch):
     config = tools.parse_tool_config(data, source="web_mcp_tool_config.yaml")
     assert config.tool_names == ["web_search", "search", "open"] and config.search_name is None
     assert config.budgets == {"web_search": 4, "search": 8, "open": 8}
+
+
+def test_a_call_past_its_timeout_is_an_error_and_the_connection_stays_usable(mcp_http_url, retrieval_url):
+    config = {"transport": "http", "url": mcp_http_url, "timeout": 0.001}
+    text, ok = tool_backends.run_call(mcp_tools.MCPTool("open", config), {"doc_id": "1"})
+    assert not ok and json.loads(text)["result"] == "Error: tool 'open' did not answer within 0.001 s"
+    text, ok = tool_backends.run_call(mcp_tools.MCPTool("open", {**config, "timeout": 20}), {"doc_id": "1"})
+    assert ok and json.loads(text)["result"].startswith("Eiffel Tower\n[doc 1, page 1 of 4")
