@@ -128,6 +128,35 @@ def test_slow_drip_page_is_cut_at_the_time_limit():
         assert time.monotonic() - start < 2.9
 
 
+def test_a_page_read_in_time_per_chunk_but_not_in_total_is_cut_at_the_deadline():
+    """Each chunk comes within the socket timeout; the whole read does not come within `timeout`."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1400000\r\n\r\n")
+        try:
+            for _ in range(20):
+                conn.sendall(b"a" * 70000)
+                time.sleep(0.4)
+        except OSError:
+            pass
+        conn.close()
+
+    thread = threading.Thread(target=drip, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(documents.FetchError, match="took longer than 1.5 s to read"):
+        documents.fetch_url(f"http://127.0.0.1:{listener.getsockname()[1]}/", timeout=1.5, max_bytes=2_000_000)
+    assert time.monotonic() - start < 3.0
+    listener.close()
+
+
 def serper(method, path, headers, body):
     if headers.get("X-API-KEY") != KEY:
         return 403, "application/json", json.dumps({"message": f"bad key {headers.get('X-API-KEY')}"}).encode(), 0
