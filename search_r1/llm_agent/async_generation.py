@@ -60,7 +60,10 @@ class AsyncAgentLoop:
                 stats["search_failures"] += self.manager._n_searches(res)
             if hits is not None and len(hits) != len(queries):
                 raise ValueError(f"retrieval returned {len(hits)} result lists for {len(queries)} queries")
-        return self.manager._observation_for(res, hits, error, stats)
+        others = None
+        if self.manager._tool is not None:   # tools other than search: blocking calls, off the event loop
+            others = await asyncio.to_thread(self.manager._tool.run_others, res, stats)
+        return self.manager._observation_for(res, hits, error, stats, others)
 
     async def trajectory(self, row: _Row, index: int, call_seed: int) -> Counter[str]:
         manager = self.manager
@@ -81,7 +84,7 @@ class AsyncAgentLoop:
                                                     max_tokens=manager._response_length([row]), follows=previous)
             previous = completion
             sampled, log_probs = manager._clip_to_budget(row, list(completion.token_ids), completion.log_probs)
-            res = manager._cut_turn(sampled, self.eos_token_ids)
+            res = manager._limit_calls(row, manager._cut_turn(sampled, self.eos_token_ids))
             observation = None
             if manager._runs_action(row, res, is_final):
                 start = time.perf_counter()

@@ -218,6 +218,10 @@ class LLMGenerationManager:
             raise ValueError(f"retrieval returned {len(results)} result lists for {len(queries)} queries")
         return results, None
 
+    def _limit_calls(self, row: _Row, res: _TurnResult) -> _TurnResult:
+        """Tool protocol: calls past their tool's per-row budget become error answers (tags: unchanged)."""
+        return res if self._tool is None else self._tool.limit_calls(row, res)
+
     def _runs_action(self, row: _Row, res: _TurnResult, is_final: bool) -> bool:
         """Whether the turn's search (tags) or tool calls (tool) are carried out, not refused as over budget."""
         if self._tool is not None:
@@ -225,11 +229,12 @@ class LLMGenerationManager:
         return res.action.kind == "search" and not is_final
 
     def _observation_for(self, res: _TurnResult, hits: list[list[Hit]] | None, error: str | None,
-                         stats: Counter[str]) -> str | list[str]:
+                         stats: Counter[str], others: dict[int, str] | None = None) -> str | list[str]:
         """What answers a turn whose action runs: the `<information>` block (tags), or each call's
-        tool message (tool). `hits` holds one list per query of `res.queries` (None: retrieval failed)."""
+        tool message (tool). `hits` holds one list per query of `res.queries` (None: retrieval failed);
+        `others`: the answers of calls of tools other than search, when already run."""
         if self._tool is not None:
-            return self._tool.answers(res, hits, error, stats)
+            return self._tool.answers(res, hits, error, stats, others)
         return actions.render_search_failure() if hits is None else actions.render_observation(hits[0])
 
     def _n_searches(self, res: _TurnResult) -> int:
@@ -353,7 +358,7 @@ class LLMGenerationManager:
             for k, i in enumerate(active):
                 lps = None if sampled_log_probs is None else sampled_log_probs[k]
                 ids, lps = self._clip_to_budget(rows[i], sampled[k], lps)
-                results.append((self._cut_turn(ids, eos_ids), lps))
+                results.append((self._limit_calls(rows[i], self._cut_turn(ids, eos_ids)), lps))
 
             running = [k for k, (i, (res, _)) in enumerate(zip(active, results, strict=True))
                        if self._runs_action(rows[i], res, is_final)]
@@ -476,6 +481,9 @@ class LLMGenerationManager:
             "tool_calls": int(stats["tool_calls"]),
             "tool_call_errors": int(stats["tool_call_errors"]),
             "tool_response_truncated": int(stats["tool_response_truncated"]),
+            # Per tool: tools/<name>/{calls, errors, latency_ms} (errors: malformed or over-budget calls
+            # and failed answers; calls of a name no tool has count under tools/_unknown).
+            "tool_stats": {k: float(v) for k, v in sorted(stats.items()) if k.startswith("tools/")},
             "generated_tokens": int(stats["generated_tokens"]),
             "kept_tokens": int(stats["kept_tokens"]),
             "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},

@@ -27,9 +27,12 @@ manager's, shared with the tag protocol. What differs, and lives here:
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import Counter
+from typing import Any
 
-from search_r1.llm_agent import actions, tools
+from search_r1.llm_agent import actions, tool_backends, tools
 from search_r1.llm_agent.actions import Action
 from search_r1.llm_agent.generation_config import GenerationConfig
 from search_r1.llm_agent.token_text import TokenText
@@ -46,6 +49,10 @@ class ToolTurns:
         self.tool_config = tools.ToolConfig.from_dict(config.tool_config or {})
         self.tool_names = self.tool_config.tool_names
         self.framing = tools.ChatFraming(text.tokenizer, self.tool_config.schemas)
+        self.search_name = self.tool_config.search_name
+        self.show_doc_ids = bool((self.tool_config.search or {}).get("show_doc_ids", False))
+        self._others = {entry["name"]: entry for entry in self.tool_config.others}
+        self._backends: dict[str, Any] = {}     # built on first call (MCP tools connect then)
         framing_len = len(self._observation_ids([""], ended_with_eos=False)[0])
         if framing_len >= config.max_obs_length:
             raise ValueError(f"max_obs_length ({config.max_obs_length}) leaves no room for a tool answer: the chat "
@@ -62,10 +69,7 @@ class ToolTurns:
             kept = self.text.shortest_prefix(sampled, lambda prefix: close in prefix)
             text = decode(kept)
         calls = tuple(tools.parse_tool_calls(text, self.tool_names)[: self.config.max_parallel_calls])
-        queries: list[str] = []
-        for call in calls:
-            if isinstance(call, tools.ToolCall):
-                queries += tools.search_queries(call) or []
+        queries = self._queries(calls)
         if calls:
             action = Action(kind="search", content="")
         elif tools.has_answer(text):
@@ -76,12 +80,58 @@ class ToolTurns:
         return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled),
                            calls=calls, queries=tuple(queries))
 
+    def _is_search(self, call: object) -> bool:
+        return isinstance(call, tools.ToolCall) and call.name == self.search_name
+
+    def _queries(self, calls: tuple) -> tuple[str, ...]:
+        """The retrieval server's queries of the turn: those of its well-formed search calls."""
+        return tuple(q for call in calls if self._is_search(call) for q in tools.search_queries(call) or [])
+
+    def limit_calls(self, row: _Row, res: _TurnResult) -> _TurnResult:
+        """Per-tool budgets (a tool's `max_calls_per_row`): a call past its tool's budget in this
+        trajectory is not run; it becomes an error message saying so (counted as an error)."""
+        budgets = self.tool_config.budgets
+        if not budgets or not res.calls:
+            return res
+        calls = []
+        for call in res.calls:
+            if isinstance(call, tools.ToolCall) and call.name in budgets:
+                used = row.tool_counts.get(call.name, 0)
+                row.tool_counts[call.name] = used + 1
+                if used >= budgets[call.name]:
+                    call = tools.ToolCallError(
+                        f"Error: tool {call.name!r} may be called at most {budgets[call.name]} times per "
+                        f"trajectory; this call was not run. Answer with what you have or use another tool.",
+                        tool=call.name)
+            calls.append(call)
+        return dataclasses.replace(res, calls=tuple(calls), queries=self._queries(tuple(calls)))
+
     # --- act --------------------------------------------------------------------------
 
-    @staticmethod
-    def n_searches(res: _TurnResult) -> int:
+    def n_searches(self, res: _TurnResult) -> int:
         """Well-formed search calls of the turn (each sends all of its queries)."""
-        return sum(isinstance(c, tools.ToolCall) and tools.search_queries(c) is not None for c in res.calls)
+        return sum(self._is_search(c) and tools.search_queries(c) is not None for c in res.calls)
+
+    def _backend(self, name: str) -> Any:
+        if name not in self._backends:
+            self._backends[name] = tool_backends.build_backend(self._others[name])
+        return self._backends[name]
+
+    def run_others(self, res: _TurnResult, stats: Counter[str]) -> dict[int, str]:
+        """The answers of the turn's calls of tools other than search, by call position (blocking:
+        the async loop runs this in a thread). Latency and failures are counted per tool."""
+        out: dict[int, str] = {}
+        for i, call in enumerate(res.calls):
+            if isinstance(call, tools.ToolCall) and call.name in self._others:
+                start = time.perf_counter()
+                try:
+                    text, ok = tool_backends.run_call(self._backend(call.name), call.arguments)
+                except Exception as err:   # a tool that failed to start (e.g. an MCP server) answers an error
+                    text, ok = tools.tool_result(f"Error: tool {call.name!r} failed ({type(err).__name__})"), False
+                stats[f"tools/{call.name}/latency_ms"] += round((time.perf_counter() - start) * 1000, 3)
+                stats[f"tools/{call.name}/errors"] += int(not ok)
+                out[i] = text
+        return out
 
     def is_final(self, row: _Row) -> bool:
         """True when the turn being taken is the row's last: its calls are not run (veRL's limits)."""
@@ -90,22 +140,28 @@ class ToolTurns:
                     or (c.max_user_turns and row.n_tool_rounds >= c.max_user_turns))
 
     def answers(self, res: _TurnResult, hits: list[list[Hit]] | None, error: str | None,
-                stats: Counter[str]) -> list[str]:
+                stats: Counter[str], others: dict[int, str] | None = None) -> list[str]:
         """The tool message of each call of `res`: `hits` holds one list per query of `res.queries`
-        in order (None when the retrieval failed with `error`)."""
+        in order (None when the retrieval failed with `error`); `others` the answers of the other
+        tools' calls (run here when not given)."""
+        if others is None:
+            others = self.run_others(res, stats)
         texts = []
         position = 0
-        for call in res.calls:
+        for i, call in enumerate(res.calls):
             if isinstance(call, tools.ToolCallError):
                 text = tools.render_call_error(call)
+            elif i in others:
+                text = others[i]
             else:
                 queries = tools.search_queries(call)
                 if queries is None:
                     text = tools.render_bad_query_list()
                 elif hits is None:
                     text = tools.render_search_error(error or "the retrieval server did not answer")
+                    stats[f"tools/{call.name}/errors"] += 1
                 else:
-                    text = tools.render_search_results(hits[position: position + len(queries)])
+                    text = tools.render_search_results(hits[position: position + len(queries)], self.show_doc_ids)
                     position += len(queries)
             text, cut = tools.truncate_tool_response(text, self.config.max_tool_response_length,
                                                      self.config.tool_response_truncate_side)
@@ -132,7 +188,14 @@ class ToolTurns:
                    sampled_log_probs: list[float] | None) -> None:
         """Append the turn (and, when its calls ran, their tool messages) to `row`; decide whether it ends."""
         row.n_turns += 1
-        errors = sum(isinstance(c, tools.ToolCallError) or tools.search_queries(c) is None for c in res.calls)
+        errors = 0
+        for call in res.calls:
+            bad = isinstance(call, tools.ToolCallError) or (self._is_search(call) and tools.search_queries(call) is None)
+            errors += int(bad)
+            name = call.tool if isinstance(call, tools.ToolCallError) else call.name
+            if name is not None:      # per tool (tools/<name>/...); a call naming no tool counts only overall
+                stats[f"tools/{name}/calls"] += 1
+                stats[f"tools/{name}/errors"] += int(bad)
         row.n_valid_actions += int(res.action.kind == "answer" or len(res.calls) > errors)
         stats["tool_calls"] += len(res.calls)
         stats["tool_call_errors"] += errors

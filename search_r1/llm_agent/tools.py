@@ -36,10 +36,12 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 SEARCH_TOOL_CLASSES = ("verl.tools.search_tool.SearchTool", "search_r1.llm_agent.tools.SearchTool")
 # The keys of a search tool's `config:` block and what they mean here (docs/agent.md).
 SEARCH_TOOL_KEYS = ("retrieval_service_url", "topk", "timeout", "num_workers", "rate_limit",
-                    "enable_global_rate_limit", "type")
+                    "enable_global_rate_limit", "type", "max_calls_per_row", "show_doc_ids")
 TRUNCATE_SIDES = ("left", "right", "middle")
 # multi_turn.format: the tool-call text format; veRL's recipe spells Hermes "qwen" (older name).
 TOOL_FORMATS = ("hermes", "qwen")
+# The name per-tool metrics count calls of tools that do not exist under (tools/<name>/...).
+UNKNOWN_TOOL = "_unknown"
 
 # veRL SearchTool's texts, byte for byte (its tool response is JSON {"result": text}).
 NO_RESULTS_TEXT = "No search results found."
@@ -57,6 +59,7 @@ class SearchToolSettings:
     rate_limit: int = 120       # requests in flight at once, per rollout worker
     enable_global_rate_limit: bool = True
     type: str = "native"
+    show_doc_ids: bool = False  # each hit's header names its corpus id (for an `open` tool by doc_id)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class ToolConfig:
     schemas: list[dict] = field(default_factory=list)   # OpenAI function schemas, as written
     search: dict | None = None                           # SearchToolSettings as a dict
     source: str = ""
+    others: list[dict] = field(default_factory=list)    # the other tools: {name, class_name, config}
+    budgets: dict[str, int] = field(default_factory=dict)   # tool name -> max_calls_per_row
 
     @property
     def tool_names(self) -> list[str]:
@@ -89,7 +94,8 @@ class ToolConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ToolConfig:
         return cls(schemas=[dict(s) for s in data.get("schemas", [])], search=data.get("search"),
-                   source=str(data.get("source", "")))
+                   source=str(data.get("source", "")), others=[dict(o) for o in data.get("others", [])],
+                   budgets={str(k): int(v) for k, v in (data.get("budgets") or {}).items()})
 
 
 def _plain(value: Any) -> Any:
@@ -104,6 +110,42 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _add_schema(schemas: list[dict], schema: Any, where: str) -> None:
+    """Check one OpenAI function schema and append it; a name defined twice is refused."""
+    function = schema.get("function") if isinstance(schema, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ValueError(f"{where}.tool_schema: expected {{type: function, function: {{name: ..., "
+                         f"description: ..., parameters: ...}}}}")
+    if schema.get("type", "function") != "function":
+        raise ValueError(f"{where}.tool_schema.type: only 'function' tools are supported, got {schema['type']!r}")
+    name = function["name"]
+    if name in [s["function"]["name"] for s in schemas]:
+        raise ValueError(f"{where}.tool_schema.function.name: tool {name!r} is defined twice")
+    schemas.append(schema)
+
+
+def _other_tools(class_name: Any, config: dict, schema: Any, where: str) -> list[tuple[dict, dict]]:
+    """({name, class_name, config}, schema) of each tool a non-search entry declares (an MCP entry
+    declares its server's tools, their schemas listed from the server unless tool_schema is given)."""
+    from search_r1.llm_agent import tool_backends
+
+    if class_name not in tool_backends.BACKENDS:
+        raise ValueError(f"{where}.class_name: {class_name!r} is not a tool this project runs; supported: "
+                         f"{list(SEARCH_TOOL_CLASSES) + list(tool_backends.BACKENDS)}")
+    tool_backends.check_config(class_name, config, where)
+    if class_name.endswith(".MCPTool"):
+        from search_r1.llm_agent import mcp_tools
+
+        listed = mcp_tools.list_tool_schemas(config, where) if schema is None else [schema]
+        return [({"name": s["function"]["name"], "class_name": class_name, "config": config}, s) for s in listed]
+    function = schema.get("function") if isinstance(schema, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.tool_schema: expected {{type: function, function: {{name: ..., "
+                         f"description: ..., parameters: ...}}}}")
+    return [({"name": name, "class_name": class_name, "config": config}, schema)]
+
+
 def parse_tool_config(data: Any, source: str = "<tool config>") -> ToolConfig:
     """Validate a tool config (the YAML's content) and return it; errors name `source` and the key."""
     data = _plain(data)
@@ -111,6 +153,8 @@ def parse_tool_config(data: Any, source: str = "<tool config>") -> ToolConfig:
         raise ValueError(f"{source}: expected a top-level 'tools:' list with at least one tool")
     schemas: list[dict] = []
     search: dict | None = None
+    others: list[dict] = []
+    budgets: dict[str, int] = {}
     for i, tool in enumerate(data["tools"]):
         where = f"{source}: tools[{i}]"
         if not isinstance(tool, dict):
@@ -118,28 +162,32 @@ def parse_tool_config(data: Any, source: str = "<tool config>") -> ToolConfig:
         unknown = sorted(set(tool) - {"class_name", "config", "tool_schema"})
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown}; known: class_name, config, tool_schema")
-        schema = tool.get("tool_schema")
-        function = schema.get("function") if isinstance(schema, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ValueError(f"{where}.tool_schema: expected {{type: function, function: {{name: ..., "
-                             f"description: ..., parameters: ...}}}}")
-        if schema.get("type", "function") != "function":
-            raise ValueError(f"{where}.tool_schema.type: only 'function' tools are supported, got {schema['type']!r}")
-        name = function["name"]
-        if name in [s["function"]["name"] for s in schemas]:
-            raise ValueError(f"{where}.tool_schema.function.name: tool {name!r} is defined twice")
         class_name = tool.get("class_name")
-        if class_name not in SEARCH_TOOL_CLASSES:
-            raise ValueError(f"{where}.class_name: {class_name!r} is not a tool this project runs; supported: "
-                             f"{list(SEARCH_TOOL_CLASSES)} (the retrieval server's search)")
-        if search is not None:
-            raise ValueError(f"{where}: only one search tool may be configured (also {search['name']!r})")
         config = tool.get("config") or {}
         if not isinstance(config, dict):
             raise ValueError(f"{where}.config: expected a mapping")
+        if class_name not in SEARCH_TOOL_CLASSES:
+            for entry, schema in _other_tools(class_name, config, tool.get("tool_schema"), where):
+                _add_schema(schemas, schema, where)
+                budget = config.get("max_calls_per_row")
+                if budget is not None:
+                    budgets[entry["name"]] = int(budget)
+                others.append(entry)
+            continue
+        schema = tool.get("tool_schema")
+        _add_schema(schemas, schema, where)
+        name = schema["function"]["name"]
+        if search is not None:
+            raise ValueError(f"{where}: only one search tool may be configured (also {search['name']!r})")
+        config = dict(config)
         unknown = sorted(set(config) - set(SEARCH_TOOL_KEYS))
         if unknown:
             raise ValueError(f"{where}.config: unknown keys {unknown}; known: {list(SEARCH_TOOL_KEYS)}")
+        budget = config.pop("max_calls_per_row", None)
+        if budget is not None:
+            if not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"{where}.config.max_calls_per_row: must be an integer >= 1, got {budget!r}")
+            budgets[name] = budget
         if not config.get("retrieval_service_url"):
             raise ValueError(f"{where}.config.retrieval_service_url: required (the retrieval server's "
                              f"/retrieve URL, e.g. http://127.0.0.1:8000/retrieve)")
@@ -152,8 +200,7 @@ def parse_tool_config(data: Any, source: str = "<tool config>") -> ToolConfig:
         if float(settings.timeout) <= 0:
             raise ValueError(f"{where}.config.timeout: must be > 0, got {settings.timeout}")
         search = {"name": name, **asdict(settings)}
-        schemas.append(schema)
-    return ToolConfig(schemas=schemas, search=search, source=source)
+    return ToolConfig(schemas=schemas, search=search, source=source, others=others, budgets=budgets)
 
 
 def load_tool_config(path: str | Path) -> ToolConfig:
@@ -186,6 +233,7 @@ class ToolCallError:
     """A call that cannot run; `message` is the error the model reads in the tool message."""
 
     message: str
+    tool: str | None = field(default=None, compare=False)   # the tool it named, if any (per-tool metrics)
 
 
 def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | ToolCallError]:
@@ -209,7 +257,8 @@ def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | To
                                        'object "arguments".'))
             continue
         if name not in tool_names:
-            calls.append(ToolCallError(f"Error: unknown tool {name!r}; available tools: {list(tool_names)}."))
+            calls.append(ToolCallError(f"Error: unknown tool {name!r}; available tools: {list(tool_names)}.",
+                                       tool=UNKNOWN_TOOL))
             continue
         arguments = obj.get("arguments", {})
         if isinstance(arguments, str):
@@ -218,7 +267,7 @@ def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | To
             except json.JSONDecodeError:
                 arguments = None
         if not isinstance(arguments, dict):
-            calls.append(ToolCallError(f'Error: the "arguments" of tool {name!r} must be a JSON object.'))
+            calls.append(ToolCallError(f'Error: the "arguments" of tool {name!r} must be a JSON object.', tool=name))
             continue
         calls.append(ToolCall(name=name, arguments=arguments))
     return calls
@@ -245,21 +294,22 @@ def tool_result(text: str) -> str:
     return json.dumps({"result": text}, ensure_ascii=False)
 
 
-def render_passages(hits: Sequence[Hit]) -> str:
+def render_passages(hits: Sequence[Hit], show_doc_ids: bool = False) -> str:
     """One query's hits as veRL's search tool writes them: `Doc i (Title: first line)\\nrest` per
     hit, blank-line separated (note the space before `(`, unlike the tag protocol's `Doc i(`)."""
     out = ""
     for i, hit in enumerate(hits, start=1):
         title, _, rest = hit.contents.partition("\n")
-        out += f"Doc {i} (Title: {title})\n{rest}\n\n"
+        doc = f" [doc_id: {hit.doc_id}]" if show_doc_ids else ""
+        out += f"Doc {i} (Title: {title}){doc}\n{rest}\n\n"
     return out.strip()
 
 
-def render_search_results(results: Sequence[Sequence[Hit]]) -> str:
+def render_search_results(results: Sequence[Sequence[Hit]], show_doc_ids: bool = False) -> str:
     """The search tool's answer to one call: each query's passages, joined by `\\n---\\n`, wrapped."""
     if not results:
         return tool_result(NO_RESULTS_TEXT)
-    return tool_result("\n---\n".join(render_passages(hits) for hits in results))
+    return tool_result("\n---\n".join(render_passages(hits, show_doc_ids) for hits in results))
 
 
 def render_search_error(message: str) -> str:
@@ -362,7 +412,7 @@ class ChatFraming:
 
 __all__ = [
     "BAD_QUERY_LIST_TEXT", "NO_RESULTS_TEXT", "SEARCH_TOOL_CLASSES", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN",
-    "TOOL_FORMATS", "TRUNCATE_SIDES", "ChatFraming", "SearchToolSettings", "ToolCall", "ToolCallError",
+    "TOOL_FORMATS", "TRUNCATE_SIDES", "UNKNOWN_TOOL", "ChatFraming", "SearchToolSettings", "ToolCall", "ToolCallError",
     "ToolConfig", "has_answer", "load_tool_config", "parse_tool_config", "parse_tool_calls", "render_bad_query_list",
     "render_call_error", "render_passages", "render_search_error", "render_search_results", "search_queries",
     "tool_result", "truncate_tool_response",

@@ -23,6 +23,7 @@ class _Row:
     n_valid_actions: int = 0
     n_searches: int = 0
     n_tool_rounds: int = 0      # tool protocol: rounds of tool answers appended (veRL's user turns)
+    tool_counts: dict[str, int] = field(default_factory=dict)   # tool protocol: calls per tool (budgets)
     # Response position from which the policy sampled from a rolling context that had dropped
     # older turns (-1: never). Old log-probs and the update see the full sequence instead.
     cut_from: int = -1

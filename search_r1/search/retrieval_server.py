@@ -51,8 +51,9 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 
 from search_r1.search.coalescer import Coalescer  # noqa: E402
+from search_r1.search.documents import DocStore, paginate  # noqa: E402
 from search_r1.search.retrievers import BaseRetriever, build_retriever  # noqa: E402
-from search_r1.search.schema import Hit, RetrieveRequest, ServerLimits, validate_request  # noqa: E402
+from search_r1.search.schema import Hit, OpenRequest, RetrieveRequest, ServerLimits, validate_request  # noqa: E402
 from search_r1.search.serving import configure_logging, install_request_errors, read_json_body  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -310,6 +311,23 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
     @app.get("/health")
     async def health() -> dict:
         return service.health()
+
+    docs = DocStore(retriever.corpus)
+
+    @app.post("/open")
+    async def open_document(request: Request) -> JSONResponse:
+        """A passage by id, paginated: {"doc_id", "page": 1, "page_size": 2000 characters} ->
+        {"id", "title", "text", "page", "num_pages"}; an unknown id is a 404, a bad page a 400."""
+        body = await read_json_body(request, OpenRequest, config.limits.max_body_bytes)
+        contents = docs.get(body.doc_id)
+        if contents is None:
+            return JSONResponse(status_code=404, content={"detail": f"no document with id {body.doc_id!r}"})
+        hit = Hit.from_contents(body.doc_id, contents, 0.0)
+        try:
+            page = paginate(hit.text if hit.title else contents, body.page, body.page_size)
+        except ValueError as err:
+            return JSONResponse(status_code=400, content={"detail": str(err)})
+        return JSONResponse({"id": body.doc_id, "title": hit.title, **page.to_dict()})
 
     return app
 

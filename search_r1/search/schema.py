@@ -49,6 +49,14 @@ class RetrieveRequest(BaseModel):
     return_scores: bool = False
 
 
+class OpenRequest(BaseModel):
+    """Body of POST /open: one passage by its id, one page of `page_size` characters (pages from 1)."""
+
+    doc_id: str
+    page: int = 1
+    page_size: int = 2000
+
+
 class RetrieveResponse(BaseModel):
     """Body of the answer: one list per query, in query order, best hit first."""
 

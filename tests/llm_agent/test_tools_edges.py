@@ -63,7 +63,7 @@ def test_parsed_config_keeps_its_source_and_the_search_name():
     assert config.tool_names == ["web_search"] and config.search_name == "web_search"
     assert config.search == {"name": "web_search", "retrieval_service_url": URL, "topk": 3, "timeout": 30.0,
                              "num_workers": 120, "rate_limit": 120, "enable_global_rate_limit": True,
-                             "type": "native"}
+                             "type": "native", "show_doc_ids": False}
 
 
 def test_schema_type_and_config_type_default_to_the_supported_ones():

@@ -331,7 +331,7 @@ def run_ppo(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any = None
     OmegaConf.resolve(config)
     run = validate_config(config)
     serving = run.protocol.serve_retriever
-    if config.do_search and not serving:
+    if config.do_search and not serving and run.protocol.uses_retrieval_server():
         wait_for_retriever(config)
     trainer, started_ray, served_app = None, False, None
     try:

@@ -179,20 +179,26 @@ class Protocol:
                 tool_config = load_tool_config(path)
             except (OSError, ValueError) as exc:
                 errors.append(f"{prefix}.tool_config_path: {exc}")
-            else:
-                if tool_config.search is None:
-                    errors.append(f"{prefix}.tool_config_path={path}: configures no search tool")
         _raise(errors)
         return cls(do_search=bool(cfg.do_search), tool=tool, prompt_bound=int(OmegaConf.select(cfg, key)),
                    prompt_bound_key=key, shuffle_train=shuffle, serve_retriever=serve == "ray",
                    tool_config=tool_config, tool_config_path=path)
+
+    def uses_retrieval_server(self) -> bool:
+        """False only in the tool protocol when no tool of the tool config talks to our retrieval server."""
+        return not self.tool or self.tool_config is None or bool(self.tool_config.search) or any(
+            o["config"].get("retrieval_service_url") for o in self.tool_config.others)
 
     def retrieval_endpoint(self, cfg: DictConfig) -> tuple[str, float, str, str]:
         """(url, timeout s, the setting's name, where it is set) of the retrieval server the rollouts query:
         `retriever.url` in the tag protocol; in the tool protocol the search tool's `retrieval_service_url`
         in the tool config (`multi_turn.tool_config_path`)."""
         if self.tool:
-            search = self.tool_config.search or {}
+            # the search tool's server; without one (e.g. only MCP tools or web providers), an open tool's;
+            # none at all: KeyError (nothing of ours to wait for, `uses_retrieval_server`)
+            found = [self.tool_config.search] if self.tool_config.search else []
+            found += [o["config"] for o in self.tool_config.others if o["config"].get("retrieval_service_url")]
+            search = found[0] if found else {}
             return (str(search["retrieval_service_url"]), float(search.get("timeout", cfg.retriever.timeout)),
                     "retrieval_service_url", f"retrieval_service_url in {self.tool_config_path}")
         return str(cfg.retriever.url), float(cfg.retriever.timeout), "retriever.url", "retriever.url"

@@ -187,6 +187,13 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
         # valid_search_stats counts every search a row made, failed ones included
         searches = float(np.asarray(meta_info["valid_search_stats"], dtype=np.float64).sum())
         metrics["env/search_failure_fraction"] = metrics["env/search_failures"] / searches if searches else 0.0
+    tool_stats = meta_info.get("tool_stats") or {}
+    for key, value in tool_stats.items():
+        # tools/<name>/calls, .../errors (tool protocol, per tool), .../latency_ms (total) and its mean per call
+        metrics[key] = float(value)
+        if key.endswith("/latency_ms"):
+            calls = float(tool_stats.get(key.removesuffix("latency_ms") + "calls", 0.0))
+            metrics[key + "_mean"] = float(value) / calls if calls else 0.0
     reasons = meta_info.get("stop_reasons") or {}
     n_rows = sum(reasons.values())
     for reason, count in reasons.items():

@@ -1,0 +1,255 @@
+"""Tools beside the retrieval server's `search`: what answers a call of each, by class name.
+
+A tool config (`multi_turn.tool_config_path`, veRL's layout) lists tools as
+`{class_name, config, tool_schema}`; `search_r1.llm_agent.tools` validates the list and keeps
+each tool here as plain JSON (`{name, class_name, config}`), so it travels to rollout workers;
+`build_backend` makes the object that answers calls there.
+
+- `OpenTool`: `open` a corpus passage by id (the retrieval server's POST /open) or a web page
+  by URL (fetched directly, or through a Jina-reader-style service), one page of text a call.
+- `SerperSearchTool`, `TavilySearchTool`: web search through those APIs (their request and
+  response formats; `base_url` configurable).
+- `MCPTool` (search_r1.llm_agent.mcp_tools): the tools of an MCP server.
+
+Every tool's `config:` may set `max_calls_per_row` (calls one trajectory may make of it) and
+`timeout` (seconds). API keys are read from the environment variable the config names
+(`api_key_env`), never from the YAML, and never appear in a tool message, an error or a log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import requests
+
+from search_r1.search import documents
+
+COMMON_KEYS = ("max_calls_per_row", "timeout")
+
+
+class ToolFailure(Exception):
+    """A call that could not be answered; the message is what the model reads (after `Error: `)."""
+
+
+def _result(text: str) -> str:
+    return json.dumps({"result": text}, ensure_ascii=False)
+
+
+def _redact(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def _api_key(config: dict, default_env: str) -> str:
+    env = config.get("api_key_env", default_env)
+    key = os.environ.get(env, "")
+    if not key:
+        raise ToolFailure(f"the API key is not set (environment variable {env})")
+    return key
+
+
+def _post_json(url: str, body: dict, headers: dict, timeout: float, secret: str | None) -> Any:
+    try:
+        response = requests.post(url, json=body, headers=headers, timeout=timeout)
+    except requests.RequestException as err:
+        raise ToolFailure(_redact(f"{type(err).__name__} from {url}", secret)) from None
+    if response.status_code != 200:
+        raise ToolFailure(_redact(f"HTTP {response.status_code} from {url}: {response.text[:200]}", secret))
+    try:
+        return response.json()
+    except ValueError:
+        raise ToolFailure(f"{url} did not answer JSON") from None
+
+
+def _queries(arguments: dict) -> list[str]:
+    queries = arguments.get("query_list", arguments.get("query"))
+    if isinstance(queries, str):
+        queries = [queries]
+    if not isinstance(queries, list) or not queries or not all(isinstance(q, str) and q.strip() for q in queries):
+        raise ToolFailure("'query_list' is missing, empty, or not a list of non-empty strings")
+    return [q.strip() for q in queries]
+
+
+def _render_web_hits(per_query: list[list[tuple[str, str, str]]]) -> str:
+    """(title, snippet, url) per hit, per query, in the search tool's layout (and the URL to `open`)."""
+    blocks = []
+    for hits in per_query:
+        text = "".join(f"Doc {i} (Title: {title})\n{snippet}\nURL: {url}\n\n" for i, (title, snippet, url)
+                       in enumerate(hits, start=1))
+        blocks.append(text.strip() or "No search results found.")
+    return _result("\n---\n".join(blocks))
+
+
+class SerperSearchTool:
+    """Google results through Serper (POST {base_url}/search, `X-API-KEY` header, `{"q", "num"}`;
+    answer `{"organic": [{"title", "link", "snippet"}]}`)."""
+
+    KEYS = ("base_url", "api_key_env", "topk")
+
+    def __init__(self, name: str, config: dict) -> None:
+        self.name = name
+        self.base_url = str(config.get("base_url", "https://google.serper.dev")).rstrip("/")
+        self.topk = int(config.get("topk", 3))
+        self.timeout = float(config.get("timeout", 30))
+        self.config = config
+
+    def call(self, arguments: dict) -> str:
+        key = _api_key(self.config, "SERPER_API_KEY")
+        per_query = []
+        for q in _queries(arguments):
+            data = _post_json(f"{self.base_url}/search", {"q": q, "num": self.topk},
+                              {"X-API-KEY": key}, self.timeout, key)
+            organic = data.get("organic", []) if isinstance(data, dict) else []
+            per_query.append([(str(h.get("title", "")), str(h.get("snippet", "")), str(h.get("link", "")))
+                              for h in organic[: self.topk] if isinstance(h, dict)])
+        return _render_web_hits(per_query)
+
+
+class TavilySearchTool:
+    """Web results through Tavily (POST {base_url}/search, `Authorization: Bearer` header,
+    `{"query", "max_results"}`; answer `{"results": [{"title", "url", "content"}]}`)."""
+
+    KEYS = ("base_url", "api_key_env", "topk", "search_depth")
+
+    def __init__(self, name: str, config: dict) -> None:
+        self.name = name
+        self.base_url = str(config.get("base_url", "https://api.tavily.com")).rstrip("/")
+        self.topk = int(config.get("topk", 3))
+        self.timeout = float(config.get("timeout", 30))
+        self.depth = str(config.get("search_depth", "basic"))
+        self.config = config
+
+    def call(self, arguments: dict) -> str:
+        key = _api_key(self.config, "TAVILY_API_KEY")
+        per_query = []
+        for q in _queries(arguments):
+            data = _post_json(f"{self.base_url}/search", {"query": q, "max_results": self.topk,
+                                                          "search_depth": self.depth},
+                              {"Authorization": f"Bearer {key}"}, self.timeout, key)
+            results = data.get("results", []) if isinstance(data, dict) else []
+            per_query.append([(str(h.get("title", "")), str(h.get("content", "")), str(h.get("url", "")))
+                              for h in results[: self.topk] if isinstance(h, dict)])
+        return _render_web_hits(per_query)
+
+
+class OpenTool:
+    """`open`: `{"doc_id": ..., "page": 1}` reads a corpus passage from the retrieval server
+    (POST /open); `{"url": ..., "page": 1}` fetches a web page (`fetcher: direct`, with
+    `max_bytes` and `timeout`; or `fetcher: jina`, a Jina-reader-style GET {reader_url}/{url} that
+    answers the page as text). Either way one page of `page_size` characters comes back."""
+
+    KEYS = ("retrieval_service_url", "page_size", "fetcher", "reader_url", "api_key_env", "max_bytes")
+    FETCHERS = ("none", "direct", "jina")
+
+    def __init__(self, name: str, config: dict) -> None:
+        self.name = name
+        url = config.get("retrieval_service_url")
+        self.open_url = None if not url else str(url).rstrip("/").removesuffix("/retrieve") + "/open"
+        self.page_size = int(config.get("page_size", documents.DEFAULT_PAGE_SIZE))
+        self.fetcher = str(config.get("fetcher", "none"))
+        self.reader_url = str(config.get("reader_url", "https://r.jina.ai")).rstrip("/")
+        self.max_bytes = int(config.get("max_bytes", 2_000_000))
+        self.timeout = float(config.get("timeout", 30))
+        self.config = config
+
+    def call(self, arguments: dict) -> str:
+        page = arguments.get("page", 1)
+        if not isinstance(page, int) or isinstance(page, bool) or page < 1:
+            raise ToolFailure(f"'page' must be a positive integer, got {page!r}")
+        if "doc_id" in arguments:
+            return self._open_doc(str(arguments["doc_id"]), page)
+        if isinstance(arguments.get("url"), str):
+            return self._open_url(arguments["url"], page)
+        raise ToolFailure("give 'doc_id' (from a search result) or 'url'")
+
+    def _open_doc(self, doc_id: str, page: int) -> str:
+        if self.open_url is None:
+            raise ToolFailure("this open tool reads URLs only; give 'url'")
+        try:
+            response = requests.post(self.open_url, json={"doc_id": doc_id, "page": page, "page_size": self.page_size},
+                                     timeout=self.timeout)
+        except requests.RequestException as err:
+            raise ToolFailure(f"the retrieval server did not answer ({type(err).__name__})") from None
+        if response.status_code in (400, 404):
+            raise ToolFailure(str(response.json().get("detail", response.text)))
+        if response.status_code != 200:
+            raise ToolFailure(f"the retrieval server answered HTTP {response.status_code}")
+        data = response.json()
+        p = documents.Page(text=data["text"], page=data["page"], num_pages=data["num_pages"])
+        return _result(documents.render_page(data.get("title", ""), p, f"doc {doc_id}"))
+
+    def _open_url(self, url: str, page: int) -> str:
+        if self.fetcher == "none":
+            raise ToolFailure("this open tool reads documents by 'doc_id' only")
+        if self.fetcher == "jina":
+            key = os.environ.get(self.config.get("api_key_env", "JINA_API_KEY"), "")
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            if not url.startswith(("http://", "https://")):
+                raise ToolFailure(f"only http:// and https:// URLs can be opened, got {url!r}")
+            try:
+                title, text = documents.fetch_url(f"{self.reader_url}/{url}", self.timeout, self.max_bytes, headers)
+            except documents.FetchError as err:
+                raise ToolFailure(_redact(str(err), key)) from None
+        else:
+            try:
+                title, text = documents.fetch_url(url, self.timeout, self.max_bytes)
+            except documents.FetchError as err:
+                raise ToolFailure(str(err)) from None
+        try:
+            p = documents.paginate(text, page, self.page_size)
+        except ValueError as err:
+            raise ToolFailure(str(err)) from None
+        return _result(documents.render_page(title, p, url))
+
+
+def _mcp_class() -> type:
+    from search_r1.llm_agent.mcp_tools import MCPTool
+
+    return MCPTool
+
+
+BACKENDS: dict[str, Callable[[], type]] = {
+    "search_r1.llm_agent.tool_backends.OpenTool": lambda: OpenTool,
+    "search_r1.llm_agent.tool_backends.SerperSearchTool": lambda: SerperSearchTool,
+    "search_r1.llm_agent.tool_backends.TavilySearchTool": lambda: TavilySearchTool,
+    "search_r1.llm_agent.mcp_tools.MCPTool": _mcp_class,
+}
+
+
+def check_config(class_name: str, config: dict, where: str) -> None:
+    """Refuse unknown or bad keys of a backend's `config:` block, naming `where` and the key."""
+    cls = BACKENDS[class_name]()
+    known = set(COMMON_KEYS) | set(cls.KEYS)
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"{where}.config: unknown keys {unknown}; known: {sorted(known)}")
+    for key in ("max_calls_per_row", "topk", "page_size", "max_bytes"):
+        if key in config and (not isinstance(config[key], int) or config[key] < 1):
+            raise ValueError(f"{where}.config.{key}: must be an integer >= 1, got {config[key]!r}")
+    if "timeout" in config and float(config["timeout"]) <= 0:
+        raise ValueError(f"{where}.config.timeout: must be > 0, got {config['timeout']}")
+    if cls is OpenTool:
+        if config.get("fetcher", "none") not in OpenTool.FETCHERS:
+            raise ValueError(f"{where}.config.fetcher: one of {list(OpenTool.FETCHERS)}, got {config['fetcher']!r}")
+        if not config.get("retrieval_service_url") and config.get("fetcher", "none") == "none":
+            raise ValueError(f"{where}.config: an open tool needs retrieval_service_url (documents by id) or a "
+                             f"fetcher (direct, jina) for URLs")
+
+
+def build_backend(entry: dict) -> Any:
+    """The object answering calls of one configured tool (`{name, class_name, config}`)."""
+    return BACKENDS[entry["class_name"]]()(entry["name"], entry["config"])
+
+
+def run_call(backend: Any, arguments: dict) -> tuple[str, bool]:
+    """(tool message text, ok) of one call; a failure becomes `{"result": "Error: ..."}`."""
+    try:
+        return backend.call(arguments), True
+    except ToolFailure as err:
+        return _result(f"Error: {err}"), False
+
+
+__all__ = ["BACKENDS", "COMMON_KEYS", "OpenTool", "SerperSearchTool", "TavilySearchTool", "ToolFailure",
+           "build_backend", "check_config", "run_call"]

@@ -1,0 +1,168 @@
+"""Whole documents for the `open` tool: a corpus passage by id, or a web page by URL, as
+cleaned text cut into pages of characters.
+
+- `DocStore` finds a corpus passage by its id (the `id` a /retrieve hit carries); the map from
+  id to row is built on the first lookup (one pass over the ids column).
+- `fetch_url` gets a page with a time limit and a size limit (bytes read, not announced), keeps
+  text types only, and turns HTML into text with the standard library's parser (`html_to_text`:
+  scripts, styles and other non-content elements dropped, block elements on their own lines).
+- `paginate` cuts a text into pages of `page_size` characters; pages count from 1.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_PAGE_SIZE = 2000
+MAX_PAGE_SIZE = 20000
+
+_SKIP = {"script", "style", "noscript", "template", "svg", "head", "iframe", "object", "canvas"}
+_BLOCK = {"p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article", "header", "footer",
+          "h1", "h2", "h3", "h4", "h5", "h6", "pre", "blockquote", "title", "nav", "main", "dd", "dt", "hr"}
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of a document's text."""
+
+    text: str
+    page: int
+    num_pages: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "page": self.page, "num_pages": self.num_pages}
+
+
+def paginate(text: str, page: int = 1, page_size: int = DEFAULT_PAGE_SIZE) -> Page:
+    """Page `page` (from 1) of `text` cut into `page_size`-character pages; a bad page is a ValueError."""
+    if not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"page_size must be an integer in [1, {MAX_PAGE_SIZE}], got {page_size!r}")
+    num_pages = max(1, -(-len(text) // page_size))
+    if not isinstance(page, int) or isinstance(page, bool) or not 1 <= page <= num_pages:
+        raise ValueError(f"page must be an integer in [1, {num_pages}] (the document has {num_pages} pages), "
+                         f"got {page!r}")
+    return Page(text=text[(page - 1) * page_size: page * page_size], page=page, num_pages=num_pages)
+
+
+def render_page(title: str, page: Page, source: str) -> str:
+    """The `open` tool's text for one page: a header naming the page, then the page's text."""
+    head = f"{title}\n" if title else ""
+    more = f" (open page {page.page + 1} for more)" if page.page < page.num_pages else ""
+    return f"{head}[{source}, page {page.page} of {page.num_pages}{more}]\n{page.text}"
+
+
+class DocStore:
+    """Corpus passages by id (`Corpus` rows: id, contents)."""
+
+    def __init__(self, corpus: Any) -> None:
+        self.corpus = corpus
+        self._rows: dict[str, int] | None = None
+
+    def _index(self) -> dict[str, int]:
+        if self._rows is None:
+            rows: dict[str, int] = {}
+            row = 0
+            for ids, _ in self.corpus.iter_batches():
+                for doc_id in ids:
+                    rows.setdefault(str(doc_id), row)
+                    row += 1
+            self._rows = rows
+        return self._rows
+
+    def get(self, doc_id: str) -> str | None:
+        """The passage's contents, or None when no passage has that id."""
+        row = self._index().get(str(doc_id))
+        if row is None:
+            return None
+        return self.corpus.get_fields([row])[1][0]
+
+
+class _TextExtractor(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.skip = 0
+        self.title = ""
+        self._in_title = False
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag in _SKIP:
+            self.skip += 1
+        if tag == "title":
+            self._in_title = True
+        if tag in _BLOCK:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in _SKIP and self.skip:
+            self.skip -= 1
+        if tag == "title":
+            self._in_title = False
+        if tag in _BLOCK:
+            self.parts.append("\n")
+
+    def handle_data(self, data: str) -> None:
+        if self._in_title and not self.title:
+            self.title = data.strip()
+        if not self.skip:
+            self.parts.append(data)
+
+
+def html_to_text(markup: str) -> tuple[str, str]:
+    """(title, text) of an HTML page: visible text, one block a line, runs of blanks collapsed."""
+    parser = _TextExtractor()
+    parser.feed(markup)
+    parser.close()
+    lines = [re.sub(r"[ \t\r\f\v]+", " ", line).strip() for line in "".join(parser.parts).split("\n")]
+    return parser.title, "\n".join(line for line in lines if line)
+
+
+class FetchError(Exception):
+    """A page that could not be fetched; the message is what the model reads."""
+
+
+def fetch_url(url: str, timeout: float = 10.0, max_bytes: int = 2_000_000,
+              headers: dict[str, str] | None = None) -> tuple[str, str]:
+    """(title, text) of the page at `url` (http/https only), read within `timeout` seconds and
+    `max_bytes` bytes; HTML is cleaned, other text types are kept as they are."""
+    if not re.match(r"^https?://", url or ""):
+        raise FetchError(f"only http:// and https:// URLs can be opened, got {url!r}")
+    request = urllib.request.Request(url, headers={"User-Agent": "search-r1-open/1.0", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - scheme checked above
+            kind = response.headers.get_content_type()
+            if not (kind.startswith("text/") or kind in ("application/xhtml+xml", "application/json")):
+                raise FetchError(f"the page at {url} is {kind}, not text")
+            body = b""
+            deadline = time.monotonic() + timeout
+            while len(body) <= max_bytes:
+                chunk = response.read(min(65536, max_bytes + 1 - len(body)))
+                if not chunk:
+                    break
+                body += chunk
+                if time.monotonic() > deadline:
+                    raise FetchError(f"the page at {url} took longer than {timeout} s to read")
+            charset = response.headers.get_content_charset() or "utf-8"
+    except FetchError:
+        raise
+    except urllib.error.HTTPError as err:
+        raise FetchError(f"the page at {url} answered HTTP {err.code}") from err
+    except (urllib.error.URLError, TimeoutError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise FetchError(f"the page at {url} could not be fetched ({type(reason).__name__}: {reason})") from err
+    if len(body) > max_bytes:
+        raise FetchError(f"the page at {url} is larger than the {max_bytes}-byte limit")
+    text = body.decode(charset, errors="replace")
+    if kind in ("text/html", "application/xhtml+xml"):
+        return html_to_text(text)
+    return "", text.strip()
+
+
+__all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "DocStore", "FetchError", "Page", "fetch_url", "html_to_text",
+           "paginate", "render_page"]
