@@ -1,6 +1,8 @@
 """ReMax end to end through `run_ppo`: real Ray workers (FSDP on gloo, HF rollout) on the toy task with
 searches (a stand-in retrieval server); the greedy baseline rollout runs through the same generation
-manager, sampling off, once per prompt, before the sampled rollout."""
+manager, sampling off, once per prompt, before the sampled rollout. The same step trains with a policy
+loss of the user's own (custom_algorithms.path): the Ray actor workers, processes of their own, import
+the file themselves."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from tests.trainer.test_main_ppo import fake_search_server
 from verl.trainer.main_ppo import compose_config, run_ppo
 from verl.utils import batch_keys as K
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "example" / "custom_algorithms.py"
 
-def test_one_remax_step_rolls_out_greedily_with_searches_and_trains_without_a_critic(
+
+def test_one_remax_step_rolls_out_greedily_with_searches_and_trains_a_custom_loss_without_a_critic(
         ray_cluster, tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[bool, int]] = []
     run_llm_loop = LLMGenerationManager.run_llm_loop
@@ -32,7 +36,8 @@ def test_one_remax_step_rolls_out_greedily_with_searches_and_trains_without_a_cr
         cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="remax",
                                            n_agent=2, batch_size=4) + [
             "critic.model.path=null", "do_search=true", "max_turns=1", "actor_rollout_ref.actor.state_masking=true",
-            "data.max_prompt_length=512", f"retriever.url={server['url']}/retrieve", "data.max_obs_length=160"])
+            "data.max_prompt_length=512", f"retriever.url={server['url']}/retrieve", "data.max_obs_length=160",
+            f"custom_algorithms.path={EXAMPLE}", "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce_clipped_weight"])
         tok = AutoTokenizer.from_pretrained(tiny_model_dir)
         history = run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
     # the greedy pass on the 4 prompts, then the sampled one on 4 x 2 rows
@@ -44,3 +49,7 @@ def test_one_remax_step_rolls_out_greedily_with_searches_and_trains_without_a_cr
     # 0/1 rewards, gamma 1: every advantage is a sampled score minus a greedy score, in {-1, 0, 1}
     assert -1.0 <= step["critic/advantages/min"] <= step["critic/advantages/max"] <= 1.0
     assert all(math.isfinite(step[k]) for k in ("actor/pg_loss", "critic/advantages/mean"))
+    # the example loss reports actor/ppo_kl only: the built-in losses' clip fractions are absent
+    assert math.isfinite(step["actor/ppo_kl"])
+    assert "actor/pg_clipfrac" not in step and "actor/pg_clipfrac_lower" not in step
+    assert math.isfinite(step["actor/grad_norm"]) and step["actor/grad_norm"] > 0
