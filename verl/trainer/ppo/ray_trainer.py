@@ -449,6 +449,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
         scores: list[torch.Tensor] = []
         sources: list[str] = []
         gen_metrics: list[dict[str, float]] = []
+        row_metrics: list[dict[str, float]] = []   # the val reward's per-row F1 / judge verdict, if it keeps them
         # One wake for the whole validation pass, not one per batch (or per turn); a pipelined run's
         # rollout pool between two rollouts, with the newest weights.
         pool = self._producer.rollout_pool() if self._producer is not None else nullcontext()
@@ -463,9 +464,11 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining):
                     scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
                 scores.append(scores_BR.sum(-1).float().cpu())
                 sources.extend(batch.non_tensor_batch[K.DATA_SOURCE].tolist())
+                row_metrics.extend(getattr(self.val_reward_fn, "last_row_metrics", None) or [{}] * len(batch))
         if not scores:
             return {}
         metrics = mu.score_by_data_source(torch.cat(scores), sources)
+        metrics.update(mu.row_metrics_by_data_source(row_metrics, sources))
         for key in {k for m in gen_metrics for k in m}:
             values = [m[key] for m in gen_metrics if key in m]
             metrics[f"val/{key}"] = float(np.mean(values))
