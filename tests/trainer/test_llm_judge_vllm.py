@@ -74,15 +74,13 @@ ITEMS = [
     ("What is the capital of France?", "Berlin", "Paris"),
     ("Who wrote Hamlet?", "Shakespeare", "William Shakespeare"),
     ("Who wrote Hamlet?", "Charles Dickens", "William Shakespeare"),
-    ("How many legs does a spider have?", "eight", "8"),
-    ("What colour is the sky on a clear day?", "green", "blue"),
 ]
 
 
 def test_real_server_verdicts_cache_and_judge_reward(vllm_judge, tmp_path: Path):
     url, model = vllm_judge
-    judge = LLMJudge(JudgeConfig(url=url, model=model, max_concurrency=4, timeout=120, max_tokens=8,
-                                 cache=str(tmp_path / "cache.jsonl")))
+    cache = tmp_path / "cache.jsonl"
+    judge = LLMJudge(JudgeConfig(url=url, model=model, max_concurrency=4, timeout=120, max_tokens=8, cache=str(cache)))
     start = time.perf_counter()
     verdicts = judge.judge(ITEMS)
     seconds = time.perf_counter() - start
@@ -101,17 +99,22 @@ def test_real_server_verdicts_cache_and_judge_reward(vllm_judge, tmp_path: Path)
     assert judge.last_stats.cache_hits == sum(v is not None for v in verdicts)
     assert judge.last_stats.calls == sum(v is None for v in verdicts)     # only the failed ones are asked again
 
-    # the judge reward through the reward manager (training: metric=judge)
+    # the judge reward through the reward manager (training: metric=judge), its judge reading the
+    # verdicts above back from reward_model.judge.cache: only rows without a cached verdict are asked
     tok = train_bpe_tokenizer()
-    rows = [_row(tok, [(f"<answer> {answer} </answer>", True)]) for _, answer, _ in ITEMS[:4]]
-    data = _batch(tok, rows, ["nq"] * 4, [[ref] for _, _, ref in ITEMS[:4]])
-    data.non_tensor_batch["extra_info"] = np.array([{"question": q} for q, _, _ in ITEMS[:4]], dtype=object)
+    rows = [_row(tok, [(f"<answer> {answer} </answer>", True)]) for _, answer, _ in ITEMS]
+    data = _batch(tok, rows, ["nq"] * len(ITEMS), [[ref] for _, _, ref in ITEMS])
+    data.non_tensor_batch["extra_info"] = np.array([{"question": q} for q, _, _ in ITEMS], dtype=object)
     train, _ = build_reward_managers(compose_config([
         "reward_model.metric=judge", f"reward_model.judge.url={url}", f"reward_model.judge.model={model}",
-        "reward_model.judge.max_tokens=8", "reward_model.judge.max_failure_fraction=1.0"]), tok)
+        "reward_model.judge.max_tokens=8", "reward_model.judge.max_failure_fraction=1.0",
+        f"reward_model.judge.cache={cache}"]), tok)
     scores = train(data).sum(-1).tolist()
     assert scores[0] == 1.0                                   # an exact match needs no call
+    cached = [v for v in verdicts[1:]]
+    assert scores[1:] == [float(v) if v is not None else s for v, s in zip(cached, scores[1:], strict=True)]
     assert all(score in (0.0, 1.0) for score in scores)
     metrics = train.last_metrics
-    assert metrics["reward/judge_items"] == 3 and metrics["reward/judge_calls"] >= 3 - metrics["reward/judge_failures"]
+    assert metrics["reward/judge_items"] == len(ITEMS) - 1
+    assert metrics["reward/judge_cache_hits"] == sum(v is not None for v in cached)
     print(f"[vllm judge] reward metrics {metrics}")

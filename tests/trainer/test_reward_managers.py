@@ -177,3 +177,21 @@ def test_custom_function_errors_name_the_key_and_file(tok, custom_file, tmp_path
     train, _ = build(f"custom_reward_function.path={custom_file}", "custom_reward_function.name=bad")
     with pytest.raises(TypeError, match=r"custom_reward_function \(row 0, data_source 'nq'\) returned str"):
         train(_answers_batch(tok, ["Paris"], [["x"]]))
+
+
+def test_config_check_lists_reward_problems_naming_keys(tmp_path):
+    from verl.trainer.config_check import config_errors
+
+    def errors(*overrides):
+        return "\n".join(config_errors(compose_config(list(overrides))))
+
+    assert "reward_model" not in errors() and "custom_reward_function" not in errors()
+    found = errors("reward_model.reward_manager=prime", "reward_model.metric=bleu",
+                   f"custom_reward_function.path={tmp_path / 'gone.py'}", "reward_model.judge.url=http://x")
+    assert "reward_model.reward_manager='prime' is not supported" in found
+    assert "reward_model.metric='bleu' must be one of" in found
+    assert "custom_reward_function.path: no file" in found
+    assert "reward_model.judge.model must name the served model" in found
+    found = errors("reward_model.reward_manager=batch", "reward_model.metric=judge")
+    assert "reward_manager=batch needs custom_reward_function.path" in found
+    assert "reward_model.metric=judge needs reward_model.judge.url" in found

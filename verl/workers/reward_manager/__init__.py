@@ -51,6 +51,47 @@ def get_reward_manager_cls(name: str) -> type:
                      f"known: {sorted(REWARD_MANAGER_REGISTRY)}")
 
 
+METRICS = ("em", "subem", "f1", "judge")
+
+
+def reward_config_errors(cfg: Any) -> list[str]:
+    """The reward settings' problems (config check, before anything starts), each naming its key."""
+    from pathlib import Path
+
+    from verl.utils.reward_score.llm_judge import JudgeConfig
+
+    errors: list[str] = []
+    rm_cfg = cfg.get("reward_model", {})
+    custom = cfg.get("custom_reward_function", None) or {}
+    name = str(rm_cfg.get("reward_manager", "naive"))
+    if name in REFUSED:
+        errors.append(f"reward_model.reward_manager={name!r} is not supported: {REFUSED[name]}")
+    elif name not in {"naive", "batch"} | set(REWARD_MANAGER_REGISTRY):
+        errors.append(f"reward_model.reward_manager={name!r} is not a registered reward manager; "
+                      f"known: {sorted({'naive', 'batch'} | set(REWARD_MANAGER_REGISTRY))}")
+    path = custom.get("path")
+    if path and not Path(str(path)).expanduser().is_file():
+        errors.append(f"custom_reward_function.path: no file {str(path)!r}")
+    if name == "batch" and not path:
+        errors.append("reward_model.reward_manager=batch needs custom_reward_function.path (a batched compute_score)")
+    metric = str(rm_cfg.get("metric", "em"))
+    if metric not in METRICS:
+        errors.append(f"reward_model.metric={metric!r} must be one of {list(METRICS)}")
+    try:
+        judge = JudgeConfig.from_config(rm_cfg.get("judge", None))
+    except ValueError as exc:
+        errors.append(str(exc))
+    else:
+        if metric == "judge" and judge is None and not path:
+            errors.append("reward_model.metric=judge needs reward_model.judge.url and .model")
+    weights = [float(rm_cfg.get(key, 0) or 0) for key in ("structure_format_score", "final_format_score",
+                                                          "retrieval_score")]
+    if metric != "em" and not path and any(weights):
+        errors.append(f"reward_model.metric={metric!r} cannot be combined with the format reward "
+                      "(reward_model.structure_format_score/final_format_score/retrieval_score), defined on EM")
+    return errors
+
+
 def build_reward_managers(config: Any, tokenizer: Any) -> tuple[Any, Any]:
     """(training reward, validation reward) per the config's reward_model and custom_reward_function."""
     from verl.workers.reward_manager.managers import build_reward_managers as build
@@ -58,4 +99,4 @@ def build_reward_managers(config: Any, tokenizer: Any) -> tuple[Any, Any]:
     return build(config, tokenizer)
 
 
-__all__ = ["REFUSED", "REWARD_MANAGER_REGISTRY", "build_reward_managers", "get_reward_manager_cls", "register"]
+__all__ = ["METRICS", "REFUSED", "REWARD_MANAGER_REGISTRY", "reward_config_errors", "build_reward_managers", "get_reward_manager_cls", "register"]

@@ -27,9 +27,8 @@ from verl.utils.reward_score import FormatScoreConfig, RewardBreakdown, validate
 from verl.utils.reward_score.llm_judge import JudgeConfig, LLMJudge
 from verl.utils.reward_score.qa_em import em_check, extract_solution, golden_answers_of, subem_check
 from verl.utils.reward_score.qa_f1 import f1_check
-from verl.workers.reward_manager import register
+from verl.workers.reward_manager import METRICS, register
 
-METRICS = ("em", "subem", "f1", "judge")
 CUSTOM_KEY = "custom_reward_function"
 
 
