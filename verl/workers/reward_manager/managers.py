@@ -96,6 +96,8 @@ class _ScoringManager(RewardManager):
         self.judge = judge
         self.last_row_metrics: list[dict[str, float]] = []
         self._pending: Iterator[tuple[str, RewardBreakdown]] | None = None
+        self._texts: list[str] = []
+        self._extra_metrics: dict[str, float] = {}
 
     # ---- the batch pass
     def _rows(self, data: DataProto) -> tuple[list[str], list[str], list[str], list[Any], list[Any]]:
@@ -143,6 +145,7 @@ class _ScoringManager(RewardManager):
 
     def _score_rows(self, data: DataProto) -> list[RewardBreakdown]:
         sources, texts, responses, ground_truths, extra_infos = self._rows(data)
+        self._texts = texts
         answers = [extract_solution(text) for text in texts]
         golds = []
         for gt in ground_truths:
@@ -228,10 +231,7 @@ class _ScoringManager(RewardManager):
 
     def __call__(self, data: DataProto, return_breakdown: bool = False) -> Any:
         breakdowns = self._score_rows(data)
-        responses, policy_mask, real_tokens = self._masks(data)
-        texts = [self.decode_row(responses[row], policy_mask[row], real_tokens[row])[0]
-                 for row in range(responses.shape[0])]
-        self._pending = iter(list(zip(texts, breakdowns, strict=True)))
+        self._pending = iter(list(zip(self._texts, breakdowns, strict=True)))
         try:
             result = super().__call__(data, return_breakdown=return_breakdown)
         finally:
