@@ -195,3 +195,22 @@ def test_config_check_lists_reward_problems_naming_keys(tmp_path):
     found = errors("reward_model.reward_manager=batch", "reward_model.metric=judge")
     assert "reward_manager=batch needs custom_reward_function.path" in found
     assert "reward_model.metric=judge needs reward_model.judge.url" in found
+
+
+def test_validation_reports_row_metrics_per_source_and_sums_judge_counters(tiny_model_dir: str, tmp_path):
+    from scripts.bench.toy_task import TOY_DATA_SOURCE, ContainsTokenReward
+    from tests.trainer.test_main_ppo import _scripted_trainer
+
+    class WithRowMetrics(ContainsTokenReward):
+        def __call__(self, data):
+            scores = super().__call__(data)
+            self.last_row_metrics = [{"f1": 0.5, "judge": float(i % 2)} for i in range(len(data))]
+            self.last_metrics = {"reward/judge_calls": 2.0, "reward/judge_cache_hits": 1.0, "reward/mean_score": 1.0}
+            return scores
+
+    trainer = _scripted_trainer(tiny_model_dir, tmp_path, n_val=7)   # batches of 4 and 3
+    trainer.val_reward_fn = WithRowMetrics(trainer.tokenizer)
+    val = trainer._validate()
+    assert val == {f"val/test_score/{TOY_DATA_SOURCE}": 1.0, f"val/test_f1/{TOY_DATA_SOURCE}": 0.5,
+                   f"val/test_judge/{TOY_DATA_SOURCE}": pytest.approx(3 / 7),    # rows 1, 3 of 4; row 1 of 3
+                   "val/reward/judge_calls": 4.0, "val/reward/judge_cache_hits": 2.0}
