@@ -54,6 +54,7 @@ def run_log_dir(config: DictConfig) -> Path:
     trainer = config.trainer
     return Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs")
 
+
 # the LLM judge's counters summed over a validation pass (as val/reward/judge_*)
 JUDGE_COUNTS = ("reward/judge_items", "reward/judge_calls", "reward/judge_cache_hits", "reward/judge_failures")
 
