@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Evaluate a checkpoint: greedy validation only (+trainer.val_only=true), EM per data source -> JSON.
+# Evaluate a checkpoint: greedy validation only (+trainer.val_only=true); EM, token F1 and (with a
+# judge) judge accuracy per data source -> JSON (scripts/nq_hotpotqa/eval_report.py).
 #
 #   BASE_MODEL=verl_checkpoints/my-run/global_step_1000/hf DATA_DIR=data/nq_hotpotqa_train \
 #       bash scripts/nq_hotpotqa/evaluate.sh [extra Hydra overrides...]
@@ -8,7 +9,11 @@
 #   BASE_MODEL      HF folder or hub id of the model to evaluate, or a LoRA adapter folder (adapter_config.json:
 #                   its base_model_name_or_path is loaded with the adapter, actor_rollout_ref.model.lora_adapter_path)
 #   DATA_DIR        folder holding test.parquet (default data/nq_search)
-#   OUTPUT_JSON     where to write {"val/test_score/<source>": em, ..., "overall": em} (default eval_results.json)
+#   OUTPUT_JSON     where to write {"val/test_score/<source>": em, "val/test_f1/<source>": f1, ...,
+#                   "overall": em, "overall_f1": f1[, "val/test_judge/<source>", "overall_judge"]}
+#                   (default eval_results.json)
+#   JUDGE_URL       an OpenAI-compatible server (e.g. http://127.0.0.1:8001/v1) to also report judge
+#                   accuracy (reward_model.judge.*); JUDGE_MODEL names its model (required with it)
 #   RETRIEVER_URL   a running retrieval server (default http://127.0.0.1:8000/retrieve)
 #   N_GPUS          GPUs (or CPU workers) per node (default: all visible GPUs, else 1)
 #   ROLLOUT_NAME    rollout engine: auto (default: vllm with a GPU and vllm, else hf) | hf | vllm
@@ -32,8 +37,18 @@ else
     DEVICE=cpu
 fi
 
+JUDGE_OVERRIDES=""
+if [ -n "${JUDGE_URL:-}" ]; then
+    if [ -z "${JUDGE_MODEL:-}" ]; then
+        echo "evaluate.sh: JUDGE_URL is set; set JUDGE_MODEL to the model it serves" >&2
+        exit 2
+    fi
+    JUDGE_OVERRIDES="reward_model.judge.url=${JUDGE_URL} reward_model.judge.model=${JUDGE_MODEL}"
+fi
+
 export OUTPUT_JSON
-python3 - "$@" <<PY
+# shellcheck disable=SC2086  # JUDGE_OVERRIDES: zero or two words
+python3 - $JUDGE_OVERRIDES "$@" <<PY
 import json, os, sys
 from verl.trainer.main_ppo import compose_config, run_ppo
 
@@ -74,12 +89,13 @@ extra = sys.argv[1:]
 extra_keys = {a.lstrip("+").partition("=")[0] for a in extra}
 overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in extra_keys] + extra
 history = run_ppo(compose_config(overrides))
-val = {k: v for record in history for k, v in record.items() if k.startswith("val/test_score/")}
-if not val:
-    sys.exit("evaluate.sh: validation produced no val/test_score/* metrics")
 import pandas as pd
+from scripts.nq_hotpotqa.eval_report import summarize
 counts = pd.read_parquet("${DATA_DIR}/test.parquet")["data_source"].value_counts().to_dict()
-val["overall"] = sum(val[f"val/test_score/{s}"] * n for s, n in counts.items()) / sum(counts.values())
+try:
+    val = summarize(history, counts)
+except ValueError as exc:
+    sys.exit(f"evaluate.sh: {exc}")
 with open(os.environ["OUTPUT_JSON"], "w") as f:
     json.dump(val, f, indent=2)
 print(json.dumps(val, indent=2))

@@ -441,6 +441,12 @@ def check_trainer(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list
     return errors
 
 
+def check_rewards(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
+    from verl.workers.reward_manager import reward_config_errors
+
+    return reward_config_errors(cfg)
+
+
 def is_installed(module: str) -> bool:
     """Whether `module` can be imported, found without importing it."""
     try:
@@ -511,6 +517,7 @@ RULES: tuple[Rule, ...] = (
     check_retriever,
     check_retriever_serve,
     check_trainer,
+    check_rewards,
     check_batch_sizes,
     check_imports,
     check_lora,

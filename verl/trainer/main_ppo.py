@@ -289,10 +289,10 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     default_reward = reward_fn is None
     if default_reward:
-        from verl.trainer.ppo.reward import load_reward_managers
+        from verl.workers.reward_manager import build_reward_managers
 
-        # Validation reports plain EM through the same scorer the training reward uses.
-        reward_fn, default_val_fn = load_reward_managers(config, tokenizer)
+        # Validation reports plain EM (or the custom function) through the training reward's scorers.
+        reward_fn, default_val_fn = build_reward_managers(config, tokenizer)
         val_reward_fn = val_reward_fn or default_val_fn
 
     layout = run.pools.layout()
@@ -308,7 +308,7 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     pools = ResourcePoolManager(resource_pool_spec=layout, mapping=mapping, use_gpu=use_gpu)
     trainer = RayPPOTrainer(config, tokenizer, role_worker_mapping, pools, reward_fn=reward_fn,
                             val_reward_fn=val_reward_fn)
-    if default_reward:
+    if default_reward and not config.get("custom_reward_function", {}).get("path"):
         from verl.utils.reward_score import validate_data_sources
 
         # Fail before any worker starts, not at the first reward of the first step.

@@ -78,7 +78,11 @@ def test_tiny_demo_runs_end_to_end_and_evaluate_sh_reads_its_checkpoint(tmp_path
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "eval.json").read_text())
-    assert set(result) == {"val/test_score/demo_onehop", "val/test_score/demo_twohop", "overall"}
+    assert set(result) == {"val/test_score/demo_onehop", "val/test_score/demo_twohop", "overall",
+                           "val/test_f1/demo_onehop", "val/test_f1/demo_twohop", "overall_f1"}
+    assert all(0.0 <= result[f"val/test_f1/{s}"] <= 1.0 for s in ("demo_onehop", "demo_twohop"))
+    # token F1 is never below EM (an exact match has F1 1)
+    assert result["overall_f1"] >= result["overall"] - 1e-9
 
 
 # Timing, throughput and MFU depend on the machine's load; everything else must not.

@@ -223,3 +223,12 @@ def score_by_data_source(scores_B: torch.Tensor, data_sources: Any) -> dict[str,
     for score, source in zip(scores_B.tolist(), list(data_sources), strict=True):
         grouped[str(source)].append(score)
     return {f"val/test_score/{source}": float(np.mean(values)) for source, values in sorted(grouped.items())}
+
+
+def row_metrics_by_data_source(rows: list[dict[str, float]], data_sources: Any) -> dict[str, float]:
+    """val/test_<name>/<data_source>: mean of each per-row metric (f1, judge) over the rows that have it."""
+    grouped: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for row, source in zip(rows, list(data_sources), strict=True):
+        for name, value in row.items():
+            grouped[(name, str(source))].append(float(value))
+    return {f"val/test_{name}/{source}": float(np.mean(values)) for (name, source), values in sorted(grouped.items())}

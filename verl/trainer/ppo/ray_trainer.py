@@ -58,6 +58,10 @@ def run_log_dir(config: DictConfig) -> Path:
     return Path(trainer.get("log_dir") or Path(trainer.default_local_dir) / "logs")
 
 
+# the LLM judge's counters summed over a validation pass (as val/reward/judge_*)
+JUDGE_COUNTS = ("reward/judge_items", "reward/judge_calls", "reward/judge_cache_hits", "reward/judge_failures")
+
+
 class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTraining):
     """Owns the data, the worker groups, the reward functions, the logger and the step loop."""
 
@@ -466,6 +470,8 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         scores: list[torch.Tensor] = []
         sources: list[str] = []
         gen_metrics: list[dict[str, float]] = []
+        row_metrics: list[dict[str, float]] = []   # the val reward's per-row F1 / judge verdict, if it keeps them
+        judge_counts: dict[str, float] = {}
         # One wake for the whole validation pass, not one per batch (or per turn); a pipelined run's
         # rollout pool between two rollouts, with the newest weights.
         pool = self._producer.rollout_pool() if self._producer is not None else nullcontext()
@@ -480,9 +486,15 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                     scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
                 scores.append(scores_BR.sum(-1).float().cpu())
                 sources.extend(batch.non_tensor_batch[K.DATA_SOURCE].tolist())
+                row_metrics.extend(getattr(self.val_reward_fn, "last_row_metrics", None) or [{}] * len(batch))
+                for key, value in (getattr(self.val_reward_fn, "last_metrics", None) or {}).items():
+                    if key in JUDGE_COUNTS:   # the judge's calls, cache hits and failures over the pass
+                        judge_counts[key] = judge_counts.get(key, 0.0) + value
         if not scores:
             return {}
         metrics = mu.score_by_data_source(torch.cat(scores), sources)
+        metrics.update(mu.row_metrics_by_data_source(row_metrics, sources))
+        metrics.update({f"val/{key}": value for key, value in judge_counts.items()})
         for key in {k for m in gen_metrics for k in m}:
             values = [m[key] for m in gen_metrics if key in m]
             metrics[f"val/{key}"] = float(np.mean(values))

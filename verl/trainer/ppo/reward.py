@@ -80,6 +80,10 @@ class RewardManager:
         response_text = self.tokenizer.decode(response_ids[real_tokens.bool()].tolist(), skip_special_tokens=True)
         return "\n".join(pieces), response_text
 
+    def validate_sources(self, sources: Any) -> None:
+        """Refuse data sources the built-in rules cannot score (a custom reward function scores any)."""
+        validate_data_sources(sources)
+
     def _score(self, data_source: str, policy_text: str, response_text: str, ground_truth: Any) -> RewardBreakdown:
         answer = extract_solution(policy_text)
         em = em_check(answer, golden_answers_of(ground_truth)) if answer is not None else 0
@@ -103,7 +107,7 @@ class RewardManager:
             if key not in data.non_tensor_batch:
                 raise KeyError(f"RewardManager needs non-tensor key '{key}'")
         sources = data.non_tensor_batch[K.DATA_SOURCE]
-        validate_data_sources(sources)
+        self.validate_sources(sources)
 
         scores = torch.zeros(responses.shape, dtype=torch.float32)
         breakdowns: list[RewardBreakdown] = []
