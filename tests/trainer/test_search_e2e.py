@@ -194,11 +194,10 @@ def test_a_partial_rollout_takes_new_weights_between_turns_and_records_each_toke
         assert h["pipeline/staleness"] <= 1.0
 
 
-@pytest.mark.slow
 def test_dapo_dynamic_sampling_filters_groups_and_generates_again(ray_cluster, search_world: SearchWorld,
                                                                   tmp_path: Path) -> None:
-    # DAPO end to end: dynamic sampling and overlong shaping through run_ppo, with search (this module's
-    # world, so the slow suite builds it once)
+    # DAPO end to end: dynamic sampling and overlong shaping through run_ppo, with search. In the default
+    # suite, not the slow one: this module's world is built there anyway, and the step itself is ~40 s
     import torch
 
     from verl.utils import batch_keys as K
