@@ -88,6 +88,8 @@ def test_the_workers_check_the_model_heads_when_they_start(tiny_model_dir: str) 
     assert check_supported(node, "actor", world_size=4, model_cfg=model) == 2
     with pytest.raises(ValueError, match="use_remove_padding=true"):
         check_supported(node, "actor", world_size=4, model_cfg=OmegaConf.create({"path": tiny_model_dir}))
+    # a pipelined run's rollout pool trains nothing: no SP there, whatever its world size
+    assert check_supported(node, "actor", world_size=3, model_cfg=None, sequence_parallel=False) == 1
 
 
 def _actor_phases(*extra: str) -> dict:

@@ -145,13 +145,14 @@ def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
     _check_micro_divides_mini(config, "ppo_mini_batch_size", "ppo_micro_batch_size", "critic")
 
 
-def check_supported(node: Any, where: str, world_size: int = 1, model_cfg: Any = None) -> int:
+def check_supported(node: Any, where: str, world_size: int = 1, model_cfg: Any = None,
+                    sequence_parallel: bool = True) -> int:
     """Refuse settings this FSDP2 build does not implement, naming the key, instead of ignoring them;
     returns the Ulysses SP size (verl/workers/sp_groups.py: packing on, divides the world and the
-    model's head counts)."""
+    model's head counts), 1 where the worker trains nothing (`sequence_parallel=False`: a rollout pool)."""
     if node.get("strategy", "fsdp") != "fsdp":
         raise ValueError(f"{where}.strategy={node.strategy!r}: only 'fsdp' (FSDP2) is supported")
-    size = sp_size(node, where)
+    size = sp_size(node, where) if sequence_parallel else 1
     if size > 1:
         use_rmpad = bool(model_cfg.get("use_remove_padding", False)) if model_cfg is not None else False
         hf_config = None
@@ -252,8 +253,8 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._push_manifest: Any = None   # PushManifest: what a push sends, in which dtype (set on joining)
         # role rollout (a pipelined run's rollout pool): the engine alone, fed by pushes (verl/workers/rollout_pool.py)
         self._rollout_pool: Any = None
-        self._sp_size = (check_supported(config.actor, "actor_rollout_ref.actor", self.world_size, config.model)
-                         if self._is_actor or self._is_ref else 1)
+        self._sp_size = check_supported(config.actor, "actor_rollout_ref.actor", self.world_size, config.model,
+                                        sequence_parallel=self._is_actor or self._is_ref)
         if self._is_ref and sp_size(config.ref, "actor_rollout_ref.ref") != self._sp_size:
             raise ValueError(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={config.ref.get('ulysses_sequence_parallel_size')} "
                              f"must equal actor_rollout_ref.actor.ulysses_sequence_parallel_size={self._sp_size} "
