@@ -29,6 +29,8 @@ Two kinds of numbers, kept apart in every phase:
   staging (one gathered fp32 parameter at a time: the embeddings); exact byte counts for the
   shapes the config gives.
 - estimated: activations (per-token per-layer factors, below), labelled `estimated` in each phase.
+Ulysses SP (`ulysses_sequence_parallel_size`): a rank of an SP group holds 1/SP of its micro-batch's
+tokens (activations, log-prob head positions); micro-batch rows are per data-parallel rank (world / SP).
 """
 
 from __future__ import annotations
