@@ -78,6 +78,14 @@ def _check_micro_batch(errors: list[str], who: str, micro_key: str, mini_rollout
                  f"{who} mini-batch rollouts/world_size", micro // ws, f"{micro_key}/world_size")
 
 
+def _data_parallel(section: DictConfig, ws: int, ws_key: str) -> tuple[int, str]:
+    """(data-parallel ranks, how to name them): the world over the section's Ulysses SP size (where valid)."""
+    size = section.get("ulysses_sequence_parallel_size", 1)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1 and ws % size == 0:
+        return ws // size, f"{ws_key}/ulysses_sequence_parallel_size"
+    return ws, ws_key
+
+
 def check_batch_sizes(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
     """Batch sizes in rollouts (run.batches), split evenly over the train pool's workers."""
     errors: list[str] = []
@@ -89,20 +97,53 @@ def check_batch_sizes(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> 
                       "actor_rollout_ref.rollout.n", run.algorithm.n, rollouts, rollouts_key, ws, ws_key)
     # The workers divide every micro-batch key by the world size, also under use_dynamic_bsz (which
     # then packs by tokens instead), so each must divide it; only the micro-in-mini rules are skipped.
+    # Micro-batches split over the data-parallel ranks: world / ulysses_sequence_parallel_size.
+    dp, dp_key = _data_parallel(actor, ws, ws_key)
     key = "actor_rollout_ref.actor.ppo_micro_batch_size"
     _check_micro_batch(errors, "actor", batches.micro_key(key), batches.mini_rollouts["actor"],
-                       batches.micro_rows(key), ws, ws_key, bool(actor.use_dynamic_bsz))
+                       batches.micro_rows(key), dp, dp_key, bool(actor.use_dynamic_bsz))
     for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size"):
-        _divides(errors, "log-prob micro-batch per worker", batches.micro_rows(key), batches.micro_key(key), ws, ws_key)
+        _divides(errors, "log-prob micro-batch per worker", batches.micro_rows(key), batches.micro_key(key), dp, dp_key)
     if run.algorithm.need_critic:
         critic = cfg.critic
         _check_mini_batch(errors, "critic", "critic", int(critic.ppo_mini_batch_size),
                           "critic.rollout_n", int(critic.get("rollout_n", 1)), rollouts, rollouts_key, ws, ws_key)
         key = "critic.ppo_micro_batch_size"
+        dp, dp_key = _data_parallel(critic, ws, ws_key)
         _check_micro_batch(errors, "critic", batches.micro_key(key), batches.mini_rollouts["critic"],
-                           batches.micro_rows(key), ws, ws_key, bool(critic.use_dynamic_bsz))
+                           batches.micro_rows(key), dp, dp_key, bool(critic.use_dynamic_bsz))
         _divides(errors, "critic forward micro-batch per worker", batches.micro_rows(CRITIC_FORWARD_MICRO),
-                 batches.micro_key(CRITIC_FORWARD_MICRO), ws, ws_key)
+                 batches.micro_key(CRITIC_FORWARD_MICRO), dp, dp_key)
+    return errors
+
+
+# --------------------------------------------------------------------------- Ulysses sequence parallelism
+def check_sequence_parallel(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
+    """ulysses_sequence_parallel_size (actor, ref, critic): packing on, a size that divides the train
+    world (verl/workers/sp_groups.py); the head counts are checked by preflight and the workers."""
+    errors: list[str] = []
+    ws, ws_key = run.pools.world_size, run.pools.world_size_key
+    sections = [("actor_rollout_ref.actor", "actor_rollout_ref.model"), ("actor_rollout_ref.ref", "actor_rollout_ref.model")]
+    if run.algorithm.need_critic:
+        sections.append(("critic", "critic.model"))
+    sizes = {}
+    for where, model in sections:
+        size = OmegaConf.select(cfg, f"{where}.ulysses_sequence_parallel_size", default=1)
+        size = 1 if size is None else size
+        sizes[where] = size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            errors.append(f"{where}.ulysses_sequence_parallel_size={size!r} must be an int >= 1")
+            continue
+        if size == 1:
+            continue
+        if not OmegaConf.select(cfg, f"{model}.use_remove_padding", default=False):
+            errors.append(f"{where}.ulysses_sequence_parallel_size={size} splits packed rows: set "
+                          f"{model}.use_remove_padding=true, or the size to 1")
+        if ws % size != 0:
+            errors.append(f"{where}.ulysses_sequence_parallel_size={size} must divide {ws_key}={ws}")
+    if sizes["actor_rollout_ref.ref"] != sizes["actor_rollout_ref.actor"] and run.algorithm.need_reference_policy:
+        errors.append(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={sizes['actor_rollout_ref.ref']} must equal "
+                      f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sizes['actor_rollout_ref.actor']}")
     return errors
 
 
@@ -519,6 +560,7 @@ RULES: tuple[Rule, ...] = (
     check_trainer,
     check_rewards,
     check_batch_sizes,
+    check_sequence_parallel,
     check_imports,
     check_lora,
 )

@@ -138,6 +138,36 @@ def host_has_gpu(config: DictConfig) -> bool | None:
     return None if address else False
 
 
+def _sp(node: Any, world: int) -> int:
+    """A section's Ulysses SP size where it divides the world, else 1 (config_check reports it)."""
+    size = node.get("ulysses_sequence_parallel_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 and world % size == 0 else 1
+
+
+def check_sequence_parallel_heads(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None:
+    """Ulysses splits the attention heads over an SP group: both head counts of the model must divide by its size."""
+    from verl.utils.memory_plan import read_model_config
+    from verl.utils.ulysses import check_heads
+
+    sections = [("actor_rollout_ref.actor", "actor_rollout_ref.model")]
+    if run.algorithm.need_critic:
+        sections.append(("critic", "critic.model"))
+    for where, model_key in sections:
+        size = _sp(OmegaConf.select(cfg, where), run.pools.world_size)
+        if size == 1:
+            continue
+        try:
+            model, source = read_model_config(str(OmegaConf.select(cfg, f"{model_key}.path")))
+        except (OSError, ValueError):
+            continue                              # check_memory_and_disk reports the missing config.json
+        heads = int(model.get("num_attention_heads", 0) or 0)
+        kv_heads = int(model.get("num_key_value_heads") or heads)
+        try:
+            check_heads(heads, kv_heads, size, key=f"{where}.ulysses_sequence_parallel_size")
+        except ValueError as exc:
+            report.error(f"{exc} ({source})", f"{where}.ulysses_sequence_parallel_size")
+
+
 def _per_worker_sizes(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None:
     """The workers' own division of the global batch sizes, on copies of their config sub-trees."""
     from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes
@@ -145,8 +175,8 @@ def _per_worker_sizes(cfg: DictConfig, run: RunConfig, report: PreflightReport) 
     world = run.pools.world_size
     role = "actor_rollout_ref" if run.algorithm.need_reference_policy else "actor_rollout"
     actor = copy.deepcopy(cfg.actor_rollout_ref)
-    try:
-        normalize_actor_batch_sizes(actor, role, world)
+    try:   # data parallelism is over world / ulysses_sequence_parallel_size (config_check refuses one that does not divide)
+        normalize_actor_batch_sizes(actor, role, world // _sp(cfg.actor_rollout_ref.actor, world))
         report.lines.append(
             f"actor per worker: mini-batch {actor.actor.ppo_mini_batch_size} rows, micro-batch "
             f"{actor.actor.ppo_micro_batch_size}, log-prob micro-batch {actor.rollout.log_prob_micro_batch_size}; "
@@ -156,7 +186,7 @@ def _per_worker_sizes(cfg: DictConfig, run: RunConfig, report: PreflightReport) 
     if run.algorithm.need_critic:
         critic = copy.deepcopy(cfg.critic)
         try:
-            normalize_critic_batch_sizes(critic, world)
+            normalize_critic_batch_sizes(critic, world // _sp(cfg.critic, world))
             report.lines.append(
                 f"critic per worker: mini-batch {critic.ppo_mini_batch_size} rows, micro-batch "
                 f"{critic.ppo_micro_batch_size}, forward micro-batch {critic.forward_micro_batch_size}; "
@@ -444,6 +474,7 @@ def run_preflight(config: DictConfig, has_gpu: bool | None = None) -> PreflightR
                             f"{cfg.data.max_prompt_length}, all turns <= data.max_response_length="
                             f"{cfg.data.max_response_length} tokens")
     _per_worker_sizes(cfg, run, report)
+    check_sequence_parallel_heads(cfg, run, report)
     check_data(cfg, run, report)
     check_retriever(cfg, run, report)
     check_context_length(cfg, report)

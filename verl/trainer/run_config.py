@@ -260,6 +260,14 @@ class Algorithm:
         return self.n_agent * self.n
 
 
+def _ulysses_size(cfg: DictConfig, micro_key: str, ws: int) -> int:
+    """The Ulysses SP size of the section a micro-batch key belongs to (critic.*: the critic's, else the
+    actor's), where it is a valid divisor of the world (config_check reports any other), else 1."""
+    section = "critic" if micro_key.startswith("critic.") else "actor_rollout_ref.actor"
+    size = OmegaConf.select(cfg, f"{section}.ulysses_sequence_parallel_size", default=1)
+    return size if _is_int(size) and size >= 1 and ws % size == 0 else 1
+
+
 @dataclass(frozen=True)
 class Batches:
     """Rows per step, per mini-batch and per micro-batch, over all workers of the train pool."""
@@ -284,14 +292,15 @@ class Batches:
             elif per_gpu is not None and (not _is_int(per_gpu) or per_gpu < 1):
                 errors.append(f"{key}_per_gpu={per_gpu!r} must be an int >= 1 or null")
             given[key] = f"{key}_per_gpu*world_size" if per_gpu is not None else key
+            dp = ws // _ulysses_size(cfg, key, ws)   # per-worker rows are per data-parallel rank (world / SP)
             if per_gpu is not None and _is_int(per_gpu):
-                micro[key] = per_gpu * ws
+                micro[key] = per_gpu * dp
             elif value is not None:
                 micro[key] = int(value)
             elif key == CRITIC_FORWARD_MICRO:
                 micro[key] = micro["critic.ppo_micro_batch_size"]
             else:
-                micro[key] = default_micro_per_worker(key, ws) * ws
+                micro[key] = default_micro_per_worker(key, dp) * dp
         _raise(errors)
         rollouts = int(cfg.data.train_batch_size) * algorithm.samples_per_prompt
         mini = {"actor": int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * algorithm.n,

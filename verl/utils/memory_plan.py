@@ -29,6 +29,8 @@ Two kinds of numbers, kept apart in every phase:
   staging (one gathered fp32 parameter at a time: the embeddings); exact byte counts for the
   shapes the config gives.
 - estimated: activations (per-token per-layer factors, below), labelled `estimated` in each phase.
+Ulysses SP (`ulysses_sequence_parallel_size`): a rank of an SP group holds 1/SP of its micro-batch's
+tokens (activations, log-prob head positions); micro-batch rows are per data-parallel rank (world / SP).
 """
 
 from __future__ import annotations
@@ -253,9 +255,16 @@ def sequence_length(cfg: Any) -> int:
     return prompt + int(data.max_response_length)
 
 
-def _micro_rows(run: Any, key: str) -> int:
-    """Rows of one micro-batch of `key` per worker (run: run_config.RunConfig)."""
-    return max(1, run.batches.micro_rows(key) // max(run.pools.world_size, 1))
+def _micro_rows(run: Any, key: str, sp: int = 1) -> int:
+    """Rows of one micro-batch of `key` per worker (run: run_config.RunConfig); with Ulysses SP the
+    rows of a data-parallel rank, over world / sp ranks (every rank of an SP group holds them)."""
+    return max(1, run.batches.micro_rows(key) * sp // max(run.pools.world_size, 1))
+
+
+def sp_size(node: Any, world: int) -> int:
+    """A section's ulysses_sequence_parallel_size where it is a valid divisor of the world, else 1."""
+    size = node.get("ulysses_sequence_parallel_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 and world % size == 0 else 1
 
 
 def head_bytes(shape: ModelShape, kept: int, backward: bool, chunk_rows: int | None = None) -> dict[str, int]:
@@ -381,21 +390,24 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     phases: list[Phase] = []
     ckpt = bool(arr.model.enable_gradient_checkpointing)
 
-    def tokens_of(dynamic: bool, max_tokens: int, micro_key: str) -> tuple[int, int]:
-        """(tokens, response positions) of one micro-batch: packed by tokens (use_dynamic_bsz: up to
-        max_tokens, all of them possibly response positions), or micro rows at the max lengths."""
+    def tokens_of(dynamic: bool, max_tokens: int, micro_key: str, sp: int = 1) -> tuple[int, int]:
+        """(tokens, response positions) one rank holds of one micro-batch: packed by tokens (use_dynamic_bsz:
+        up to max_tokens per rank, all of them possibly response positions), or micro rows at the max
+        lengths. Ulysses (sp > 1): the micro-batch is over world / sp data-parallel ranks and each
+        rank of an SP group runs 1/sp of its tokens (max_tokens is per rank already, as veRL)."""
         if dynamic:
             return max_tokens, max_tokens
-        rows = _micro_rows(run, micro_key)
-        return rows * seq, rows * response
+        rows = _micro_rows(run, micro_key, sp)
+        return -(-rows * seq // sp), -(-rows * response // sp)
 
     # FSDP2's root unit (embeddings, an untied lm_head, the final norm) stays gathered in bf16 through a
     # forward and a backward; the update's reduce-scatter stages one unit's bf16 gradient and its fp32 copy.
     root_bf16 = BF16 * shape.root_params()
     staging = (BF16 + FP32) * max(shape.layer_params(), shape.root_params())
     # actor update: its own params, grads and optimizer on the GPU, one micro-batch's head and activations
+    sp = sp_size(arr.actor, world)
     tokens, kept = tokens_of(bool(arr.actor.use_dynamic_bsz), int(arr.actor.ppo_max_token_len_per_gpu),
-                             "actor_rollout_ref.actor.ppo_micro_batch_size")
+                             "actor_rollout_ref.actor.ppo_micro_batch_size", sp)
     head = head_bytes(shape, kept, backward=True)
     if lora is not None:   # only the adapter's grads are reduced; the frozen lm_head gets no gradient
         staging = (BF16 + FP32) * lora.per_layer
@@ -408,7 +420,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     if not run.algorithm.bypass:
         lp_tokens, lp_kept = tokens_of(bool(arr.rollout.log_prob_use_dynamic_bsz),
                                        int(arr.rollout.log_prob_max_token_len_per_gpu),
-                                       "actor_rollout_ref.rollout.log_prob_micro_batch_size")
+                                       "actor_rollout_ref.rollout.log_prob_micro_batch_size", sp)
         phases.append(Phase("actor_log_prob", certain={
             **others("actor params"), "actor params (fp32 shard)": actor_params,
             "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, lp_kept, backward=False)},
@@ -416,7 +428,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     if with_ref:
         ref_tokens, ref_kept = tokens_of(bool(arr.ref.log_prob_use_dynamic_bsz),
                                          int(arr.ref.log_prob_max_token_len_per_gpu),
-                                         "actor_rollout_ref.ref.log_prob_micro_batch_size")
+                                         "actor_rollout_ref.ref.log_prob_micro_batch_size", sp)
         ref_params = ({"reference params (fp32 shard)": _shard(FP32 * p, world)} if with_ref_weights else
                       {"actor params (fp32 shard)": actor_params})   # LoRA: the actor, adapter off
         phases.append(Phase("reference_log_prob", certain={
@@ -431,12 +443,14 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
                                                   cshape.vocab_size * cshape.hidden_size))  # no lm_head
         c_layers = {k: BF16 * cshape.layer_params() for k in layers}
         # the value pass (compute_values), with its own micro-batch keys
-        v_tokens, _ = tokens_of(c_dyn, int(critic_cfg.forward_max_token_len_per_gpu), "critic.forward_micro_batch_size")
+        c_sp = sp_size(critic_cfg, world)
+        v_tokens, _ = tokens_of(c_dyn, int(critic_cfg.forward_max_token_len_per_gpu), "critic.forward_micro_batch_size",
+                                c_sp)
         phases.append(Phase("critic_values", certain={
             **others("critic params"), "critic params (fp32 shard)": critic_params,
             "gathered root unit (bf16)": c_root, **c_layers},
             estimated={"activations": _activations(cshape, v_tokens, False, backward=False)}))
-        c_tokens, _ = tokens_of(c_dyn, int(critic_cfg.ppo_max_token_len_per_gpu), "critic.ppo_micro_batch_size")
+        c_tokens, _ = tokens_of(c_dyn, int(critic_cfg.ppo_max_token_len_per_gpu), "critic.ppo_micro_batch_size", c_sp)
         phases.append(_update("critic_update", "critic", others("critic"), critic_params,
                               _shard(FP32 * cp, world), critic_optim, {
                                   "gathered root unit (bf16)": c_root, **c_layers,

@@ -16,8 +16,8 @@ log-probs) come back with `gather_tokens`, whose backward hands each rank the gr
 Every SP rank then computes the same loss; the parameter gradients summed over the SP group are
 SP size times the SP=1 gradient (each rank's all-gather backward sums every rank's identical loss),
 so FSDP's mean over ranks gives the SP=1 gradient. DataParallelPPOActor and DataParallelPPOCritic
-run it when given `sp_group`; the workers do not build SP groups yet: a
-ulysses_sequence_parallel_size other than 1 is refused at start (fsdp_workers.check_supported).
+run it when given `sp_group`; the FSDP workers build the groups and gather each group's rows
+(verl/workers/sp_groups.py).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
 from verl.workers.rollout import HFRollout, build_rollout
 from verl.workers.sharding_manager.fsdp_hf import FSDPUnshardedForGeneration
+from verl.workers.sp_groups import SPGroups, check_sequence_parallel, scale_token_budgets, sp_size
 
 # actor_ref: the train pool of a pipelined run (trainer.pipeline), whose rollout is another pool's
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
@@ -146,13 +147,25 @@ def normalize_critic_batch_sizes(config: Any, world_size: int) -> None:
     _check_micro_divides_mini(config, "ppo_mini_batch_size", "ppo_micro_batch_size", "critic")
 
 
-def check_supported(node: Any, where: str) -> None:
-    """Refuse settings this FSDP2 build does not implement, naming the key, instead of ignoring them."""
+def check_supported(node: Any, where: str, world_size: int = 1, model_cfg: Any = None,
+                    sequence_parallel: bool = True) -> int:
+    """Refuse settings this FSDP2 build does not implement, naming the key, instead of ignoring them;
+    returns the Ulysses SP size (verl/workers/sp_groups.py: packing on, divides the world and the
+    model's head counts), 1 where the worker trains nothing (`sequence_parallel=False`: a rollout pool)."""
     if node.get("strategy", "fsdp") != "fsdp":
         raise ValueError(f"{where}.strategy={node.strategy!r}: only 'fsdp' (FSDP2) is supported")
-    if int(node.get("ulysses_sequence_parallel_size", 1)) != 1:
-        raise NotImplementedError(f"{where}.ulysses_sequence_parallel_size="
-                                  f"{node.ulysses_sequence_parallel_size}: sequence parallelism is not supported")
+    size = sp_size(node, where) if sequence_parallel else 1
+    if size > 1:
+        use_rmpad = bool(model_cfg.get("use_remove_padding", False)) if model_cfg is not None else False
+        hf_config = None
+        if model_cfg is not None and use_rmpad and world_size % size == 0:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(model_cfg.path)
+            for key, value in (model_cfg.get("override_config") or {}).items():
+                setattr(hf_config, key, value)
+        check_sequence_parallel(size, world_size, use_rmpad, where, hf_config)
+    return size
 
 
 def check_fsdp_size(fsdp_cfg: Any, world_size: int, where: str) -> None:
@@ -250,11 +263,19 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         # custom_algorithms.path (set here by the driver, `worker_config_with_custom_algorithms`): its
         # policy losses registered in this process before the actor looks its loss_mode up
         load_custom_algorithms(config.get(CUSTOM_ALGORITHMS_WORKER_KEY))
-        check_supported(config.actor, "actor_rollout_ref.actor")
+        self._sp_size = check_supported(config.actor, "actor_rollout_ref.actor", self.world_size, config.model,
+                                        sequence_parallel=self._is_actor or self._is_ref)
+        if self._is_ref and sp_size(config.ref, "actor_rollout_ref.ref") != self._sp_size:
+            raise ValueError(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={config.ref.get('ulysses_sequence_parallel_size')} "
+                             f"must equal actor_rollout_ref.actor.ulysses_sequence_parallel_size={self._sp_size} "
+                             f"(one SP layout per worker, as veRL)")
+        self._sp = SPGroups(1, 0)   # built in init_model (new_group needs the process group)
         check_fsdp_size(config.actor.fsdp_config, self.world_size, "actor_rollout_ref.actor.fsdp_config")
         if self._is_ref:
             check_fsdp_size(config.ref.fsdp_config, self.world_size, "actor_rollout_ref.ref.fsdp_config")
-        normalize_actor_batch_sizes(self.config, role, self.world_size)
+        # Data parallelism is over world / SP: each SP group shares its rows (sp_groups.py).
+        normalize_actor_batch_sizes(self.config, role, self.world_size // self._sp_size)
+        self._scale_token_budgets()
         tp = int(config.rollout.get("tensor_model_parallel_size", 1)) if self._is_rollout else 1
         self._rollout_tp = tp
         self._rollout_tp_group: Any = None   # gloo group of this rank's TP engine (TP > 1), set in init_model
@@ -266,10 +287,17 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._phase_stack: ExitStack | None = None
         self._phases_begun = 0
 
+    def _scale_token_budgets(self) -> None:
+        scale_token_budgets(self.config.actor, ("ppo_max_token_len_per_gpu",), self._sp_size)
+        scale_token_budgets(self.config.rollout, ("log_prob_max_token_len_per_gpu",), self._sp_size)
+        if self._is_ref:
+            scale_token_budgets(self.config.ref, ("log_prob_max_token_len_per_gpu",), self._sp_size)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Join the process group, load and shard the models, build optimizer / rollout / ref."""
         self._init_distributed()
+        self._sp = SPGroups.build(self.rank, self.world_size, self._sp_size)
         from transformers import AutoTokenizer
 
         model_cfg = self.config.model
@@ -290,7 +318,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                 self.actor_optimizer, self.actor_lr_scheduler = fsdp_utils.build_optimizer(
                     self.actor_module, self.config.actor.optim)
             self.actor = DataParallelPPOActor(self.config.actor, self.actor_module, self.actor_optimizer,
-                                              use_remove_padding=use_rmpad)
+                                              use_remove_padding=use_rmpad, sp_group=self._sp.sp_group)
         self.eos_token_ids = eos_token_ids(self.tokenizer, model_cfg.path)
         if self._is_rollout and self._rollout_tp > 1:
             # Every rank creates every group, in the same order (new_group is collective).
@@ -314,7 +342,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                 lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
                 model_cfg, trainable=False)
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module, None,
-                                                   use_remove_padding=use_rmpad)
+                                                   use_remove_padding=use_rmpad, sp_group=self._sp.sp_group)
             self._offload(self.ref_module, None, self.config.ref.fsdp_config)
         if self._is_actor:
             self.checkpoint_manager = FSDPCheckpointManager(
@@ -500,7 +528,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         """Reads input_ids, attention_mask, position_ids, responses. Writes old_log_probs."""
         self._require(self._is_actor, "compute_log_prob")
         rollout = self.config.rollout
-        data = data.to(self.device)
+        data = self._sp.gather(data).to(self.device)
         data.meta_info.update({
             K.META_MICRO_BATCH_SIZE: rollout.log_prob_micro_batch_size,
             K.META_MAX_TOKEN_LEN: rollout.log_prob_max_token_len_per_gpu,
@@ -510,14 +538,14 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         self._onload(self.actor_module, None, self.config.actor.fsdp_config)
         log_probs, _ = self.actor.compute_log_prob(data)
         self._offload(self.actor_module, None, self.config.actor.fsdp_config)
-        return DataProto.from_dict(tensors={K.OLD_LOG_PROBS: log_probs.cpu()})
+        return self._sp.split(DataProto.from_dict(tensors={K.OLD_LOG_PROBS: log_probs.cpu()}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Reads input_ids, attention_mask, position_ids, responses. Writes ref_log_prob."""
         self._require(self._is_ref, "compute_ref_log_prob")
         ref = self.config.ref
-        data = data.to(self.device)
+        data = self._sp.gather(data).to(self.device)
         data.meta_info.update({
             K.META_MICRO_BATCH_SIZE: ref.log_prob_micro_batch_size,
             K.META_MAX_TOKEN_LEN: ref.log_prob_max_token_len_per_gpu,
@@ -533,7 +561,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             self._onload(self.ref_module, None, ref.fsdp_config)
             log_probs, _ = self.ref_policy.compute_log_prob(data)
             self._offload(self.ref_module, None, ref.fsdp_config)
-        return DataProto.from_dict(tensors={K.REF_LOG_PROB: log_probs.cpu()})
+        return self._sp.split(DataProto.from_dict(tensors={K.REF_LOG_PROB: log_probs.cpu()}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
@@ -541,7 +569,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         response_mask (+ ref_log_prob with use_kl_loss). Writes meta_info["metrics"]."""
         self._require(self._is_actor, "update_actor")
         fsdp_cfg = self.config.actor.fsdp_config
-        data = data.to(self.device)
+        data = self._sp.gather(data).to(self.device)
         data.meta_info[K.META_TEMPERATURE] = self.config.rollout.temperature
         self._onload(self.actor_module, self.actor_optimizer, fsdp_cfg)
         metrics: dict[str, Any] = self.actor.update_policy(data)
@@ -711,14 +739,17 @@ class CriticWorker(_FSDPWorkerBase):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        check_supported(config, "critic")
+        self._sp_size = check_supported(config, "critic", self.world_size, config.model)
+        self._sp = SPGroups(1, 0)   # built in init_model (new_group needs the process group)
         check_fsdp_size(config.model.fsdp_config, self.world_size, "critic.model.fsdp_config")
-        normalize_critic_batch_sizes(self.config, self.world_size)
+        normalize_critic_batch_sizes(self.config, self.world_size // self._sp_size)   # data-parallel: world / SP
+        scale_token_budgets(self.config, ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu"), self._sp_size)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Join the process group, load the critic (value head), shard it, build its optimizer."""
         self._init_distributed()
+        self._sp = SPGroups.build(self.rank, self.world_size, self._sp_size)
         from transformers import AutoTokenizer
 
         model_cfg = self.config.model
@@ -732,7 +763,7 @@ class CriticWorker(_FSDPWorkerBase):
         self.critic_optimizer, self.critic_lr_scheduler = fsdp_utils.build_optimizer(
             self.critic_module, self.config.optim)
         self.critic = DataParallelPPOCritic(self.config, self.critic_module, self.critic_optimizer,
-                                            use_remove_padding=use_rmpad)
+                                            use_remove_padding=use_rmpad, sp_group=self._sp.sp_group)
         self.checkpoint_manager = FSDPCheckpointManager(
             self.critic_module, self.critic_optimizer, self.critic_lr_scheduler, self.tokenizer)
         self._offload(self.critic_module, self.critic_optimizer, model_cfg.fsdp_config)
@@ -740,7 +771,7 @@ class CriticWorker(_FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         """Reads input_ids, attention_mask, position_ids, responses. Writes values."""
-        data = data.to(self.device)
+        data = self._sp.gather(data).to(self.device)
         data.meta_info.update({
             K.META_MICRO_BATCH_SIZE: self.config.forward_micro_batch_size,
             K.META_MAX_TOKEN_LEN: self.config.forward_max_token_len_per_gpu,
@@ -750,14 +781,14 @@ class CriticWorker(_FSDPWorkerBase):
         self._onload(self.critic_module, None, fsdp_cfg)
         values = self.critic.compute_values(data)
         self._offload(self.critic_module, None, fsdp_cfg)
-        return DataProto.from_dict(tensors={K.VALUES: values.cpu()})
+        return self._sp.split(DataProto.from_dict(tensors={K.VALUES: values.cpu()}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """Reads responses, input_ids, attention_mask, position_ids, values, returns, response_mask.
         Writes meta_info["metrics"]."""
         fsdp_cfg = self.config.model.fsdp_config
-        data = data.to(self.device)
+        data = self._sp.gather(data).to(self.device)
         self._onload(self.critic_module, self.critic_optimizer, fsdp_cfg)
         metrics: dict[str, Any] = self.critic.update_critic(data)
         metrics["critic/lr"] = float(self.critic_lr_scheduler.get_last_lr()[0])
