@@ -63,6 +63,7 @@ def run_benchmark(adv: str = "grpo", steps: int = 4, workers: int = 2, batch_siz
 
 
 def main() -> None:
+    import verl.trainer.ppo.core_algos  # noqa: F401  (registers the built-in estimators)
     from verl.trainer.ppo.registry import adv_estimator_names
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

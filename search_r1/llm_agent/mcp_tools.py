@@ -27,7 +27,8 @@ import os
 import threading
 from typing import Any
 
-from search_r1.llm_agent.tool_backends import ToolFailure, _result
+from search_r1.llm_agent.tool_results import ToolFailure
+from search_r1.llm_agent.tool_results import tool_result as _result
 
 TRANSPORTS = ("stdio", "http")
 CONNECT_TIMEOUT_S = 60.0

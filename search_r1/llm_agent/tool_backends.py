@@ -18,24 +18,19 @@ Every tool's `config:` may set `max_calls_per_row` (calls one trajectory may mak
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import requests
 
+from search_r1.llm_agent.tool_results import ToolFailure
+from search_r1.llm_agent.tool_results import tool_result as _result
 from search_r1.search import documents
 
 COMMON_KEYS = ("max_calls_per_row", "timeout")
 
 
-class ToolFailure(Exception):
-    """A call that could not be answered; the message is what the model reads (after `Error: `)."""
-
-
-def _result(text: str) -> str:
-    return json.dumps({"result": text}, ensure_ascii=False)
 
 
 def _redact(text: str, secret: str | None) -> str:

@@ -221,6 +221,7 @@ class Algorithm:
         from verl.trainer.ppo import rollout_correction
 
         algo, rollout, errors = cfg.algorithm, cfg.actor_rollout_ref.rollout, []
+        import verl.trainer.ppo.core_algos  # noqa: F401  (registers the built-in estimators)
         from verl.trainer.ppo.registry import adv_estimator_names
 
         if algo.adv_estimator not in adv_estimator_names():

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from verl.utils import ulysses
-from verl.utils.attention import PACKED_ATTENTION, PACKED_FLASH_ATTENTION, VARLEN_ATTN_MISSING
+from verl.utils.attention_names import PACKED_ATTENTION, PACKED_FLASH_ATTENTION, VARLEN_ATTN_MISSING
 
 
 # ---------------------------------------------------------------------------- boundaries

@@ -11,6 +11,10 @@ with `config` the actor config node. An advantage estimator is registered under 
 `response_mask`, `index`, `epsilon`, `norm_adv_by_std_in_grpo`, `config`, ...); it returns
 `(advantages, returns)`.
 
+The built-ins register themselves when `verl.trainer.ppo.core_algos` is imported (it imports
+policy_losses and advantage_estimators); this module imports none of them, so it stays torch-free
+and below them in the import graph.
+
 A user's own functions live in one file named by `custom_algorithms.path`; importing it runs its
 `@register_policy_loss(...)` / `@register_adv_est(...)` decorators (`load_custom_algorithms`).
 """
@@ -80,7 +84,6 @@ def get_adv_estimator_fn(name: str | Enum) -> Callable[..., Any]:
 
 
 def _lookup(registry: dict[str, Callable[..., Any]], key: str, name: str | Enum) -> Callable[..., Any]:
-    _load_builtins()
     try:
         return registry[_name(name)]
     except KeyError:
@@ -89,20 +92,13 @@ def _lookup(registry: dict[str, Callable[..., Any]], key: str, name: str | Enum)
 
 
 def policy_loss_names() -> tuple[str, ...]:
-    """Every registered loss_mode, built-in and custom."""
-    _load_builtins()
+    """Every registered loss_mode: the built-ins once verl.trainer.ppo.core_algos is imported, and custom ones."""
     return tuple(sorted(POLICY_LOSS_REGISTRY))
 
 
 def adv_estimator_names() -> tuple[str, ...]:
-    """Every registered adv_estimator, built-in and custom."""
-    _load_builtins()
+    """Every registered adv_estimator: the built-ins once verl.trainer.ppo.core_algos is imported, and custom ones."""
     return tuple(sorted(ADV_ESTIMATOR_REGISTRY))
-
-
-def _load_builtins() -> None:
-    # the built-in functions register themselves when core_algos (and the modules it imports) load
-    import verl.trainer.ppo.core_algos  # noqa: F401
 
 
 def load_custom_algorithms(path: str | None) -> None:

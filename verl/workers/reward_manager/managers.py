@@ -27,7 +27,7 @@ from verl.utils.reward_score import FormatScoreConfig, RewardBreakdown, validate
 from verl.utils.reward_score.llm_judge import JudgeConfig, LLMJudge
 from verl.utils.reward_score.qa_em import em_check, extract_solution, golden_answers_of, subem_check
 from verl.utils.reward_score.qa_f1 import f1_check
-from verl.workers.reward_manager import METRICS, register
+from verl.workers.reward_manager.registry import METRICS, register, registered_class
 
 CUSTOM_KEY = "custom_reward_function"
 
@@ -283,9 +283,8 @@ def build_reward_managers(config: Any, tokenizer: Any) -> tuple[RewardManager, R
     format_cfg = FormatScoreConfig.from_config(rm_cfg)
     use_format = any(value != 0.0 for value in (format_cfg.structure_format_score,
                                                format_cfg.final_format_score, format_cfg.retrieval_score))
-    from verl.workers.reward_manager import get_reward_manager_cls
 
-    cls = get_reward_manager_cls(str(rm_cfg.get("reward_manager", "naive")))
+    cls = registered_class(str(rm_cfg.get("reward_manager", "naive")))
     train = cls(tokenizer, num_examine=num_examine, format_score_cfg=format_cfg if use_format else None,
                 compute_score=compute_score, reward_kwargs=reward_kwargs, metric=metric,
                 judge=judge if metric == "judge" else None)
