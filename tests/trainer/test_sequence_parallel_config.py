@@ -49,6 +49,21 @@ def test_sp_needs_packing_and_a_size_that_divides_the_world() -> None:
     assert any("actor_rollout_ref.ref.ulysses_sequence_parallel_size=1 must equal" in e for e in ref), ref
 
 
+
+def test_sp_with_gradient_checkpointing_is_refused_naming_both_keys() -> None:
+    # the SP state lives for the forward only: a checkpointed layer recomputed in the backward would
+    # run without the all-to-alls (a GPU user's review found it; refused until the backward carries it)
+    actor = _errors(f"{SP}=2", *PACK, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    assert any(f"{SP}=2 does not work with actor_rollout_ref.model.enable_gradient_checkpointing=true" in e
+               for e in actor), actor
+    critic = _errors("critic.ulysses_sequence_parallel_size=2", *PACK, "critic.model.enable_gradient_checkpointing=true")
+    assert any("critic.ulysses_sequence_parallel_size=2 does not work with critic.model.enable_gradient_checkpointing"
+               in e for e in critic), critic
+    # gradient checkpointing alone (SP=1) stays allowed
+    assert _errors(*PACK, "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                   "critic.model.enable_gradient_checkpointing=true") == []
+
+
 def test_micro_batches_split_over_world_over_sp_data_parallel_ranks() -> None:
     cfg = compose_config([*EIGHT, f"{SP}=4", *PACK, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
                           "actor_rollout_ref.actor.ppo_micro_batch_size=2"])
