@@ -21,13 +21,12 @@ A user's own functions live in one file named by `custom_algorithms.path`; impor
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
+
+from verl.utils.user_file import import_user_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,23 +108,7 @@ def load_custom_algorithms(path: str | None) -> None:
     names the key and the file."""
     if not path:
         return
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise FileNotFoundError(f"{CUSTOM_ALGORITHMS_KEY}: no file {str(file)!r}")
-    module_name = "search_r1_custom_algorithms_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    if module_name in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{CUSTOM_ALGORITHMS_KEY}: cannot import {str(file)!r} as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise ImportError(f"{CUSTOM_ALGORITHMS_KEY}: importing {str(file)!r} failed: "
-                          f"{type(exc).__name__}: {exc}") from exc
+    import_user_file(path, CUSTOM_ALGORITHMS_KEY, "search_r1_custom_algorithms_")
 
 
 def worker_config_with_custom_algorithms(actor_rollout_ref: Any, path: str | None) -> Any:

@@ -11,9 +11,6 @@ judge's verdict when a judge is set), which validation reports per data source.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from verl.utils.reward_score import FormatScoreConfig, RewardBreakdown, validate
 from verl.utils.reward_score.llm_judge import JudgeConfig, LLMJudge
 from verl.utils.reward_score.qa_em import em_check, extract_solution, golden_answers_of, subem_check
 from verl.utils.reward_score.qa_f1 import f1_check
+from verl.utils.user_file import import_user_file
 from verl.workers.reward_manager.registry import METRICS, register, registered_class
 
 CUSTOM_KEY = "custom_reward_function"
@@ -38,22 +36,7 @@ def load_custom_reward_fn(node: Any) -> Callable[..., Any] | None:
         return None
     file = Path(str(node.get("path"))).expanduser().resolve()
     name = str(node.get("name") or "compute_score")
-    if not file.is_file():
-        raise FileNotFoundError(f"{CUSTOM_KEY}.path: no file {str(file)!r}")
-    module_name = "search_r1_custom_reward_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, file)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"{CUSTOM_KEY}.path: cannot import {str(file)!r} as a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise ImportError(f"{CUSTOM_KEY}.path: importing {str(file)!r} failed: "
-                              f"{type(exc).__name__}: {exc}") from exc
+    module = import_user_file(file, f"{CUSTOM_KEY}.path", "search_r1_custom_reward_")
     fn = getattr(module, name, None)
     if fn is None:
         raise AttributeError(f"{CUSTOM_KEY}.name: {str(file)!r} defines no {name!r}")
