@@ -73,10 +73,15 @@ def test_a_group_estimator_with_one_sample_per_prompt_warns(caplog: pytest.LogCa
         in caplog.text
 
 
-def test_the_optimal_token_baseline_is_refused_without_the_actors_sum_pi_squared() -> None:
-    errors = config_errors(compose_config([*SMALL, TWO, "algorithm.adv_estimator=optimal_token_baseline",
-                                           "critic.model.path=null"]))
-    assert any("optimal_token_baseline needs the actor's per-token sum of squared probabilities" in e for e in errors)
+def test_the_optimal_token_baseline_needs_the_actors_sum_pi_squared_and_the_old_log_prob_pass() -> None:
+    otb = [*SMALL, TWO, "algorithm.adv_estimator=optimal_token_baseline", "critic.model.path=null"]
+    errors = config_errors(compose_config(otb))
+    assert any("set actor_rollout_ref.actor.calculate_sum_pi_squared=true" in e for e in errors), errors
+    with_key = [*otb, "actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
+    assert validate_config(compose_config(with_key)).algorithm.need_critic is False
+    bypass = config_errors(compose_config([*with_key, "algorithm.rollout_correction.bypass_old_logprob_for_rollout=true",
+                                           "actor_rollout_ref.rollout.name=vllm"]))
+    assert any("bypass mode skips the old-log-prob pass that computes sum_pi_squared" in e for e in bypass), bypass
 
 
 @pytest.mark.parametrize("pipeline", ["one_step_off", "async"])

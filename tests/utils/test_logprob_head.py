@@ -53,6 +53,38 @@ def test_values_equal_log_softmax_reference(chunk_rows, bias):
 
 @pytest.mark.parametrize("calculate_entropy", [True, False])
 @pytest.mark.parametrize("chunk_rows", [3, 1024])
+def test_sum_pi_squared_equals_the_softmax_squares_and_leaves_the_other_columns(calculate_entropy, chunk_rows):
+    h, w, b, labels = random_head(10, 6, 13)
+    probs = torch.softmax(nn.functional.linear(h, w, b) / 0.7, dim=-1)
+    head = nn.Linear(6, 13, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(w)
+        head.bias.copy_(b)
+        with lm_head_computes_log_probs(head, labels, 0.7, calculate_entropy, chunk_rows=chunk_rows,
+                                        calculate_sum_pi_squared=True) as fused:
+            out = head(h)
+        log_probs, entropy = fused.read(out)
+        sum_pi_squared = fused.sum_pi_squared(out)
+    ref_lp, ref_ent = log_softmax_head(h, w, b, labels, 0.7)
+    torch.testing.assert_close(sum_pi_squared, (probs * probs).sum(-1), atol=1e-12, rtol=0)
+    torch.testing.assert_close(log_probs, ref_lp.detach(), atol=1e-12, rtol=0)
+    if calculate_entropy:
+        torch.testing.assert_close(entropy, ref_ent.detach(), atol=1e-12, rtol=0)
+    else:
+        assert entropy is None
+    # a column with no gradient is refused where autograd would differentiate through it
+    with pytest.raises(ValueError, match="computes sum_pi_squared without gradient"):
+        with lm_head_computes_log_probs(head, labels, 0.7, calculate_entropy,
+                                        calculate_sum_pi_squared=True):
+            head(h)
+    with lm_head_computes_log_probs(head, labels, 0.7, calculate_entropy) as plain, torch.no_grad():
+        out = head(h)
+    with pytest.raises(RuntimeError, match="without calculate_sum_pi_squared"):
+        plain.sum_pi_squared(out)
+
+
+@pytest.mark.parametrize("calculate_entropy", [True, False])
+@pytest.mark.parametrize("chunk_rows", [3, 1024])
 def test_gradients_pass_gradcheck_in_double(calculate_entropy, chunk_rows):
     h, w, b, labels = random_head(7, 5, 11)
 

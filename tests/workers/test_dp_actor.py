@@ -480,3 +480,27 @@ def test_rollout_is_weights_in_the_batch_weight_the_policy_loss(tiny_model_dir, 
     assert losses["ones"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-7)
     assert losses["twos"] == pytest.approx(2 * losses["none"], rel=1e-5, abs=1e-7)
     assert abs(losses["none"]) > 1e-6
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_sum_pi_squared_is_the_full_softmax_squared_at_each_response_token(tiny_model_dir, single_rank_group,
+                                                                          remove_padding):
+    """actor.calculate_sum_pi_squared (the optimal token baseline's statistic): the old-log-prob pass
+    gives sum_v pi(v)^2 at each response token, from the same forward as its log-probs, equal to the
+    unpacked model's full softmax at temperature T."""
+    actor = make_actor(tiny_model_dir, single_rank_group, remove_padding=remove_padding)
+    data = with_meta(make_ppo_batch(actor.actor_module.config.vocab_size, batch_size=6, prompt_len=8,
+                                    response_len=6, seed=11), micro_batch_size=4, temperature=0.8)
+    out = actor.compute_log_prob_outputs(copy.copy(data), calculate_sum_pi_squared=True)
+    log_probs, _ = actor.compute_log_prob(copy.copy(data))
+    torch.testing.assert_close(out.log_probs, log_probs, atol=1e-6, rtol=0)
+    assert out.entropy is None and out.sum_pi_squared.shape == log_probs.shape
+    mask, ids = data.batch[K.ATTENTION_MASK], data.batch[K.INPUT_IDS]
+    with torch.no_grad():
+        logits = actor.actor_module(input_ids=ids, attention_mask=mask,
+                                    position_ids=data.batch[K.POSITION_IDS]).logits[:, 8 - 1:-1].float()
+    probs = torch.softmax(logits / 0.8, dim=-1)
+    response_mask = mask[:, 8:].bool()
+    expected = (probs * probs).sum(-1)
+    torch.testing.assert_close(out.sum_pi_squared[response_mask], expected[response_mask], atol=1e-5, rtol=1e-5)
+    assert bool(((out.sum_pi_squared > 0) & (out.sum_pi_squared <= 1 + 1e-6))[response_mask].all())

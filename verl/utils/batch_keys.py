@@ -21,6 +21,7 @@ CONTEXT_CUT_MASK = "context_cut_mask"  # (B, R) long: 1 = policy token sampled f
 RESPONSE_MASK = "response_mask"      # (B, R) long: THE mask every loss / KL / whitening / GAE uses.
                                      #   = loss_mask when actor.state_masking, else attention_mask[:, P:]
 OLD_LOG_PROBS = "old_log_probs"      # (B, R) float: log-probs of the rollout policy
+SUM_PI_SQUARED = "sum_pi_squared"    # (B, R) float: sum_v pi_old(v)^2 per token (actor.calculate_sum_pi_squared)
 ROLLOUT_LOG_PROBS = "rollout_log_probs"   # (B, R) float: the engine's own log-prob of each sampled token
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) float: truncated pi_old / pi_rollout (algorithm.rollout_correction)
 TOKEN_VERSIONS = "token_versions"         # (B, R) long: policy version that sampled each position (partial rollout; -1 pad)
@@ -58,7 +59,7 @@ META_METRICS = "metrics"             # dict[str, float | list[float]] returned b
 TENSOR_KEYS = frozenset({
     INPUT_IDS, ATTENTION_MASK, POSITION_IDS, PROMPTS, RESPONSES, INFO_MASK, LOSS_MASK, CONTEXT_CUT_MASK,
     RESPONSE_MASK, OLD_LOG_PROBS, ROLLOUT_LOG_PROBS, ROLLOUT_IS_WEIGHTS, TOKEN_VERSIONS, REF_LOG_PROB, VALUES,
-    TOKEN_LEVEL_SCORES, REWARD_BASELINES,
+    TOKEN_LEVEL_SCORES, REWARD_BASELINES, SUM_PI_SQUARED,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS,
 })
 NON_TENSOR_KEYS = frozenset({UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX})

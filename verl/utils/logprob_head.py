@@ -49,17 +49,18 @@ def _chunk_logits(hidden_cH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torc
 class _LogProbEntropyHead(torch.autograd.Function):
     """(hidden (M, H), weight (V, H), bias (V,) | None, labels (M,)) -> (*lead, K) fp32 (fp64 for
     fp64 inputs), lead = the positions' shape (M in all): column 0 the log-prob of the label under
-    softmax(z), column 1 (K = 2) its entropy. The output is a fresh tensor, not a view, so a
-    module may return it (FSDP2 warns about views among a root module's outputs).
+    softmax(z), then its entropy (with_entropy), then sum_v softmax(z)_v^2 (with_sum_pi_squared: the
+    optimal token baseline's statistic, computed without gradient). The output is a fresh tensor,
+    not a view, so a module may return it (FSDP2 warns about views among a root module's outputs).
 
     Autograd runs neither method with grad enabled, so the (c, V) temporaries are updated in place."""
 
     @staticmethod
     def forward(ctx: Any, hidden_MH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
                 labels_M: torch.Tensor, temperature: float, with_entropy: bool, chunk_rows: int,
-                lead: tuple[int, ...]) -> torch.Tensor:
+                lead: tuple[int, ...], with_sum_pi_squared: bool = False) -> torch.Tensor:
         rows, dtype = hidden_MH.shape[0], torch.promote_types(hidden_MH.dtype, torch.float32)
-        out = torch.empty(*lead, 2 if with_entropy else 1, dtype=dtype, device=hidden_MH.device)
+        out = torch.empty(*lead, 1 + with_entropy + with_sum_pi_squared, dtype=dtype, device=hidden_MH.device)
         out_MK = out.view(rows, out.shape[-1])
         lse_M = torch.empty(rows, dtype=dtype, device=hidden_MH.device)
         mean_z_M = torch.empty(rows if with_entropy else 0, dtype=dtype, device=hidden_MH.device)
@@ -69,6 +70,9 @@ class _LogProbEntropyHead(torch.autograd.Function):
             lse_c = torch.logsumexp(z_cV, dim=-1)
             lse_M[start:stop] = lse_c
             out_MK[start:stop, 0] = z_cV.gather(-1, labels_M[start:stop, None]).squeeze(-1) - lse_c
+            if with_sum_pi_squared:
+                p_cV = (z_cV - lse_c[:, None]).exp_()
+                out_MK[start:stop, -1] = (p_cV * p_cV).sum(dim=-1)
             if with_entropy:
                 # H = lse - E_p[z]; E_p[z] is kept for the backward pass.
                 p_cV = (z_cV - lse_c[:, None]).exp_()
@@ -123,7 +127,7 @@ class _LogProbEntropyHead(torch.autograd.Function):
             grad_weight = grad_weight.to(weight_VH.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias_V.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def log_probs_and_entropy(hidden_MH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
@@ -146,12 +150,16 @@ def log_probs_and_entropy(hidden_MH: torch.Tensor, weight_VH: torch.Tensor, bias
 
 def _fused_head(hidden_MH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
                 labels_M: torch.Tensor, temperature: float, calculate_entropy: bool,
-                chunk_rows: int | None, lead: tuple[int, ...]) -> torch.Tensor:
+                chunk_rows: int | None, lead: tuple[int, ...], calculate_sum_pi_squared: bool = False) -> torch.Tensor:
     if not temperature > 0:
         raise ValueError(f"log_probs_and_entropy: temperature must be > 0, got {temperature}")
+    if calculate_sum_pi_squared and torch.is_grad_enabled() and (hidden_MH.requires_grad or weight_VH.requires_grad):
+        # the backward gives this column no gradient; a loss built on it would be silently wrong
+        raise ValueError("the fused log-prob head computes sum_pi_squared without gradient: call it under "
+                         "torch.no_grad() (the old-log-prob pass)")
     rows = int(chunk_rows or HEAD_CHUNK_ROWS)
     return _LogProbEntropyHead.apply(hidden_MH, weight_VH, bias_V, labels_M.long(), float(temperature),
-                                     bool(calculate_entropy), rows, tuple(lead))
+                                     bool(calculate_entropy), rows, tuple(lead), bool(calculate_sum_pi_squared))
 
 
 @dataclass
@@ -160,6 +168,7 @@ class FusedHeadCall:
 
     calculate_entropy: bool
     outputs: list[torch.Tensor] = field(default_factory=list)
+    calculate_sum_pi_squared: bool = False
 
     def read(self, model_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log_probs, entropy | None), shaped like the labels, from the model output's `logits`.
@@ -174,10 +183,18 @@ class FusedHeadCall:
         out = self.outputs[0]
         return out[..., 0], (out[..., 1] if self.calculate_entropy else None)
 
+    def sum_pi_squared(self, model_logits: torch.Tensor) -> torch.Tensor:
+        """sum_v pi_v^2 per position, shaped like the labels (`calculate_sum_pi_squared=True` only)."""
+        if not self.calculate_sum_pi_squared:
+            raise RuntimeError("the fused head ran without calculate_sum_pi_squared")
+        self.read(model_logits)   # the same checks
+        return self.outputs[0][..., -1]
+
 
 @contextmanager
 def lm_head_computes_log_probs(lm_head: nn.Module, labels: torch.Tensor, temperature: float,
-                               calculate_entropy: bool, chunk_rows: int | None = None) -> Iterator[FusedHeadCall]:
+                               calculate_entropy: bool, chunk_rows: int | None = None,
+                               calculate_sum_pi_squared: bool = False) -> Iterator[FusedHeadCall]:
     """While active, `lm_head(hidden (*lead, H))` returns (*lead, 1 or 2) fp32 — the log-prob of
     `labels` (shape `lead`) and the entropy — instead of (*lead, V) logits.
 
@@ -188,7 +205,7 @@ def lm_head_computes_log_probs(lm_head: nn.Module, labels: torch.Tensor, tempera
         raise TypeError(f"the fused log-prob head needs an nn.Linear output embedding, got {type(lm_head).__name__}")
     if "forward" in vars(lm_head):
         raise RuntimeError("lm_head.forward is already overridden on this module (nested fused-head block?)")
-    call = FusedHeadCall(calculate_entropy=calculate_entropy)
+    call = FusedHeadCall(calculate_entropy=calculate_entropy, calculate_sum_pi_squared=calculate_sum_pi_squared)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         lead = hidden.shape[:-1]
@@ -196,7 +213,8 @@ def lm_head_computes_log_probs(lm_head: nn.Module, labels: torch.Tensor, tempera
             raise ValueError(f"fused log-prob head: lm_head got hidden states for positions {tuple(lead)} but "
                              f"labels have shape {tuple(labels.shape)}")
         out = _fused_head(hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, lm_head.bias, labels.reshape(-1),
-                          temperature, calculate_entropy, chunk_rows, lead=tuple(lead))
+                          temperature, calculate_entropy, chunk_rows, lead=tuple(lead),
+                          calculate_sum_pi_squared=calculate_sum_pi_squared)
         call.outputs.append(out)
         return out
 

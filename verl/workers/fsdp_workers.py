@@ -536,9 +536,13 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             K.META_TEMPERATURE: rollout.temperature,
         })
         self._onload(self.actor_module, None, self.config.actor.fsdp_config)
-        log_probs, _ = self.actor.compute_log_prob(data)
+        out = self.actor.compute_log_prob_outputs(
+            data, calculate_sum_pi_squared=bool(self.config.actor.get("calculate_sum_pi_squared", False)))
         self._offload(self.actor_module, None, self.config.actor.fsdp_config)
-        return self._sp.split(DataProto.from_dict(tensors={K.OLD_LOG_PROBS: log_probs.cpu()}))
+        tensors = {K.OLD_LOG_PROBS: out.log_probs.cpu()}
+        if out.sum_pi_squared is not None:
+            tensors[K.SUM_PI_SQUARED] = out.sum_pi_squared.cpu()
+        return self._sp.split(DataProto.from_dict(tensors=tensors))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

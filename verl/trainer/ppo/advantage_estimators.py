@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer.ppo.registry import register_adv_est
 from verl.utils import torch_functional as tf
@@ -52,10 +52,14 @@ def config_errors(cfg: DictConfig, samples_per_prompt: int) -> list[str]:
         logger.warning("algorithm.adv_estimator=%s with %s = 1: every group is one row, so there is no group "
                        "baseline (set rollout.n or rollout.n_agent >= 2)", name, key)
     if name == "optimal_token_baseline":
-        errors.append("algorithm.adv_estimator=optimal_token_baseline needs the actor's per-token sum of squared "
-                      "probabilities (veRL's actor.calculate_sum_pi_squared, batch key 'sum_pi_squared'), which "
-                      "this project's actor does not compute yet; the estimator is registered for a custom "
-                      "actor that does")
+        sum_pi_key = "actor_rollout_ref.actor.calculate_sum_pi_squared"
+        if not OmegaConf.select(cfg, sum_pi_key, default=False):
+            errors.append(f"algorithm.adv_estimator=optimal_token_baseline reads the actor's sum of squared token "
+                          f"probabilities: set {sum_pi_key}=true (veRL's key; the old-log-prob pass computes it)")
+        if OmegaConf.select(cfg, "algorithm.rollout_correction.bypass_old_logprob_for_rollout", default=False):
+            errors.append("algorithm.adv_estimator=optimal_token_baseline with algorithm.rollout_correction."
+                          "bypass_old_logprob_for_rollout=true: bypass mode skips the old-log-prob pass that "
+                          "computes sum_pi_squared; set bypass off")
     errors.extend(remax.config_errors(cfg))
     return errors
 

@@ -22,7 +22,7 @@ from verl.utils import batch_keys as K
 
 REMAX = "remax"
 # batch tensors passed to every estimator that names them (veRL's names)
-ESTIMATOR_BATCH_KEYS = (K.REWARD_BASELINES, K.OLD_LOG_PROBS, K.ROLLOUT_IS_WEIGHTS, "sum_pi_squared")
+ESTIMATOR_BATCH_KEYS = (K.REWARD_BASELINES, K.OLD_LOG_PROBS, K.ROLLOUT_IS_WEIGHTS, K.SUM_PI_SQUARED)
 
 
 def enabled(config: DictConfig) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,14 @@ def loss_mode(config: Any) -> str:
     return str((node.get("loss_mode", None) if node is not None else None) or "vanilla")
 
 
+class HeadOutputs(NamedTuple):
+    """Per response token (B, R): log-probs, and the statistics asked for (None otherwise)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None   # sum_v pi_v^2: the optimal token baseline's statistic
+
+
 class DataParallelPPOActor(BasePPOActor):
     """PPO actor over an HF causal LM wrapped by FSDP (or a plain module in one process)."""
 
@@ -90,7 +98,13 @@ class DataParallelPPOActor(BasePPOActor):
     # ------------------------------------------------------------------ forward
     def _forward_micro_batch(self, micro: Any, temperature: float, calculate_entropy: bool
                              ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """-> (entropy (B, R) or None, log_probs (B, R)) of the response tokens.
+        """(entropy or None, log-probs) of the micro-batch's response tokens (`_forward_outputs`)."""
+        out = self._forward_outputs(micro, temperature, calculate_entropy)
+        return out.entropy, out.log_probs
+
+    def _forward_outputs(self, micro: Any, temperature: float, calculate_entropy: bool,
+                         calculate_sum_pi_squared: bool = False) -> HeadOutputs:
+        """Log-probs (B, R) of the response tokens, with their entropy and sum_v pi_v^2 when asked.
 
         Vocabulary-wide work (lm_head, temperature, log-softmax, entropy) runs on the positions
         that predict a response token only, never on prompt or retrieved-passage positions, and
@@ -114,39 +128,43 @@ class DataParallelPPOActor(BasePPOActor):
             slots_BR = slot_of[torch.arange(batch_size, device=device)[:, None] * seqlen + predicting_R[None, :]]
             kept = slots_BR >= 0
             if self.sp_group is not None:
-                log_probs_M, entropy_M = self._head_sequence_parallel(packed, slots_BR[kept], responses[kept],
-                                                                      temperature, calculate_entropy)
+                out_M = self._head_sequence_parallel(packed, slots_BR[kept], responses[kept], temperature,
+                                                     calculate_entropy, calculate_sum_pi_squared)
             else:
-                log_probs_M, entropy_M = self._head(packed.input_ids, packed.position_ids, None, slots_BR[kept],
-                                                    responses[kept][None], temperature, calculate_entropy)
-            log_probs = torch.zeros(batch_size, response_length, dtype=torch.float32, device=device)
-            log_probs[kept] = log_probs_M[0]
-            entropy = None
-            if calculate_entropy:
-                entropy = torch.zeros_like(log_probs)
-                entropy[kept] = entropy_M[0]
-            return entropy, log_probs
-        log_probs, entropy = self._head(input_ids, position_ids, attention_mask, predicting_R, responses,
-                                        temperature, calculate_entropy)
-        return entropy, log_probs
+                out_M = self._head(packed.input_ids, packed.position_ids, None, slots_BR[kept], responses[kept][None],
+                                   temperature, calculate_entropy, calculate_sum_pi_squared)
+
+            def unpack(values_1M: torch.Tensor | None) -> torch.Tensor | None:
+                if values_1M is None:
+                    return None
+                values = torch.zeros(batch_size, response_length, dtype=torch.float32, device=device)
+                values[kept] = values_1M[0]
+                return values
+
+            return HeadOutputs(*(unpack(v) for v in out_M))
+        return self._head(input_ids, position_ids, attention_mask, predicting_R, responses, temperature,
+                          calculate_entropy, calculate_sum_pi_squared)
 
     def _head(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-              keep: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probs, entropy or None) of `labels` at the kept positions `keep` (1-D index into
-        the sequence axis, passed as transformers' `logits_to_keep`, so the head runs on those
-        positions alone); both shaped like `labels`. The model's own lm_head call computes them
-        (`lm_head_computes_log_probs`), inside the model's forward where FSDP2 has unsharded
-        the head's weight."""
+              keep: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool,
+              calculate_sum_pi_squared: bool = False) -> HeadOutputs:
+        """Log-probs (and entropy, sum_v pi_v^2 when asked) of `labels` at the kept positions `keep`
+        (1-D index into the sequence axis, passed as transformers' `logits_to_keep`, so the head
+        runs on those positions alone); each shaped like `labels`. The model's own lm_head call
+        computes them (`lm_head_computes_log_probs`), inside the model's forward where FSDP2 has
+        unsharded the head's weight."""
         head = self.actor_module.get_output_embeddings()
-        with lm_head_computes_log_probs(head, labels, temperature, calculate_entropy) as fused:
+        with lm_head_computes_log_probs(head, labels, temperature, calculate_entropy,
+                                        calculate_sum_pi_squared=calculate_sum_pi_squared) as fused:
             out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, logits_to_keep=keep)
-        return fused.read(out.logits)
+        log_probs, entropy = fused.read(out.logits)
+        return HeadOutputs(log_probs, entropy,
+                           fused.sum_pi_squared(out.logits) if calculate_sum_pi_squared else None)
 
     def _head_sequence_parallel(self, packed: Any, slots_M: torch.Tensor, labels_M: torch.Tensor,
-                                temperature: float, calculate_entropy: bool
-                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                temperature: float, calculate_entropy: bool, calculate_sum_pi_squared: bool = False
+                                ) -> HeadOutputs:
         """`_head` over this rank's slice of the packed row: the fused head runs on every position of
         the slice (each labelled with its next token, the response token at the kept slots), the
         slices' results are gathered over the SP group, then the kept slots are read."""
@@ -159,43 +177,51 @@ class DataParallelPPOActor(BasePPOActor):
             start = dist.get_rank(self.sp_group) * chunk
             labels_padded = torch.cat([labels_N, labels_N.new_zeros(pad)])
             keep = torch.arange(chunk, device=ids_1n.device)
-            log_probs_1n, entropy_1n = self._head(ids_1n, pos_1n, None, keep,
-                                                  labels_padded[start:start + chunk][None], temperature,
-                                                  calculate_entropy)
-        log_probs_M = ulysses.gather_tokens(log_probs_1n[0], self.sp_group)[:n][slots_M][None]
-        entropy_M = None
-        if calculate_entropy:
-            entropy_M = ulysses.gather_tokens(entropy_1n[0], self.sp_group)[:n][slots_M][None]
-        return log_probs_M, entropy_M
+            out_1n = self._head(ids_1n, pos_1n, None, keep, labels_padded[start:start + chunk][None], temperature,
+                                calculate_entropy, calculate_sum_pi_squared)
+
+        def gather(values_1n: torch.Tensor | None) -> torch.Tensor | None:
+            return None if values_1n is None else ulysses.gather_tokens(values_1n[0], self.sp_group)[:n][slots_M][None]
+
+        return HeadOutputs(*(gather(v) for v in out_1n))
 
     def compute_log_prob(self, data: Any, calculate_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (B, R) of `responses`; reads input_ids, attention_mask, position_ids, responses.
+        """Log-probs (B, R) of `responses`, and their entropy or None; reads input_ids,
+        attention_mask, position_ids, responses.
 
         meta_info: micro_batch_size, temperature, use_dynamic_bsz, max_token_len (when dynamic).
         """
+        out = self.compute_log_prob_outputs(data, calculate_entropy)
+        return out.log_probs, out.entropy
+
+    def compute_log_prob_outputs(self, data: Any, calculate_entropy: bool = False,
+                                 calculate_sum_pi_squared: bool = False) -> HeadOutputs:
+        """`compute_log_prob`, with sum_v pi_v^2 per token too when asked (veRL's
+        `calculate_sum_pi_squared`: the optimal token baseline reads it), in the same forward."""
         temperature = float(_meta(data, K.META_TEMPERATURE))
         use_dynamic_bsz = bool(data.meta_info.get(K.META_USE_DYNAMIC_BSZ, False))
         batch = data.select(batch_keys=_FORWARD_KEYS).batch
         micro_batches, indices = split_micro_batches(
             batch, data.meta_info.get(K.META_MICRO_BATCH_SIZE), use_dynamic_bsz,
             data.meta_info.get(K.META_MAX_TOKEN_LEN))
-        log_probs_parts, entropy_parts = [], []
+        parts: list[HeadOutputs] = []
         # Inference: dropout off (update_policy turns training mode back on).
         self.actor_module.eval()
         with torch.no_grad():
             for micro in micro_batches:
-                entropy, log_probs = self._forward_micro_batch(micro, temperature, calculate_entropy)
-                log_probs_parts.append(log_probs)
-                if entropy is not None:
-                    entropy_parts.append(entropy)
-        log_probs = torch.cat(log_probs_parts, dim=0)
-        entropys = torch.cat(entropy_parts, dim=0) if calculate_entropy else None
+                parts.append(self._forward_outputs(micro, temperature, calculate_entropy, calculate_sum_pi_squared))
+        reverse = None
         if indices is not None:
             reverse = torch.tensor(get_reverse_idx([i for part in indices for i in part]), dtype=torch.long)
-            log_probs = log_probs[reverse]
-            entropys = entropys[reverse] if entropys is not None else None
-        return log_probs, entropys
+
+        def joined(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+            if values[0] is None:
+                return None
+            whole = torch.cat(values, dim=0)
+            return whole if reverse is None else whole[reverse]
+
+        return HeadOutputs(*(joined(list(column)) for column in zip(*parts, strict=True)))
 
     # ------------------------------------------------------------------ update
     def _optimizer_step(self) -> tuple[float, bool]:
