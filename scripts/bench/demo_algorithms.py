@@ -53,6 +53,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "adv_remax": (f"{ADV}=remax",),
     "adv_opo": (f"{ADV}=opo",),
     "adv_gpg": (f"{ADV}=gpg", f"{LOSS}=gpg"),    # GPG is the pair (estimator and loss), as in its paper
+    "adv_optimal_token_baseline": (f"{ADV}=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=true"),
 }
 
 
