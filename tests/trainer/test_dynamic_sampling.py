@@ -298,6 +298,7 @@ def test_fit_draws_generation_batches_across_epochs_until_enough_groups_then_tra
     assert step["train/num_gen_batches"] == 2.0 and step["train/filter_groups/generated"] == 16.0
     assert step["train/filter_groups/kept"] == 10.0 and step["train/filter_groups/filtered"] == 6.0
     assert step["train/filter_groups/unused"] == 6.0
+    assert step["train/epoch"] == 1.0   # its second generation batch is the second pass over the 8 prompts
     (update,) = trainer.actor_rollout_wg.updates
     trained = update.non_tensor_batch[K.UID].tolist()
     # the 2 kept groups of the first batch and the first 2 of the second, every row of each

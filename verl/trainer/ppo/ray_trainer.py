@@ -528,13 +528,18 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
             if self.pipelined:
                 self._fit_pipelined(tracker, bar)
             clock = mu.StepClock()
+            # the pass over the training data the step's (last) batch came from; a resumed run starts at the
+            # pass of its step (with dynamic sampling, steps and batches differ: the passes count from there)
+            epoch = self.global_step // len(self.train_dataloader)
             while self.global_step < self.total_training_steps:
+                drawn = 0
                 for batch in self.train_dataloader:
+                    drawn += 1
                     # dynamic sampling: None while the step's groups are still being collected
                     metrics = self._sampling_step(batch) if self.run.sampling.enable else self.train_step(batch)
                     if metrics is None:
                         continue
-                    metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
+                    metrics["train/epoch"] = float(epoch)
                     # from the previous step's end (the same clock as a pipelined run's steps)
                     metrics.update(clock.lap())
                     tracker.log(metrics, step=self.global_step)
@@ -542,6 +547,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                     bar.update(1)
                     if self.global_step >= self.total_training_steps:
                         break
+                epoch += drawn > 0   # a resumed loader at the end of its pass draws nothing before the next
             bar.close()
             return self.history
         except Exception as err:
