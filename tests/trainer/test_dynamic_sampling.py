@@ -249,8 +249,10 @@ DAPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "algori
         "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"]
 
 
-def test_a_dapo_config_passes_the_checks() -> None:
-    cfg = compose_config(DAPO)
+@pytest.mark.parametrize("pipeline", [[], ["trainer.pipeline=one_step_off", "trainer.rollout_pool=1"],
+                                      ["trainer.pipeline=async", "trainer.rollout_pool=1", "trainer.max_staleness=2"]])
+def test_a_dapo_config_passes_the_checks(pipeline: list[str]) -> None:
+    cfg = compose_config(DAPO + pipeline)
     assert [e for e in config_errors(cfg) if "filter_groups" in e or "gen_batch_size" in e] == []
     sampling = FilterGroups.from_config(cfg)
     assert sampling == FilterGroups(enable=True, metric="acc", max_num_gen_batches=0, gen_batch_size=16)
@@ -258,7 +260,8 @@ def test_a_dapo_config_passes_the_checks() -> None:
 
 @pytest.mark.parametrize("extra, needle", [
     (["actor_rollout_ref.rollout.n=1"], "nothing to compare"),
-    (["trainer.pipeline=one_step_off"], "needs trainer.pipeline=sync"),
+    (["trainer.pipeline=one_step_off", "trainer.rollout_pool=1", "+trainer.pipeline_wait_for_sync=true"],
+     "pipeline_wait_for_sync=true: a pipeline that waits for each update rolls out one batch a step"),
     (["algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true"], "seq_final_reward"),
     (["algorithm.filter_groups.metric=accuracy"], "algorithm.filter_groups.metric='accuracy' is unknown"),
     (["data.gen_batch_size=4"], "data.gen_batch_size=4 must be an int >= data.train_batch_size=8"),
@@ -316,3 +319,46 @@ def test_fit_stops_at_the_cap_when_every_group_is_all_right(tiny_model_dir: str,
     with pytest.raises(DynamicSamplingError, match="kept 0 groups.*max_num_gen_batches=2"):
         trainer.fit()
     assert len(trainer.actor_rollout_wg.generate_calls) == 2 and trainer.actor_rollout_wg.updates == []
+
+
+# --------------------------------------------------------------------------- the pipelines' producer
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_pipeline_producer_with_varying_batches_per_step_keeps_the_staleness_bound(bound: int) -> None:
+    """Dynamic sampling in a pipeline: the producer rolls out generation batches past total_steps (a step
+    takes as many as it needs), with at most bound - 1 untaken in the queue, so every batch the trainer
+    takes is at most `bound` updates stale; a step here needs 3 batches."""
+    import threading
+    import time
+
+    from verl.trainer.ppo.pipeline import RolloutProducer
+
+    starts: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def rollout(batch, index, metrics, timing):
+        with lock:
+            starts.append((index, producer.taken))
+        return batch
+
+    def batches():
+        while True:
+            yield DataProto(), {}
+
+    producer = RolloutProducer(rollout, lambda: 0, steps_done=0, total_steps=2, bound=bound,
+                               batches_per_step_vary=True)
+    producer.start(batches())
+    staleness, steps = [], 0
+    for taken in range(1, 10):
+        item, _ = producer.next_batch()
+        staleness.append(steps - item.version)
+        if taken % 3 == 0:          # the third batch completes a step: log-probs, then the update and step count
+            time.sleep(0.05)        # meanwhile the producer pushes the current weights and rolls the next batch
+            with producer.updating():
+                time.sleep(0.05)
+                steps += 1
+                producer.step_done(steps)
+        time.sleep(0.02)            # the trainer is slower than the rollout: the producer waits on the bound
+    producer.stop()
+    assert steps == 3 > producer.total_steps       # not cut at total_steps
+    assert all(index - taken <= bound - 1 for index, taken in starts), starts
+    assert max(staleness) <= bound and max(staleness) >= 1, staleness

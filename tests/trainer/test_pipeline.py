@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
@@ -246,3 +247,35 @@ def test_the_rollout_pool_keeps_its_engine_awake_and_the_train_pool_config_is_un
 def test_pipeline_settings_that_cannot_run_are_refused_naming_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_check.validate_config(_config(*overrides))
+
+
+def test_one_step_off_with_dynamic_sampling_trains_only_varying_groups_within_the_bound(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    """DAPO's dynamic sampling in a pipeline: the rollout pool rolls out generation batches of 8 prompts,
+    the trainer keeps the groups whose reward varies until 4 prompts' groups are kept, then trains on
+    exactly those; no batch trains more than one update stale."""
+    class FirstTokenParity(RecordingReward):
+        """1 where the first response token's id is even: about half the groups of 2 vary."""
+
+        def __call__(self, data: Any) -> Any:
+            scores_BR = super().__call__(data)    # records the batch
+            hit_B = (data.batch[K.RESPONSES][:, 0] % 2 == 0).float()
+            last_B = scores_BR.new_zeros(len(hit_B), dtype=int) + (data.batch[K.ATTENTION_MASK][
+                :, -scores_BR.shape[-1]:].sum(-1) - 1).clamp(min=0)
+            scores_BR.zero_()
+            scores_BR[torch.arange(len(hit_B)), last_B] = hit_B
+            return scores_BR
+
+    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
+    reward = FirstTokenParity(AutoTokenizer.from_pretrained(tiny_model_dir))
+    history, _ = _run(tiny_model_dir, data, tmp_path / "run", 2, 2, [
+        *PIPELINE[:1], "trainer.rollout_pool=1", "algorithm.filter_groups.enable=true", "data.gen_batch_size=8",
+        "algorithm.filter_groups.max_num_gen_batches=12"], reward=reward)
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["train/filter_groups/kept"] >= 4 and h["train/num_gen_batches"] >= 1
+        assert h["train/filter_groups/generated"] == 8 * h["train/num_gen_batches"]
+        assert h["pipeline/staleness"] <= 1 and h["pipeline/dropped_stale"] == 0
+    # every generation batch drawn was scored once, by the trainer; a step's batch had 4 prompts x 2 rows
+    assert len(reward.batches) == sum(h["train/num_gen_batches"] for h in history)
+    assert all(h["response_length/mean"] > 0 for h in history)

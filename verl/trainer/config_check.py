@@ -222,10 +222,10 @@ def check_dynamic_sampling(cfg: DictConfig, run: RunConfig, has_gpu: bool | None
     if run.algorithm.samples_per_prompt < 2:
         errors.append("algorithm.filter_groups.enable=True needs groups: rollout.n * rollout.n_agent="
                       f"{run.algorithm.samples_per_prompt} sample per prompt leaves nothing to compare")
-    if run.pools.pipelined:
-        errors.append(f"algorithm.filter_groups.enable=True needs trainer.pipeline=sync (got {cfg.trainer.pipeline!r}): "
-                      "a pipelined step trains one drawn batch per step and its checkpoint records that batch's "
-                      "dataloader position; dynamic sampling draws a varying number per step")
+    if run.pools.pipelined and run.trainer.pipeline_wait_for_sync:
+        errors.append("algorithm.filter_groups.enable=True with +trainer.pipeline_wait_for_sync=true: a pipeline "
+                      "that waits for each update rolls out one batch a step, and dynamic sampling needs several; "
+                      "use trainer.pipeline=sync for that")
     if sampling.metric == "seq_final_reward" and run.algorithm.use_kl_in_reward:
         errors.append("algorithm.filter_groups.metric=seq_final_reward with an in-reward KL "
                       "(algorithm.use_kl_in_reward): groups are filtered before the log-probs the penalty needs; "

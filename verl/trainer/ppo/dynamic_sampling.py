@@ -222,14 +222,37 @@ class DynamicSamplingTraining:
         prompts' groups are kept, train on them and return the step's metrics (None until then).
         Raises DynamicSamplingError at algorithm.filter_groups.max_num_gen_batches."""
         from verl.trainer.ppo import metric_utils as mu
-        from verl.trainer.ppo.reward_shaping import OverlongBuffer, score_rollouts
 
+        collector, metrics = self._group_collector(), {}
+        with mu.timer("step", collector.timing):
+            batch = self._rollout(batch, self.global_step, metrics, collector.timing)
+        taken = self._collect_groups(batch, metrics, {})
+        if taken is None:
+            return None
+        batch, metrics, timing = taken
+        with mu.timer("step", timing):
+            batch = self._train_on(batch, metrics, timing)
+        return self._step_metrics(batch, metrics, timing)
+
+    def _group_collector(self: Any) -> GroupCollector:
         if self._collector is None:
             self._collector = GroupCollector(self.run.sampling, int(self.config.data.train_batch_size),
                                              self.tokenizer.pad_token_id)
-        collector, metrics = self._collector, {}
+        return self._collector
+
+    def _collect_groups(self: Any, batch: DataProto, metrics: dict[str, float], timing: dict[str, float]
+                        ) -> tuple[DataProto, dict[str, float], dict[str, float]] | None:
+        """Score one rolled-out generation batch and keep its varying groups (its `timing` added to the
+        step's); once data.train_batch_size prompts' groups are kept, the step's (batch, metrics, timing),
+        else None. Raises DynamicSamplingError at algorithm.filter_groups.max_num_gen_batches. The sync
+        loop (`_sampling_step`) and the pipelines (the trainer thread, on the producer's batches) call it."""
+        from verl.trainer.ppo import metric_utils as mu
+        from verl.trainer.ppo.reward_shaping import OverlongBuffer, score_rollouts
+
+        collector = self._group_collector()
+        for key, seconds in timing.items():
+            collector.timing[key] = collector.timing.get(key, 0.0) + seconds
         with mu.timer("step", collector.timing):
-            batch = self._rollout(batch, self.global_step, metrics, collector.timing)
             metrics.update(score_rollouts(self.reward_fn, batch, OverlongBuffer.from_config(self.config),
                                           int(self.config.data.max_response_length), row_values=True))
         collector.add(batch, metrics)
@@ -238,6 +261,4 @@ class DynamicSamplingTraining:
             return None
         timing = collector.timing
         batch, metrics = collector.take()
-        with mu.timer("step", timing):
-            batch = self._train_on(batch, metrics, timing)
-        return self._step_metrics(batch, metrics, timing)
+        return batch, metrics, timing

@@ -20,6 +20,11 @@ s - v updates stale.
 - A batch more stale than the bound is dropped, never trained (counted in `pipeline/dropped_stale`).
 - Checkpoints record the dataloader position of the batch trained, not of the ones already drawn:
   a resumed run rolls the in-flight batches out again, with its weights, and trains each once.
+- Dynamic sampling (`algorithm.filter_groups.enable`, DAPO): the producer rolls out generation batches
+  of data.gen_batch_size prompts, with at most bound - 1 of them waiting in the queue (so none is more
+  than bound updates stale when trained); the trainer scores each and keeps its varying groups
+  (dynamic_sampling.py) until a step's worth, then trains; the checkpoint records the position after
+  the last generation batch it took.
 """
 
 from __future__ import annotations
@@ -85,12 +90,16 @@ class RolloutProducer:
 
     def __init__(self, rollout: Callable[[DataProto, int, dict, dict], DataProto],
                  push_weights: Callable[[], int], steps_done: int, total_steps: int, bound: int,
-                 rollout_version: int = 0) -> None:
+                 rollout_version: int = 0, batches_per_step_vary: bool = False) -> None:
         self._rollout = rollout
         self._push = push_weights
         self.bound = bound
         self.total_steps = total_steps
         self.steps_done = steps_done
+        # dynamic sampling: a step takes as many batches as it needs, so the producer runs until stopped
+        # and bounds the batches waiting in the queue (`_may_roll_out`)
+        self.batches_per_step_vary = batches_per_step_vary
+        self.taken = 0   # batches the trainer has taken this run
         # the version of the rollout pool's weights (the trainer pushed a loaded checkpoint's already)
         self.rollout_version = rollout_version
         self.stats = _Stats()
@@ -100,6 +109,7 @@ class RolloutProducer:
         self._queue: queue.Queue[RolledBatch | BaseException | None] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._first_index = steps_done
 
     # ---------------------------------------------------------------- producer side
     def start(self, batches: Iterator[tuple[DataProto, dict[str, Any]]]) -> None:
@@ -108,13 +118,13 @@ class RolloutProducer:
 
     def _run(self, batches: Iterator[tuple[DataProto, dict[str, Any]]]) -> None:
         try:
-            index = self.steps_done
+            index = self._first_index = self.steps_done
             for batch, loader_state in batches:
-                if index >= self.total_steps:
+                if index >= self.total_steps and not self.batches_per_step_vary:
                     break
                 waited = time.monotonic()
                 with self._cond:
-                    self._cond.wait_for(lambda i=index: self._stop.is_set() or i - self.steps_done <= self.bound)
+                    self._cond.wait_for(lambda i=index: self._stop.is_set() or self._may_roll_out(i))
                 if self._stop.is_set():
                     return
                 with self._pool_lock:
@@ -128,6 +138,15 @@ class RolloutProducer:
             self._queue.put(None)
         except BaseException as err:   # handed to the trainer, which raises it
             self._queue.put(err)
+
+    def _may_roll_out(self, index: int) -> bool:
+        """Whether batch `index` may start rolling out now (call with the condition held). One batch a
+        step: batch j trains at step j + 1, so it may start once j - steps done <= bound. Batches per
+        step varying: at most bound - 1 wait in the queue untaken; a batch rolled out now is taken after
+        those, each of which may end a step, and one update in flight: at most bound updates stale."""
+        if self.batches_per_step_vary:
+            return (index - self._first_index) - self.taken <= self.bound - 1
+        return index - self.steps_done <= self.bound
 
     def sync_weights(self) -> int:
         """Bring the rollout pool to the newest weights (call with the pool lock held); their version."""
@@ -160,6 +179,9 @@ class RolloutProducer:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
+        with self._cond:
+            self.taken += 1
+            self._cond.notify_all()
         return item, time.monotonic() - began
 
     @contextmanager
@@ -295,8 +317,10 @@ class PipelinedTraining:
         """trainer.pipeline=one_step_off|async: the producer rolls out on the rollout pool while this
         thread trains (verl/trainer/ppo/pipeline.py)."""
         bound = staleness_bound(self.config)
+        sampling = self.run.sampling.enable   # dynamic sampling: several generation batches a step
         self._producer = producer = RolloutProducer(self._rollout, self._push_weights, self.global_step,
-                                                    self.total_training_steps, bound, self._rollout_version)
+                                                    self.total_training_steps, bound, self._rollout_version,
+                                                    batches_per_step_vary=sampling)
         if bool(self.config.actor_rollout_ref.rollout.get("partial", False)):
             # partial rollout: newer weights reach the rollout in flight between two turns
             self._generation_manager(validation=False).turn_version = producer.refresh
@@ -314,10 +338,17 @@ class PipelinedTraining:
             metrics, timing = item.metrics, item.timing
             metrics.update(producer.metrics(item, self.global_step, train_idle))
             self._trained_loader_state = item.loader_state
+            batch = item.batch
+            if sampling:   # pipeline/* metrics: the mean over the step's generation batches
+                taken = self._collect_groups(batch, metrics, timing)
+                if taken is None:
+                    continue
+                batch, metrics, timing = taken
             with mu.timer("step", timing):
-                batch = self._train_on(item.batch, metrics, timing)
+                batch = self._train_on(batch, metrics, timing)
             metrics = self._step_metrics(batch, metrics, timing)
-            metrics["train/epoch"] = float((self.global_step - 1) // len(self.train_dataloader))
+            # the pass over the data of the step's (last) batch: batch j of a run drawn in pass j // batches a pass
+            metrics["train/epoch"] = float(item.index // len(self.train_dataloader))
             metrics.update(clock.lap())
             tracker.log(metrics, step=self.global_step)
             self.history.append({"step": self.global_step, **metrics})
