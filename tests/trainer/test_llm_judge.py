@@ -63,6 +63,9 @@ def judge_server() -> Iterator[tuple[str, Script]]:
         script.max_in_flight = max(script.max_in_flight, script.in_flight)
         try:
             await asyncio.sleep(script.delay)
+            if question.startswith("auth") and request.headers.get("authorization") != "Bearer s3cret-key":
+                # echoes the header it got, as some gateways do: the client must not log it
+                return JSONResponse(status_code=401, content={"error": f"bad key {request.headers.get('authorization')}"})
             if question.startswith("fail500:") and script.requests[question] <= int(question.split(":")[1]):
                 return JSONResponse(status_code=500, content={"error": "judge overloaded"})
             if question == "always500":
@@ -123,6 +126,23 @@ def test_config_errors_name_the_key():
         from_cfg(url="http://x", model="m", max_failure_fraction=2.0)
     with pytest.raises(ValueError, match=r"reward_model.judge.max_concurrency=0"):
         from_cfg(url="http://x", model="m", max_concurrency=0)
+
+
+def test_the_api_key_comes_from_the_named_variable_as_a_bearer_and_is_never_shown(judge_server, monkeypatch):
+    url, _ = judge_server
+    monkeypatch.delenv("JUDGE_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"reward_model.judge.api_key_env='JUDGE_TEST_KEY': that environment "
+                                         r"variable is not set"):
+        JudgeConfig.from_config({"url": url, "model": "m", "api_key_env": "JUDGE_TEST_KEY"})
+    monkeypatch.setenv("JUDGE_TEST_KEY", "s3cret-key")
+    judge = _judge(url, api_key_env="JUDGE_TEST_KEY")
+    assert judge.judge([("auth-1", "Paris", "Paris")]) == [True]
+    monkeypatch.setenv("JUDGE_TEST_KEY", "wrong-s3cret")
+    wrong = _judge(url, api_key_env="JUDGE_TEST_KEY")
+    assert wrong.judge([("auth-2", "Paris", "Paris")]) == [None]    # 401: a failure, not a verdict
+    (error,) = wrong.last_stats.errors
+    assert "HTTP 401" in error and "wrong-s3cret" not in error and "Bearer ***" in error
+    assert _judge(url).judge([("auth-3", "Paris", "Paris")]) == [None]   # no key: refused by the server
 
 
 def test_verdicts_cache_in_memory_and_on_disk(judge_server, tmp_path: Path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class JudgeConfig:
     max_tokens: int = 16
     cache: str | None = None
     max_failure_fraction: float = 0.05
+    api_key_env: str | None = None   # the environment variable holding the endpoint's key (Bearer); never logged
 
     @classmethod
     def from_config(cls, node: Any, prefix: str = "reward_model.judge") -> JudgeConfig | None:
@@ -102,7 +104,8 @@ class JudgeConfig:
                   max_retries=int(get("max_retries", 3)), backoff_factor=float(get("backoff_factor", 0.5)),
                   max_tokens=int(get("max_tokens", 16)),
                   cache=str(get("cache")) if get("cache") else None,
-                  max_failure_fraction=float(get("max_failure_fraction", 0.05)))
+                  max_failure_fraction=float(get("max_failure_fraction", 0.05)),
+                  api_key_env=str(get("api_key_env")) if get("api_key_env") else None)
         if cfg.max_concurrency < 1:
             raise ValueError(f"{prefix}.max_concurrency={cfg.max_concurrency} must be >= 1")
         if cfg.timeout <= 0:
@@ -111,7 +114,18 @@ class JudgeConfig:
             raise ValueError(f"{prefix}.max_retries={cfg.max_retries} must be >= 0")
         if not 0.0 <= cfg.max_failure_fraction <= 1.0:
             raise ValueError(f"{prefix}.max_failure_fraction={cfg.max_failure_fraction} must be in [0, 1]")
+        cfg.api_key(prefix)   # a named variable that is not set fails at start-up
         return cfg
+
+    def api_key(self, prefix: str = "reward_model.judge") -> str | None:
+        """The key from the environment variable `api_key_env` names (None when it names none)."""
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"{prefix}.api_key_env={self.api_key_env!r}: that environment variable is not set "
+                             "(export it with the judge endpoint's key)")
+        return key
 
 
 @dataclass
@@ -143,6 +157,7 @@ class LLMJudge:
     def __init__(self, config: JudgeConfig) -> None:
         self.config = config
         self.endpoint = chat_completions_url(config.url)
+        self._key = config.api_key()
         self.cache: dict[JudgeItem, bool] = {}
         self.last_stats = JudgeStats()
         self.total = JudgeStats()
@@ -210,13 +225,14 @@ class LLMJudge:
         cfg = self.config
         semaphore = asyncio.Semaphore(cfg.max_concurrency)
         limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
-        async with httpx.AsyncClient(timeout=cfg.timeout, limits=limits) as client:
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else None
+        async with httpx.AsyncClient(timeout=cfg.timeout, limits=limits, headers=headers) as client:
             async def one(item: JudgeItem) -> bool | None:
                 async with semaphore:
                     try:
                         return await self._judge_one(client, item, stats)
                     except JudgeError as exc:
-                        stats.errors.append(str(exc))
+                        stats.errors.append(self._redacted(str(exc)))
                         return None
             return list(await asyncio.gather(*(one(item) for item in items)))
 
@@ -255,6 +271,11 @@ class LLMJudge:
                 raise JudgeError(f"no yes/no verdict in the judge's reply {str(content)[:200]!r}")
             return verdict
         raise JudgeError(f"{last_error} (after {cfg.max_retries} retries)")
+
+
+    def _redacted(self, text: str) -> str:
+        """`text` without the API key (a server may echo the request's headers in its error)."""
+        return text.replace(self._key, "***") if self._key else text
 
 
 def _run_coroutine(coroutine: Any) -> Any:
