@@ -135,7 +135,8 @@ class OpenTool:
     `max_bytes` and `timeout`; or `fetcher: jina`, a Jina-reader-style GET {reader_url}/{url} that
     answers the page as text). Either way one page of `page_size` characters comes back."""
 
-    KEYS = ("retrieval_service_url", "page_size", "fetcher", "reader_url", "api_key_env", "max_bytes")
+    KEYS = ("retrieval_service_url", "page_size", "fetcher", "reader_url", "api_key_env", "max_bytes",
+            "allow_private_addresses")
     FETCHERS = ("none", "direct", "jina")
 
     def __init__(self, name: str, config: dict) -> None:
@@ -147,6 +148,8 @@ class OpenTool:
         self.reader_url = str(config.get("reader_url", "https://r.jina.ai")).rstrip("/")
         self.max_bytes = int(config.get("max_bytes", 2_000_000))
         self.timeout = float(config.get("timeout", 30))
+        # `fetcher: direct` reaches public addresses only unless the operator allows private ones
+        self.allow_private = bool(config.get("allow_private_addresses", False))
         self.config = config
 
     def call(self, arguments: dict) -> str:
@@ -184,12 +187,14 @@ class OpenTool:
             if not url.startswith(("http://", "https://")):
                 raise ToolFailure(f"only http:// and https:// URLs can be opened, got {url!r}")
             try:
-                title, text = documents.fetch_url(f"{self.reader_url}/{url}", self.timeout, self.max_bytes, headers)
+                # the reader is the operator's endpoint (it fetches the page, not this process)
+                title, text = documents.fetch_url(f"{self.reader_url}/{url}", self.timeout, self.max_bytes, headers,
+                                                  allow_private=True)
             except documents.FetchError as err:
                 raise ToolFailure(_redact(str(err), key)) from None
         else:
             try:
-                title, text = documents.fetch_url(url, self.timeout, self.max_bytes)
+                title, text = documents.fetch_url(url, self.timeout, self.max_bytes, allow_private=self.allow_private)
             except documents.FetchError as err:
                 raise ToolFailure(str(err)) from None
         try:

@@ -6,15 +6,21 @@ cleaned text cut into pages of characters.
 - `fetch_url` gets a page with a time limit and a size limit (bytes read, not announced), keeps
   text types only, and turns HTML into text with the standard library's parser (`html_to_text`:
   scripts, styles and other non-content elements dropped, block elements on their own lines).
+  A URL the model wrote must not reach the training cluster's own services: a host that resolves
+  to a private, loopback, link-local (cloud metadata), reserved or multicast address is refused,
+  at every redirect too, unless `allow_private=True` (an operator's choice: a local test server).
 - `paginate` cuts a text into pages of `page_size` characters; pages count from 1.
 """
 
 from __future__ import annotations
 
 import html.parser
+import ipaddress
 import re
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -127,15 +133,57 @@ class FetchError(Exception):
     """A page that could not be fetched; the message is what the model reads."""
 
 
+def blocked_address(url: str) -> str | None:
+    """The private, loopback, link-local, reserved, multicast or unspecified address `url`'s host
+    resolves to (the first such), or None when every address it resolves to is public."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, parts.port or (443 if parts.scheme == "https" else 80),
+                                   proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError) as err:
+        raise FetchError(f"the host of {url} could not be resolved ({err})") from err
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        if not address.is_global or address.is_multicast:
+            return str(address)
+    return None
+
+
+def _check_address(url: str, allow_private: bool) -> None:
+    if allow_private:
+        return
+    address = blocked_address(url)
+    if address is not None:
+        raise FetchError(f"the page at {url} is on a private or local address ({address}); the open tool "
+                         "reaches public addresses only (config allow_private_addresses: true to change it)")
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an http(s) URL whose host passes the address check."""
+
+    def __init__(self, allow_private: bool) -> None:
+        self.allow_private = allow_private
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        if not re.match(r"^https?://", newurl):
+            raise FetchError(f"the page at {req.full_url} redirects to {newurl!r}, not an http(s) URL")
+        _check_address(newurl, self.allow_private)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def fetch_url(url: str, timeout: float = 10.0, max_bytes: int = 2_000_000,
-              headers: dict[str, str] | None = None) -> tuple[str, str]:
-    """(title, text) of the page at `url` (http/https only), read within `timeout` seconds and
-    `max_bytes` bytes; HTML is cleaned, other text types are kept as they are."""
+              headers: dict[str, str] | None = None, allow_private: bool = False) -> tuple[str, str]:
+    """(title, text) of the page at `url` (http/https only, a public address unless `allow_private`,
+    redirects included), read within `timeout` seconds and `max_bytes` bytes; HTML is cleaned,
+    other text types are kept as they are."""
     if not re.match(r"^https?://", url or ""):
         raise FetchError(f"only http:// and https:// URLs can be opened, got {url!r}")
+    _check_address(url, allow_private)
     request = urllib.request.Request(url, headers={"User-Agent": "search-r1-open/1.0", **(headers or {})})
+    opener = urllib.request.build_opener(_CheckedRedirects(allow_private))
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - scheme checked above
+        with opener.open(request, timeout=timeout) as response:  # scheme and address checked above
             kind = response.headers.get_content_type()
             if not (kind.startswith("text/") or kind in ("application/xhtml+xml", "application/json")):
                 raise FetchError(f"the page at {url} is {kind}, not text")

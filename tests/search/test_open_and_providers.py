@@ -97,7 +97,8 @@ def test_html_is_cleaned_to_visible_text():
 
 def test_open_by_url_pages_the_cleaned_text_and_reports_limits():
     with scripted_server(web) as (base, _):
-        tool = OpenTool("open", {"fetcher": "direct", "page_size": 40, "timeout": 1, "max_bytes": 1000})
+        tool = OpenTool("open", {"fetcher": "direct", "page_size": 40, "timeout": 1, "max_bytes": 1000,
+                                 "allow_private_addresses": True})   # the scripted site is on 127.0.0.1
         text = documents.html_to_text(PAGE)[1]
         first = result(tool.call({"url": f"{base}/page.html"}))
         assert len(text) == 75
@@ -117,6 +118,45 @@ def test_open_by_url_pages_the_cleaned_text_and_reports_limits():
     assert result(run_call(by_id_only, {"url": "http://x"})[0]) == "Error: this open tool reads documents by 'doc_id' only"
 
 
+def test_urls_on_private_or_local_addresses_are_refused_at_every_hop(monkeypatch):
+    """A URL the model wrote cannot reach the cluster's own services (a loopback port, the cloud metadata
+    address, a private network), neither directly nor through a redirect from a public page."""
+    tool = OpenTool("open", {"fetcher": "direct", "timeout": 1})
+    for url, address in (("http://127.0.0.1:9/x", "127.0.0.1"), ("http://localhost:9/", "127.0.0.1"),
+                         ("http://169.254.169.254/latest/meta-data/", "169.254.169.254"),
+                         ("http://10.1.2.3/", "10.1.2.3"), ("http://[::1]:9/", "::1")):
+        text, ok = run_call(tool, {"url": url})
+        assert not ok and f"is on a private or local address ({address})" in result(text), (url, text)
+    assert documents.blocked_address("http://8.8.8.8/") is None
+
+    def redirect(method, path, headers, body):
+        return 200, "text/plain", b"internal secret", 0
+
+    with scripted_server(redirect) as (internal, internal_seen):
+        class Redirect(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(302)
+                self.send_header("Location", f"{internal}/secret")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        site = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+        threading.Thread(target=site.serve_forever, daemon=True).start()
+        try:
+            # the redirecting server stands for a public site: only the internal server's port is private
+            internal_port = internal.rsplit(":", 1)[1]
+            monkeypatch.setattr(documents, "blocked_address",
+                                lambda url: "127.0.0.1" if url.split("/")[2].endswith(internal_port) else None)
+            with pytest.raises(documents.FetchError, match=r"/secret is on a private or local address"):
+                documents.fetch_url(f"http://127.0.0.1:{site.server_address[1]}/page", timeout=2)
+        finally:
+            site.shutdown()
+    assert internal_seen == []      # the internal server was never asked
+
+
 def test_slow_drip_page_is_cut_at_the_time_limit():
     def drip(method, path, headers, body):
         return 200, "text/html", b"<p>" + b"z" * 300_000 + b"</p>", 2
@@ -124,7 +164,7 @@ def test_slow_drip_page_is_cut_at_the_time_limit():
     with scripted_server(drip) as (base, _):
         start = time.monotonic()
         with pytest.raises(documents.FetchError):
-            documents.fetch_url(f"{base}/x", timeout=1, max_bytes=1_000_000)
+            documents.fetch_url(f"{base}/x", timeout=1, max_bytes=1_000_000, allow_private=True)
         assert time.monotonic() - start < 2.9
 
 
@@ -152,7 +192,8 @@ def test_a_page_read_in_time_per_chunk_but_not_in_total_is_cut_at_the_deadline()
     thread.start()
     start = time.monotonic()
     with pytest.raises(documents.FetchError, match="took longer than 1.5 s to read"):
-        documents.fetch_url(f"http://127.0.0.1:{listener.getsockname()[1]}/", timeout=1.5, max_bytes=2_000_000)
+        documents.fetch_url(f"http://127.0.0.1:{listener.getsockname()[1]}/", timeout=1.5, max_bytes=2_000_000,
+                            allow_private=True)
     assert time.monotonic() - start < 3.0
     listener.close()
 
