@@ -11,6 +11,7 @@ do), and the error tail when the run failed.
     python -m scripts.bench.demo_algorithms                     # every row (~2 h on an idle 2-core CPU)
     python -m scripts.bench.demo_algorithms --rows dapo,gspo    # some rows
     python -m scripts.bench.demo_algorithms --list
+    python -m scripts.bench.demo_algorithms --markdown          # the table of <out>/table.jsonl (docs/training.md)
 """
 
 from __future__ import annotations
@@ -120,12 +121,61 @@ def run_row(name: str, out_root: Path) -> dict:
     return row
 
 
+def validation_curve(metrics_path: Path, weights: dict[str, float]) -> list[tuple[int, float]]:
+    """(step, overall validation EM) of each validation in a run's metrics.jsonl, the sources weighted
+    by their share of the validation questions."""
+    curve = []
+    for line in metrics_path.read_text().splitlines():
+        record = json.loads(line)
+        scores = {k.removeprefix("val/test_score/"): v for k, v in record.items() if k.startswith("val/test_score/")}
+        if scores:
+            curve.append((int(record["step"]), sum(weights[src] * v for src, v in scores.items())))
+    return curve
+
+
+def markdown(rows: list[dict], weights: dict[str, float]) -> str:
+    """One table line per row (the last run of each name): EM before -> after, at the validations in
+    between, one-hop / two-hop after, training reward and searches in the last step, minutes, load."""
+    last = {row["row"]: row for row in rows}
+    lines = ["| row | arguments | EM before → after | EM at the validations between | one-hop / two-hop after "
+             "| train reward, searches (step 12) | RL minutes (load) |", "|---|---|---|---|---|---|---|"]
+    for name in ROWS:
+        row = last.get(name)
+        if row is None:
+            continue
+        args = " ".join(f"`{a}`" for a in row["args"]) or "(the GRPO demo)"
+        if row["returncode"] != 0 or "val_em_after" not in row:
+            lines.append(f"| {name} | {args} | failed (returncode {row['returncode']}) | | | | |")
+            continue
+        metrics = Path(row["metrics_path"])
+        between = ", ".join(f"{em:.3f} (step {step})" for step, em in validation_curve(metrics, weights)[1:-1])
+        reward = last_metric(metrics, "critic/score/mean")
+        searches = row.get("searches_per_rollout_last_step")
+        lines.append(f"| {name} | {args} | {row['val_em_before']:.3f} → **{row['val_em_after']:.3f}** | {between} | "
+                     f"{row['onehop_after']:.3f} / {row['twohop_after']:.3f} | {reward:.3f}, {searches:.2f} | "
+                     f"{row['rl_minutes']} ({row['load_mean']}) |")
+    return "\n".join(lines)
+
+
+def source_weights(test_parquet: str | Path) -> dict[str, float]:
+    import pandas as pd
+
+    counts = pd.read_parquet(test_parquet)["data_source"].value_counts()
+    return {str(k): float(v) / float(counts.sum()) for k, v in counts.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names (--list)")
     parser.add_argument("--out", default="outputs/demo_algorithms", help="folder for the rows' outputs")
     parser.add_argument("--list", action="store_true", help="print the rows and their arguments")
+    parser.add_argument("--markdown", action="store_true", help="print the table of <out>/table.jsonl")
+    parser.add_argument("--test-parquet", default="data/demo/test.parquet", help="the demo's validation questions")
     args = parser.parse_args(argv)
+    if args.markdown:
+        rows = [json.loads(line) for line in (Path(args.out) / "table.jsonl").read_text().splitlines() if line]
+        print(markdown(rows, source_weights(args.test_parquet)))
+        return
     if args.list:
         for name, row_args in ROWS.items():
             print(f"{name:32s} {' '.join(row_args) or '(the GRPO demo)'}")
