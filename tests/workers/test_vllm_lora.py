@@ -196,3 +196,21 @@ def test_lora_sync_key_is_checked_and_names_itself() -> None:
                        "actor_rollout_ref.rollout.lora_sync": "merged"}) == []
     too_big = _checked(**{"actor_rollout_ref.model.lora_rank": 1024})
     assert len(too_big) == 1 and "up to 512" in too_big[0]
+
+
+def test_host_plan_counts_the_base_kept_by_level_1_sleep() -> None:
+    from tests.utils.test_host_memory_plan import OFFLOADED, QWEN_7B, _cfg
+    from verl.utils.host_memory_plan import plan_host_memory
+    from verl.utils.memory_plan import ModelShape, read_model_config
+
+    def sleep_items(*extra: str) -> dict[str, int]:
+        training = {p.name: p for p in plan_host_memory(_cfg(*OFFLOADED[:10], *extra)).phases}["training"].certain
+        return {k: v for k, v in training.items() if k.startswith("vLLM")}
+
+    shape = ModelShape.from_config(read_model_config(QWEN_7B)[0])
+    buffers = 2 * 131072 * 128 + 4 * 4 * 28                      # level 2: rotary table and scales only
+    assert list(sleep_items().values()) == [8 * buffers]
+    lora = ("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.rollout.name=vllm")
+    (key, kept), = sleep_items(*lora).items()
+    assert key.startswith("vLLM level-1 sleep (LoRA") and kept == 8 * (buffers + 2 * shape.vllm_params())
+    assert list(sleep_items(*lora, "actor_rollout_ref.rollout.lora_sync=merged").values()) == [8 * buffers]

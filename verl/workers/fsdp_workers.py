@@ -723,6 +723,8 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             "frozen_dtypes": sorted({str(p.dtype) for n, p in named if not is_adapter_param(n)}),
             "frozen_with_grad": sorted(n for n, p in named if not is_adapter_param(n) and p.grad is not None),
             "ref_module": self.ref_module is not None,
+            # the vLLM engine's side of it (lora_sync, adapters served, weight loads, bytes); None for HF
+            "rollout": self.rollout.lora_state() if hasattr(getattr(self, "rollout", None), "lora_state") else None,
         }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

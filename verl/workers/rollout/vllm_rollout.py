@@ -64,7 +64,7 @@ VLLM_APIS: dict[str, tuple[str, ...]] = {
     "vllm.LLM.wake_up": ("tags",),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights": ("weights_iterator", "is_checkpoint_format"),
     "vllm.v1.engine.llm_engine.LLMEngine": ("add_request", "step", "abort_request", "has_unfinished_requests",
-                                            "add_lora", "remove_lora"),
+                                            "add_lora", "remove_lora", "list_loras"),
     "vllm.v1.engine.llm_engine.LLMEngine.add_request": ("lora_request",),
     "vllm.lora.request.LoRARequest": ("lora_name", "lora_int_id", "lora_path"),
     "vllm.SamplingParams": ("seed", "output_kind", "logprobs", "stop_token_ids", "ignore_eos", "clone"),
@@ -279,6 +279,21 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             raise RuntimeError("vLLM kept its prefix cache after an adapter change (requests still running?)")
         self.synced_version = version
         return True
+
+    def lora_state(self) -> dict[str, Any]:
+        """How the engine gets the actor's LoRA model, for tests and debugging: the mode, the adapter
+        requests serve (name, id), the adapters the engine holds, this rank's adapter folders, how many
+        adapter syncs and full weight loads ran, and the latest sync's bytes."""
+        sync, request = self.adapter_sync, self.lora_request
+        return {
+            "lora_sync": self.lora_sync,
+            "lora_request": None if request is None else (request.lora_name, request.lora_int_id),
+            "engine_loras": sorted(self.llm.llm_engine.list_loras()) if sync is not None else [],
+            "folders": sorted(os.listdir(sync.root)) if sync is not None else [],
+            "adapter_syncs": 0 if sync is None else sync.syncs,
+            "weight_loads": self.weight_loads,
+            "last_sync_bytes": self.last_sync_bytes,
+        }
 
     @property
     def lora_request(self) -> Any:
