@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from tests.workers._batches import load_trainer_config
 from tests.workers.test_vllm_contract import FakeEngine, FakeLLM, _prompts, _rollout_config, _Tok, fake_vllm  # noqa: F401
+from tests.workers.test_vllm_rollout import vllm_model_dir  # noqa: F401  (a fixture)
 from verl.trainer.config_lora import check_lora
 from verl.trainer.ppo.metric_utils import compute_rollout_metrics
 from verl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSpec
@@ -214,3 +215,72 @@ def test_host_plan_counts_the_base_kept_by_level_1_sleep() -> None:
     (key, kept), = sleep_items(*lora).items()
     assert key.startswith("vLLM level-1 sleep (LoRA") and kept == 8 * (buffers + 2 * shape.vllm_params())
     assert list(sleep_items(*lora, "actor_rollout_ref.rollout.lora_sync=merged").values()) == [8 * buffers]
+
+
+def _peft_log_probs(model: torch.nn.Module, out: Any, response_len: int) -> torch.Tensor:
+    """Log-probs of `out`'s responses under the PEFT model (one process, fp32)."""
+    with torch.no_grad():
+        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+                       position_ids=out.batch["position_ids"]).logits.float()
+    logp = logits[:, -response_len - 1:-1].log_softmax(-1)
+    return logp.gather(-1, out.batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow   # ~1 min on a 2-core CPU: one vLLM-CPU engine, two adapters
+def test_vllm_cpu_serves_the_actors_adapter_in_sync_and_async_generation(vllm_model_dir: str) -> None:  # noqa: F811
+    # The engine runs in this process: its process group and thread setting are put back after it.
+    threads = torch.get_num_threads()
+    try:
+        _serve_two_adapters(vllm_model_dir)
+    finally:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads(threads)
+
+
+def _serve_two_adapters(vllm_model_dir: str) -> None:  # noqa: F811
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.workers.test_vllm_rollout import RESPONSE_LEN
+    from tests.workers.test_vllm_rollout import _config as vllm_config
+    from tests.workers.test_vllm_rollout import _prompts as vllm_prompts
+    from verl.utils.lora import adapter_state
+    from verl.workers.rollout.async_engine import AsyncEngine
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
+    SPEC.inject(model)
+    rollout = vLLMRollout(None, vllm_config(vllm_model_dir, "vllm").rollout, AutoTokenizer.from_pretrained(vllm_model_dir),
+                          vllm_model_dir, lora=SPEC)
+    prompts = vllm_prompts(vllm_model_dir, do_sample=False)
+    responses = []
+    for version in (0, 1):
+        torch.manual_seed(version)
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:      # a different, non-zero adapter per version
+                param.data.normal_(0.0, 0.3)
+        assert rollout.sync_adapter(adapter_state(model), version=version) is True
+        out = rollout.generate_sequences(prompts)
+        mask = out.batch["attention_mask"][:, -RESPONSE_LEN:].bool()
+        expected = _peft_log_probs(model, out, RESPONSE_LEN)
+        # the engine computes with this version's adapter: its log-probs are the PEFT model's
+        assert float((out.batch["rollout_log_probs"] - expected).abs()[mask].max()) < 1e-3
+        ids = [row[m].tolist() for row, m in zip(out.batch["responses"], mask, strict=True)]
+        responses.append(ids)
+
+        async def run_async(step_engine: Any) -> list[list[int]]:
+            engine = AsyncEngine(step_engine)
+            rows = [row[m].tolist() for row, m in zip(prompts.batch["input_ids"],
+                                                      prompts.batch["attention_mask"].bool(), strict=True)]
+            done = await asyncio.gather(*(engine.generate(row, seed=i) for i, row in enumerate(rows)))
+            return [c.token_ids for c in done]
+
+        # the async engine's requests carry the same adapter: greedy, the same ids as the sync call
+        assert asyncio.run(run_async(rollout.step_engine(prompts.meta_info))) == ids
+        state = rollout.lora_state()
+        assert state["lora_request"] == (f"actor-v{version}", version + 1) and state["engine_loras"] == [version + 1]
+        assert state["weight_loads"] == 0 and state["folders"] == [f"actor-v{version}"]
+    assert responses[0] != responses[1]    # the second adapter changed what the engine generates
