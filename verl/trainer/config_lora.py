@@ -68,10 +68,35 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
         if missing:
             errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} has no {' / '.join(missing)}: give a "
                           "folder a LoRA run exported (global_step_N/hf) or PeftModel.save_pretrained wrote")
+    errors.extend(_check_lora_sync(cfg, rank))
     if run.pools.pipelined:
         errors.append(f"{LORA_KEY}.lora_rank={rank} with trainer.pipeline={cfg.trainer.pipeline}: the weight push "
                       "to a rollout pool does not carry a LoRA model yet; use trainer.pipeline=sync")
     if importlib.util.find_spec("peft") is None:
         errors.append(f"{LORA_KEY}.lora_rank={rank} needs Hugging Face PEFT, which is not installed: "
                       "`pip install peft -c requirements-lock.txt`")
+    return errors
+
+
+def _check_lora_sync(cfg: DictConfig, rank: int) -> list[str]:
+    """actor_rollout_ref.rollout.lora_sync: its value, and what the adapter path's vLLM cannot serve."""
+    from verl.workers.rollout.vllm_lora import LORA_SYNC_MODES, VLLM_LORA_RANKS, VLLM_UNSERVED_MODULES
+
+    key = "actor_rollout_ref.rollout.lora_sync"
+    mode = cfg.actor_rollout_ref.rollout.get("lora_sync", "adapter")
+    if mode not in LORA_SYNC_MODES:
+        return [f"{key}={mode!r} must be one of {list(LORA_SYNC_MODES)} (adapter: vLLM serves the adapter over the "
+                "base it loaded; merged: full merged weights after each update)"]
+    if mode != "adapter" or cfg.actor_rollout_ref.rollout.get("name", "hf") == "hf":
+        return []
+    errors = []
+    if rank > VLLM_LORA_RANKS[-1]:
+        errors.append(f"{LORA_KEY}.lora_rank={rank} with {key}=adapter: vLLM serves LoRA ranks up to "
+                      f"{VLLM_LORA_RANKS[-1]}; set {key}=merged")
+    target = cfg.actor_rollout_ref.model.get("target_modules")
+    names = [target] if isinstance(target, str) else list(target or [])
+    unserved = [n for n in names if isinstance(n, str) and n.rsplit(".", 1)[-1] in VLLM_UNSERVED_MODULES]
+    if unserved:
+        errors.append(f"{LORA_KEY}.target_modules={names!r} with {key}=adapter: vLLM's LoRA does not serve "
+                      f"{unserved}; set {key}=merged (full merged weights after each update) or leave them out")
     return errors

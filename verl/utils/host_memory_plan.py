@@ -190,6 +190,13 @@ def _vllm_sleep_buffers(cfg: Any, shape: ModelShape, ranks: int) -> dict[str, in
     if engine_weights_name(cfg) != "vllm" or not bool(rollout.get("free_cache_engine", True)):
         return {}
     per_rank = BF16 * shape.max_position_embeddings * shape.head_dim + FP32 * VLLM_SCALES_PER_LAYER * shape.num_hidden_layers
+    lora = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
+    if lora and str(rollout.get("lora_sync", "adapter")) == "adapter":
+        # LoRA served as an adapter: level-1 sleep keeps the frozen base (never sent again) in pinned host memory
+        tp = int(rollout.get("tensor_model_parallel_size", 1))
+        weights = -(-BF16 * shape.vllm_params() // tp)
+        return {f"vLLM level-1 sleep (LoRA, lora_sync=adapter): the base weights (bf16, 1/{tp}) and buffers kept "
+                f"x {ranks} ranks": ranks * (per_rank + weights)}
     return {f"vLLM level-2 sleep: its buffers backed up (rotary table, scales) x {ranks} ranks": ranks * per_rank}
 
 

@@ -36,7 +36,7 @@ from verl.utils.attention import attn_implementation
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.checkpoint.shared_dir import RankMarker, write_rank_marker
 from verl.utils.device import get_device_name, get_dist_backend
-from verl.utils.lora import LoraSpec, adapter_disabled, merged_state
+from verl.utils.lora import LoraSpec, adapter_disabled, adapter_state, merged_state
 from verl.utils.model import build_causal_lm, build_value_model, get_model_flops_info
 from verl.utils.sharded_init import load_sharded_model
 from verl.utils.tokenizer import eos_token_ids
@@ -331,7 +331,7 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             if self._is_actor:
                 self.rollout = build_rollout(self.config.rollout, self.actor_module, self.tokenizer,
                                              model_path=model_cfg.path, seed=self._sampling_seed(), device=self.device,
-                                             device_index=device_index)
+                                             device_index=device_index, lora=self.lora)
                 self.rollout_sharding_manager = FSDPUnshardedForGeneration(self.actor_module)
             else:
                 self._build_rollout_pool_engine(attn, device_index)
@@ -410,10 +410,12 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
                                "states or schedules diverged")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def rollout_wake_up(self, seed: int | None = None) -> None:
+    def rollout_wake_up(self, seed: int | None = None) -> int | None:
         """Begin a rollout: the engine wakes with the actor's current weights and stays awake for
         every generate call until `rollout_sleep` (a multi-turn rollout wakes it once, not per turn).
-        Calls nest: only the outermost pair wakes and sleeps.
+        Calls nest: only the outermost pair wakes and sleeps. Returns (outermost call, vLLM engine)
+        the bytes its latest weight sync sent (`rollout/weight_sync_bytes`: the adapter's with
+        lora_sync=adapter, else the full weights'); None otherwise.
 
         `seed` (the driver's, from the run seed and step): a tensor-parallel engine's ranks reseed
         their sampling RNG from it and their data-parallel rank, so they draw the same tokens
@@ -426,7 +428,10 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             stack = ExitStack()
             stack.enter_context(self._generation_phase())
             self._phase_stack = stack
+            self._phase_depth += 1
+            return getattr(getattr(self, "rollout", None), "last_sync_bytes", None)
         self._phase_depth += 1
+        return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def rollout_sleep(self) -> int | None:
@@ -518,9 +523,13 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         fsdp_cfg = self.config.actor.fsdp_config
         if self.rollout.synced_version != self._weights_version:
             self._onload(self.actor_module, None, fsdp_cfg)
-            # LoRA: vLLM loads the merged weights (W + scaling * B @ A); adapter-only LoRARequests are later work
-            state = merged_state(self.actor_module) if self.lora is not None else self.actor_module.state_dict().items()
-            self.rollout.sync_weights(state, version=self._weights_version)
+            if getattr(self.rollout, "lora_sync", None) == "adapter":
+                # LoRA, lora_sync=adapter: only the adapter travels (the engine keeps the frozen base it loaded)
+                self.rollout.sync_adapter(adapter_state(self.actor_module), version=self._weights_version)
+            else:
+                # LoRA, lora_sync=merged: vLLM loads the merged weights (W + scaling * B @ A)
+                state = merged_state(self.actor_module) if self.lora is not None else self.actor_module.state_dict().items()
+                self.rollout.sync_weights(state, version=self._weights_version)
             self._offload(self.actor_module, None, fsdp_cfg)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -718,6 +727,8 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
             "frozen_dtypes": sorted({str(p.dtype) for n, p in named if not is_adapter_param(n)}),
             "frozen_with_grad": sorted(n for n, p in named if not is_adapter_param(n) and p.grad is not None),
             "ref_module": self.ref_module is not None,
+            # the vLLM engine's side of it (lora_sync, adapters served, weight loads, bytes); None for HF
+            "rollout": self.rollout.lora_state() if hasattr(getattr(self, "rollout", None), "lora_state") else None,
         }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

