@@ -18,6 +18,11 @@ SP size times the SP=1 gradient (each rank's all-gather backward sums every rank
 so FSDP's mean over ranks gives the SP=1 gradient. DataParallelPPOActor and DataParallelPPOCritic
 run it when given `sp_group`; the FSDP workers build the groups and gather each group's rows
 (verl/workers/sp_groups.py).
+
+Gradient checkpointing recomputes each layer's forward inside `.backward()`, after the
+`sequence_parallel` block has exited: the actor and critic re-enter the forward's state around each
+micro-batch's backward (`with resumed(state): loss.backward()`), so the recomputed attention runs the
+same all-to-alls.
 """
 
 from __future__ import annotations
@@ -79,15 +84,27 @@ def slice_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, group: Any
 
 
 @contextmanager
-def sequence_parallel(group: Any, position_ids: torch.Tensor) -> Iterator[None]:
+def sequence_parallel(group: Any, position_ids: torch.Tensor) -> Iterator[_SPState]:
     """Within it, the packed attention runs Ulysses over `group`; `position_ids` is the whole (1, N)
-    packed row's (padded here as slice_packed pads it)."""
-    global _STATE
+    packed row's (padded here as slice_packed pads it). Yields the state, for `resumed`."""
     size = dist.get_world_size(group)
+    with resumed(_SPState(group, size, padded_position_ids(position_ids, size)[0])) as state:
+        yield state
+
+
+@contextmanager
+def resumed(state: _SPState | None) -> Iterator[_SPState | None]:
+    """Re-enter a forward's SP state (None: no SP, a no-op), e.g. around its loss's `.backward()`:
+    gradient checkpointing recomputes each layer's forward inside the backward, and its attention
+    must run the same all-to-alls. A module global rather than a thread-local: autograd runs a CUDA
+    backward (the recompute included) on its device threads, which see it while `.backward()` waits
+    inside this context. Right for reentrant and non-reentrant checkpointing alike (both recompute
+    within the backward call)."""
+    global _STATE
     previous = _STATE
-    _STATE = _SPState(group, size, padded_position_ids(position_ids, size)[0])
+    _STATE = state if state is not None else previous
     try:
-        yield
+        yield state
     finally:
         _STATE = previous
 
