@@ -84,17 +84,24 @@ def test_preflight_refuses_head_counts_the_sp_size_does_not_divide(tmp_path: Pat
     assert "actor per worker: mini-batch 8 rows" in good.render()     # 32 rollouts over 8 / 2 ranks
     bad = run_preflight(compose_config([*EIGHT, *data, f"{SP}=8", *PACK]), has_gpu=False)
     messages = [e["message"] for e in bad.errors if e["key"] == SP]
-    assert any("must divide the model's attention heads (28) and key/value heads (4)" in m for m in messages), \
+    assert any("does not fit the model's attention heads (28) and key/value heads (4)" in m for m in messages), \
         bad.render()
+    # Qwen2.5-3B (16 heads, 2 key/value heads) at SP=8: each key/value head repeated 4 times
+    qwen_3b = str(CONFIGS / "qwen2.5-3b")
+    repeated = run_preflight(compose_config([*EIGHT, *data, f"{SP}=8", *PACK, f"actor_rollout_ref.model.path={qwen_3b}",
+                                             f"critic.model.path={qwen_3b}"]), has_gpu=False)
+    assert repeated.passed, repeated.render()
 
 
 def test_the_workers_check_the_model_heads_when_they_start(tiny_model_dir: str) -> None:
     # the tiny Qwen2: 4 heads, 2 key/value heads
-    node = OmegaConf.create({"strategy": "fsdp", "ulysses_sequence_parallel_size": 4})
+    node = OmegaConf.create({"strategy": "fsdp", "ulysses_sequence_parallel_size": 8})
     model = OmegaConf.create({"path": tiny_model_dir, "use_remove_padding": True})
-    with pytest.raises(ValueError, match=r"actor\.ulysses_sequence_parallel_size=4 must divide the model's attention "
+    with pytest.raises(ValueError, match=r"actor\.ulysses_sequence_parallel_size=8 does not fit the model's attention "
                                          r"heads \(4\) and key/value heads \(2\)"):
-        check_supported(node, "actor", world_size=4, model_cfg=model)
+        check_supported(node, "actor", world_size=8, model_cfg=model)
+    node.ulysses_sequence_parallel_size = 4      # the 2 key/value heads repeated twice
+    assert check_supported(node, "actor", world_size=4, model_cfg=model) == 4
     node.ulysses_sequence_parallel_size = 2
     assert check_supported(node, "actor", world_size=4, model_cfg=model) == 2
     with pytest.raises(ValueError, match="use_remove_padding=true"):

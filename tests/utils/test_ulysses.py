@@ -18,11 +18,15 @@ from tests.workers._batches import free_port
 from verl.utils import ulysses
 
 
-def test_head_counts_must_divide_by_the_sp_size():
+def test_heads_must_divide_by_the_sp_size_and_kv_heads_divide_it_or_by_it():
     ulysses.check_heads(4, 2, 2)
-    with pytest.raises(ValueError, match=r"ulysses_sequence_parallel_size=4 must divide the model's attention "
-                                         r"heads \(4\) and key/value heads \(2\)"):
-        ulysses.check_heads(4, 2, 4)
+    ulysses.check_heads(4, 2, 4)      # 2 key/value heads repeated twice
+    ulysses.check_heads(64, 8, 16)    # Qwen2.5-72B at SP=16: each key/value head twice
+    ulysses.check_heads(40, 8, 8)     # Qwen2.5-32B at SP=8: no repeat
+    for heads, kv_heads, size in [(28, 4, 8), (6, 4, 3), (12, 8, 12)]:
+        with pytest.raises(ValueError, match=rf"ulysses_sequence_parallel_size={size} does not fit the model's "
+                                             rf"attention heads \({heads}\) and key/value heads \({kv_heads}\)"):
+            ulysses.check_heads(heads, kv_heads, size)
     with pytest.raises(ValueError, match="critic.ulysses_sequence_parallel_size=0: must be >= 1"):
         ulysses.check_heads(4, 2, 0, key="critic.ulysses_sequence_parallel_size")
 
@@ -34,14 +38,14 @@ def test_padding_to_the_sp_size_is_a_sequence_of_its_own():
     assert pad == 0 and same.tolist() == [[0, 1, 0, 1]]
 
 
-def _model():
+def _model(kv_heads: int = 2):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from verl.utils.attention import PACKED_ATTENTION, attn_implementation
 
     attn_implementation("cpu", True)   # registers the packed attention
     config = Qwen2Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128)
     config._attn_implementation = PACKED_ATTENTION
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
@@ -61,14 +65,20 @@ def _token_log_probs(logits_1nV: torch.Tensor, labels_n: torch.Tensor) -> torch.
     return torch.log_softmax(logits_1nV[0].float(), dim=-1).gather(-1, labels_n[:, None]).squeeze(-1)
 
 
-def _check_core(rank: int) -> None:
-    ids, positions, weights = _packed_row()
-    labels = torch.roll(ids[0], -1)
-    # SP=1: the whole row on this rank.
-    reference = _model()
+def _reference(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               kv_heads: int = 2) -> tuple[torch.nn.Module, torch.Tensor]:
+    """SP=1: the whole row on this rank; (the model with its gradients, the log-probs)."""
+    reference = _model(kv_heads)
     logp_ref = _token_log_probs(reference(input_ids=ids, position_ids=positions, attention_mask=None,
                                           use_cache=False).logits, labels)
     (logp_ref * weights).sum().backward()
+    return reference, logp_ref
+
+
+def _check_core(rank: int) -> None:
+    ids, positions, weights = _packed_row()
+    labels = torch.roll(ids[0], -1)
+    reference, logp_ref = _reference(ids, positions, labels, weights)
     # SP=2: my half, the heads swapped around attention.
     _check_sp_model(rank, _model(), ids, positions, labels, weights, logp_ref, reference)
     # With gradient checkpointing (reentrant here; the actor below runs the workers' non-reentrant):
@@ -76,6 +86,10 @@ def _check_core(rank: int) -> None:
     model = _model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     _check_sp_model(rank, model, ids, positions, labels, weights, logp_ref, reference)
+    # Fewer key/value heads than SP ranks (4 heads, 1 key/value head, SP=2): the key/value head is
+    # repeated before the all-to-all, each rank attending its 2 query heads with its copy.
+    reference, logp_ref = _reference(ids, positions, labels, weights, kv_heads=1)
+    _check_sp_model(rank, _model(kv_heads=1), ids, positions, labels, weights, logp_ref, reference)
 
 
 def _check_sp_model(rank: int, model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
