@@ -15,7 +15,7 @@ from verl.protocol import DataProto
 from verl.trainer.config_check import config_errors
 from verl.trainer.main_ppo import compose_config
 from verl.trainer.preflight import run_preflight
-from verl.utils.memory_plan import plan_memory
+from verl.utils.memory_plan import ModelShape, plan_memory, read_model_config, sequence_length
 from verl.workers.fsdp_workers import check_supported, normalize_actor_batch_sizes
 from verl.workers.sp_groups import SPGroups
 
@@ -122,8 +122,20 @@ def test_the_memory_plan_counts_one_sp_share_of_the_tokens() -> None:
     for phase in ("actor_update", "actor_log_prob", "reference_log_prob", "critic_values", "critic_update"):
         a1, a2 = one[phase].estimated["activations"], two[phase].estimated["activations"]
         assert abs(a2 - a1 / 2) <= a1 * 1e-3, (phase, a1, a2)
-    head = "log-prob head per response token"
-    assert two["actor_update"].certain[head] == one["actor_update"].certain[head] // 2
+    # the head: SP=1 runs it on the response positions of the row; under SP on every position of the
+    # rank's half (DataParallelPPOActor._head_sequence_parallel labels them all), so per rank on
+    # ceil(seq / 2) positions, more than the response's half whenever the prompt is not empty
+    cfg = compose_config([*EIGHT, *PACK])
+    OmegaConf.resolve(cfg)
+    seq = sequence_length(cfg)
+    response = one["actor_log_prob"].certain["log-prob head per response token"] // 16   # 1 row's
+    assert 0 < response < seq // 2, (response, seq)
+    hidden = ModelShape.from_config(read_model_config(QWEN_7B)[0]).hidden_size
+    for phase, per_position in (("actor_update", 16 + 4 * hidden), ("actor_log_prob", 16),
+                                ("reference_log_prob", 16)):
+        assert one[phase].certain["log-prob head per response token"] == response * per_position, phase
+        assert two[phase].certain["log-prob head per position of the SP slice"] == -(-seq // 2) * per_position, phase
+        assert "log-prob head per response token" not in two[phase].certain
     # a global micro-batch: 8 rows over 8 ranks (1 each) or over 4 SP=2 groups (2 rows, half of each): the same
     glob = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "actor_rollout_ref.actor.ppo_micro_batch_size=8"]
     assert (_actor_phases(*glob)["actor_update"].estimated ==
