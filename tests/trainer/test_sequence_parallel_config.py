@@ -15,7 +15,7 @@ from verl.protocol import DataProto
 from verl.trainer.config_check import config_errors
 from verl.trainer.main_ppo import compose_config
 from verl.trainer.preflight import run_preflight
-from verl.utils.memory_plan import plan_memory
+from verl.utils.memory_plan import ModelShape, plan_memory, read_model_config, sequence_length
 from verl.workers.fsdp_workers import check_supported, normalize_actor_batch_sizes
 from verl.workers.sp_groups import SPGroups
 
@@ -50,18 +50,14 @@ def test_sp_needs_packing_and_a_size_that_divides_the_world() -> None:
 
 
 
-def test_sp_with_gradient_checkpointing_is_refused_naming_both_keys() -> None:
-    # the SP state lives for the forward only: a checkpointed layer recomputed in the backward would
-    # run without the all-to-alls (a GPU user's review found it; refused until the backward carries it)
-    actor = _errors(f"{SP}=2", *PACK, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
-    assert any(f"{SP}=2 does not work with actor_rollout_ref.model.enable_gradient_checkpointing=true" in e
-               for e in actor), actor
-    critic = _errors("critic.ulysses_sequence_parallel_size=2", *PACK, "critic.model.enable_gradient_checkpointing=true")
-    assert any("critic.ulysses_sequence_parallel_size=2 does not work with critic.model.enable_gradient_checkpointing"
-               in e for e in critic), critic
-    # gradient checkpointing alone (SP=1) stays allowed
-    assert _errors(*PACK, "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-                   "critic.model.enable_gradient_checkpointing=true") == []
+def test_sp_with_gradient_checkpointing_composes() -> None:
+    # the actor and critic re-enter the forward's SP state around each backward (ulysses.resumed), so
+    # the layers gradient checkpointing recomputes run the all-to-alls too (tests/utils/test_ulysses.py)
+    assert _errors(f"{SP}=2", *PACK, "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                   "critic.ulysses_sequence_parallel_size=2", "critic.model.enable_gradient_checkpointing=true") == []
+    # the other SP rules still hold with it on
+    no_pack = _errors(f"{SP}=2", "actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    assert any(f"{SP}=2 splits packed rows" in e for e in no_pack), no_pack
 
 
 def test_micro_batches_split_over_world_over_sp_data_parallel_ranks() -> None:
@@ -88,17 +84,24 @@ def test_preflight_refuses_head_counts_the_sp_size_does_not_divide(tmp_path: Pat
     assert "actor per worker: mini-batch 8 rows" in good.render()     # 32 rollouts over 8 / 2 ranks
     bad = run_preflight(compose_config([*EIGHT, *data, f"{SP}=8", *PACK]), has_gpu=False)
     messages = [e["message"] for e in bad.errors if e["key"] == SP]
-    assert any("must divide the model's attention heads (28) and key/value heads (4)" in m for m in messages), \
+    assert any("does not fit the model's attention heads (28) and key/value heads (4)" in m for m in messages), \
         bad.render()
+    # Qwen2.5-3B (16 heads, 2 key/value heads) at SP=8: each key/value head repeated 4 times
+    qwen_3b = str(CONFIGS / "qwen2.5-3b")
+    repeated = run_preflight(compose_config([*EIGHT, *data, f"{SP}=8", *PACK, f"actor_rollout_ref.model.path={qwen_3b}",
+                                             f"critic.model.path={qwen_3b}"]), has_gpu=False)
+    assert repeated.passed, repeated.render()
 
 
 def test_the_workers_check_the_model_heads_when_they_start(tiny_model_dir: str) -> None:
     # the tiny Qwen2: 4 heads, 2 key/value heads
-    node = OmegaConf.create({"strategy": "fsdp", "ulysses_sequence_parallel_size": 4})
+    node = OmegaConf.create({"strategy": "fsdp", "ulysses_sequence_parallel_size": 8})
     model = OmegaConf.create({"path": tiny_model_dir, "use_remove_padding": True})
-    with pytest.raises(ValueError, match=r"actor\.ulysses_sequence_parallel_size=4 must divide the model's attention "
+    with pytest.raises(ValueError, match=r"actor\.ulysses_sequence_parallel_size=8 does not fit the model's attention "
                                          r"heads \(4\) and key/value heads \(2\)"):
-        check_supported(node, "actor", world_size=4, model_cfg=model)
+        check_supported(node, "actor", world_size=8, model_cfg=model)
+    node.ulysses_sequence_parallel_size = 4      # the 2 key/value heads repeated twice
+    assert check_supported(node, "actor", world_size=4, model_cfg=model) == 4
     node.ulysses_sequence_parallel_size = 2
     assert check_supported(node, "actor", world_size=4, model_cfg=model) == 2
     with pytest.raises(ValueError, match="use_remove_padding=true"):
@@ -119,8 +122,20 @@ def test_the_memory_plan_counts_one_sp_share_of_the_tokens() -> None:
     for phase in ("actor_update", "actor_log_prob", "reference_log_prob", "critic_values", "critic_update"):
         a1, a2 = one[phase].estimated["activations"], two[phase].estimated["activations"]
         assert abs(a2 - a1 / 2) <= a1 * 1e-3, (phase, a1, a2)
-    head = "log-prob head per response token"
-    assert two["actor_update"].certain[head] == one["actor_update"].certain[head] // 2
+    # the head: SP=1 runs it on the response positions of the row; under SP on every position of the
+    # rank's half (DataParallelPPOActor._head_sequence_parallel labels them all), so per rank on
+    # ceil(seq / 2) positions, more than the response's half whenever the prompt is not empty
+    cfg = compose_config([*EIGHT, *PACK])
+    OmegaConf.resolve(cfg)
+    seq = sequence_length(cfg)
+    response = one["actor_log_prob"].certain["log-prob head per response token"] // 16   # 1 row's
+    assert 0 < response < seq // 2, (response, seq)
+    hidden = ModelShape.from_config(read_model_config(QWEN_7B)[0]).hidden_size
+    for phase, per_position in (("actor_update", 16 + 4 * hidden), ("actor_log_prob", 16),
+                                ("reference_log_prob", 16)):
+        assert one[phase].certain["log-prob head per response token"] == response * per_position, phase
+        assert two[phase].certain["log-prob head per position of the SP slice"] == -(-seq // 2) * per_position, phase
+        assert "log-prob head per response token" not in two[phase].certain
     # a global micro-batch: 8 rows over 8 ranks (1 each) or over 4 SP=2 groups (2 rows, half of each): the same
     glob = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "actor_rollout_ref.actor.ppo_micro_batch_size=8"]
     assert (_actor_phases(*glob)["actor_update"].estimated ==

@@ -35,3 +35,27 @@ def test_without_packing_the_default_kernel_is_used_and_logged(tiny_model_dir, l
     # A fresh config for the retry: the refused kernel must not stick to it.
     assert model.config._attn_implementation != FLASH
     assert any(f"attn_implementation={FLASH} unavailable" in r.getMessage() for r in caplog.records)
+
+
+def _refused(attn: dict) -> None:
+    raise ImportError("refused by the test")
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding"])
+def test_a_refused_packing_kernel_says_what_that_kernel_needs(key):
+    """Only model.packing_kernel=flash_attn needs the flash-attn package: the message for the
+    registered packed attention (torch's varlen_attn) must not send the user to install it."""
+    from verl.utils.attention import PACKED_ATTENTION, PACKED_FLASH_ATTENTION
+    from verl.utils.model import _instantiate
+
+    kernel_key = key.replace("use_remove_padding", "packing_kernel")
+    with pytest.raises(ValueError, match=rf"{key}=True needs attn_implementation='{PACKED_ATTENTION}'") as err:
+        _instantiate(_refused, PACKED_ATTENTION, True, key)
+    message = str(err.value)
+    assert "refused by the test" in message and "no extra package" in message and f"set {key}=False" in message
+    assert "flash-attn" not in message and "flash_attn" not in message
+    with pytest.raises(ValueError, match=rf"{key}=True needs attn_implementation='{PACKED_FLASH_ATTENTION}'") as err:
+        _instantiate(_refused, PACKED_FLASH_ATTENTION, True, key)
+    message = str(err.value)
+    assert f"{kernel_key}=flash_attn needs flash-attn: install it with `pip install flash-attn" in message
+    assert f"set {kernel_key}=varlen_attn" in message and f"set {key}=False" in message

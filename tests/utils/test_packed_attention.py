@@ -169,3 +169,33 @@ def test_padded_and_generation_forwards_are_sdpa_unchanged():
         kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
         assert torch.equal(packed_model.generate(input_ids=ids, attention_mask=mask, **kwargs),
                            sdpa_model.generate(input_ids=ids, attention_mask=mask, **kwargs))
+
+
+def test_has_varlen_attn_requires_the_arguments_the_packed_attention_passes(monkeypatch):
+    """has_varlen_attn says yes only for a varlen_attn that torch_varlen_attention can call causally:
+    scale= and window_size= (torch 2.13) or is_causal= (earlier builds); a build taking neither would
+    be refused by the kernel, so the config check must refuse it too."""
+    from verl.utils import attention
+
+    def window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        return query
+
+    def is_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, is_causal=False):
+        return query
+
+    def neither(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        return query
+
+    def no_scale(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1)):
+        return query
+
+    for fn, expected in [(window, {"window_size": (-1, 0)}), (is_causal, {"is_causal": True}), (neither, None),
+                         (no_scale, None)]:
+        monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", fn)
+        assert attention.varlen_attn_causal_kwargs(fn) == expected, fn.__name__
+        assert attention.has_varlen_attn() is (expected is not None), fn.__name__
+    # the kernel refuses the same build with the same message the config check gives
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", neither)
+    q, k, v = _qkv(9, seed=2)
+    with pytest.raises(RuntimeError, match="has no torch.nn.attention.varlen.varlen_attn taking scale= and a causal"):
+        pa.torch_varlen_attention(q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32), 5, 0.5)

@@ -141,12 +141,6 @@ def check_sequence_parallel(cfg: DictConfig, run: RunConfig, has_gpu: bool | Non
                           f"{model}.use_remove_padding=true, or the size to 1")
         if ws % size != 0:
             errors.append(f"{where}.ulysses_sequence_parallel_size={size} must divide {ws_key}={ws}")
-        if OmegaConf.select(cfg, f"{model}.enable_gradient_checkpointing", default=False):
-            # the SP state lives for the forward only: a checkpointed layer recomputed in the backward
-            # would attend within its own slice (torch raises CheckpointError on the changed shapes)
-            errors.append(f"{where}.ulysses_sequence_parallel_size={size} does not work with "
-                          f"{model}.enable_gradient_checkpointing=true yet (the recomputed layers run "
-                          "without the sequence-parallel all-to-alls): set one of them off")
     if sizes["actor_rollout_ref.ref"] != sizes["actor_rollout_ref.actor"] and run.algorithm.need_reference_policy:
         errors.append(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={sizes['actor_rollout_ref.ref']} must equal "
                       f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sizes['actor_rollout_ref.actor']}")

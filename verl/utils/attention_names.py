@@ -10,6 +10,7 @@ PACKED_FLASH_ATTENTION = "search_r1_varlen_fa2"   # flash-attn's varlen kernel o
 # (neither name contains "flash": transformers routes such names to its own flash-attention loader)
 PACKING_KERNELS = ("varlen_attn", "flash_attn")     # model.packing_kernel's values
 VARLEN_ATTN_MISSING = (
-    "this torch build has no torch.nn.attention.varlen.varlen_attn (packing on CUDA runs through it): install the "
+    "this torch build has no torch.nn.attention.varlen.varlen_attn taking scale= and a causal window_size= (or "
+    "is_causal=) (packing on CUDA runs through it): install the "
     "locked torch (docs/training.md, 'Installing on GPUs'), or set model.packing_kernel=flash_attn with flash-attn "
     f"installed (`{FLASH_ATTN_INSTALL}`), or set model.use_remove_padding=False")

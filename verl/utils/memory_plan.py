@@ -30,7 +30,8 @@ Two kinds of numbers, kept apart in every phase:
   shapes the config gives.
 - estimated: activations (per-token per-layer factors, below), labelled `estimated` in each phase.
 Ulysses SP (`ulysses_sequence_parallel_size`): a rank of an SP group holds 1/SP of its micro-batch's
-tokens (activations, log-prob head positions); micro-batch rows are per data-parallel rank (world / SP).
+tokens (activations), and its log-prob head runs on all of them (every position of the slice, not the
+response positions only); micro-batch rows are per data-parallel rank (world / SP).
 """
 
 from __future__ import annotations
@@ -267,9 +268,11 @@ def sp_size(node: Any, world: int) -> int:
     return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 and world % size == 0 else 1
 
 
-def head_bytes(shape: ModelShape, kept: int, backward: bool, chunk_rows: int | None = None) -> dict[str, int]:
-    """The fused log-prob head's GPU bytes (verl/utils/logprob_head.py) for `kept` response
-    positions of one micro-batch, with bf16 compute (FSDP2 mixed precision).
+def head_bytes(shape: ModelShape, kept: int, backward: bool, chunk_rows: int | None = None,
+               per: str = "response token") -> dict[str, int]:
+    """The fused log-prob head's GPU bytes (verl/utils/logprob_head.py) for `kept` positions of one
+    micro-batch (the response positions; under Ulysses SP every position of the rank's slice, `per`
+    naming which in the key), with bf16 compute (FSDP2 mixed precision).
 
     - chunk: `chunk_rows` positions (HEAD_CHUNK_ROWS) at a time; at most two (c, V) fp32 tensors
       live together (the logits and logsumexp's / softmax's temporary, forward and backward); in a
@@ -288,7 +291,7 @@ def head_bytes(shape: ModelShape, kept: int, backward: bool, chunk_rows: int | N
     if several:
         chunk = max(chunk, BF16 * rows * vocab + BF16 * vocab * hidden)
     out = {f"log-prob head chunk ({rows} rows x vocab)": chunk,
-           "log-prob head per response token": kept * (16 + (2 * BF16 * hidden if backward else 0))}
+           f"log-prob head per {per}": kept * (16 + (2 * BF16 * hidden if backward else 0))}
     if backward:
         out["log-prob head lm_head grad"] = (FP32 if several else BF16) * vocab * hidden
     return out
@@ -391,14 +394,17 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     ckpt = bool(arr.model.enable_gradient_checkpointing)
 
     def tokens_of(dynamic: bool, max_tokens: int, micro_key: str, sp: int = 1) -> tuple[int, int]:
-        """(tokens, response positions) one rank holds of one micro-batch: packed by tokens (use_dynamic_bsz:
+        """(tokens, head positions) one rank holds of one micro-batch: packed by tokens (use_dynamic_bsz:
         up to max_tokens per rank, all of them possibly response positions), or micro rows at the max
         lengths. Ulysses (sp > 1): the micro-batch is over world / sp data-parallel ranks and each
-        rank of an SP group runs 1/sp of its tokens (max_tokens is per rank already, as veRL)."""
+        rank of an SP group runs 1/sp of its tokens (max_tokens is per rank already, as veRL); the
+        log-prob head then runs on every position of the rank's slice, not the response ones only
+        (DataParallelPPOActor._head_sequence_parallel labels each with its next token)."""
         if dynamic:
             return max_tokens, max_tokens
         rows = _micro_rows(run, micro_key, sp)
-        return -(-rows * seq // sp), -(-rows * response // sp)
+        tokens = -(-rows * seq // sp)
+        return tokens, tokens if sp > 1 else rows * response
 
     # FSDP2's root unit (embeddings, an untied lm_head, the final norm) stays gathered in bf16 through a
     # forward and a backward; the update's reduce-scatter stages one unit's bf16 gradient and its fp32 copy.
@@ -406,9 +412,10 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     staging = (BF16 + FP32) * max(shape.layer_params(), shape.root_params())
     # actor update: its own params, grads and optimizer on the GPU, one micro-batch's head and activations
     sp = sp_size(arr.actor, world)
+    head_per = "response token" if sp == 1 else "position of the SP slice"
     tokens, kept = tokens_of(bool(arr.actor.use_dynamic_bsz), int(arr.actor.ppo_max_token_len_per_gpu),
                              "actor_rollout_ref.actor.ppo_micro_batch_size", sp)
-    head = head_bytes(shape, kept, backward=True)
+    head = head_bytes(shape, kept, backward=True, per=head_per)
     if lora is not None:   # only the adapter's grads are reduced; the frozen lm_head gets no gradient
         staging = (BF16 + FP32) * lora.per_layer
         head.pop("log-prob head lm_head grad", None)
@@ -423,7 +430,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
                                        "actor_rollout_ref.rollout.log_prob_micro_batch_size", sp)
         phases.append(Phase("actor_log_prob", certain={
             **others("actor params"), "actor params (fp32 shard)": actor_params,
-            "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, lp_kept, backward=False)},
+            "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, lp_kept, backward=False, per=head_per)},
             estimated={"activations": _activations(shape, lp_tokens, ckpt, backward=False)}))
     if with_ref:
         ref_tokens, ref_kept = tokens_of(bool(arr.ref.log_prob_use_dynamic_bsz),
@@ -433,7 +440,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
                       {"actor params (fp32 shard)": actor_params})   # LoRA: the actor, adapter off
         phases.append(Phase("reference_log_prob", certain={
             **others("reference" if with_ref_weights else "actor params"), **ref_params,
-            "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, ref_kept, backward=False)},
+            "gathered root unit (bf16)": root_bf16, **layers, **head_bytes(shape, ref_kept, backward=False, per=head_per)},
             estimated={"activations": _activations(shape, ref_tokens, False, backward=False)}))
     if with_critic:
         critic_cfg = cfg.critic

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.modeling_outputs import TokenClassifierOutput
 
-from verl.utils.attention import FLASH_ATTN_INSTALL
+from verl.utils.attention import FLASH_ATTN_INSTALL, PACKED_ATTENTION, PACKED_FLASH_ATTENTION
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,29 @@ def build_causal_lm(path: str, override_config: Any = None, attn_implementation:
         attn_implementation, use_remove_padding, ACTOR_PACKING_KEY)
 
 
+def _packing_refused_hint(attn_implementation: str, packing_key: str) -> str:
+    """What to do when the kernel packing asked for is refused; true for that kernel: only flash-attn's
+    needs the flash-attn package (the registered packed attention runs torch's varlen_attn on CUDA,
+    one sdpa call per sequence on CPU)."""
+    kernel_key = packing_key.rsplit(".", 1)[0] + ".packing_kernel"
+    off = f"or set {packing_key}=False"
+    if attn_implementation == PACKED_FLASH_ATTENTION:
+        return (f"{kernel_key}=flash_attn needs flash-attn: install it with `{FLASH_ATTN_INSTALL}` (after a CUDA "
+                f"torch; docs/training.md, 'Installing on GPUs'), or set {kernel_key}=varlen_attn (torch's own "
+                f"kernel, no extra package), {off}")
+    if attn_implementation == PACKED_ATTENTION:
+        return ("packing needs no extra package (torch's varlen_attn on CUDA, one sdpa call per sequence on CPU) "
+                "but the implementation must be registered first (verl.utils.attention.attn_implementation "
+                "registers it) and the model's class must accept a registered attention implementation: use "
+                f"such a model, {off}")
+    if "flash" in attn_implementation:
+        return (f"install flash-attn with `{FLASH_ATTN_INSTALL}` (after a CUDA torch; docs/training.md, "
+                f"'Installing on GPUs'), or load with the registered packed attention ({PACKED_ATTENTION!r}: "
+                f"no extra package; verl.utils.attention.attn_implementation), {off}")
+    return (f"load with the registered packed attention ({PACKED_ATTENTION!r}: no extra package; "
+            f"verl.utils.attention.attn_implementation), {off}")
+
+
 def _instantiate(make: Callable[[dict[str, Any]], nn.Module], attn_implementation: str | None,
                  use_remove_padding: bool, packing_key: str) -> nn.Module:
     """make({"attn_implementation": ...}), or make({}) for the model's default kernel when
@@ -97,8 +120,8 @@ def _instantiate(make: Callable[[dict[str, Any]], nn.Module], attn_implementatio
             # (one causal window over the whole micro-batch) or fail later with a shape error.
             raise ValueError(
                 f"{packing_key}=True needs attn_implementation={attn_implementation!r}, which Hugging Face "
-                f"refused ({type(err).__name__}: {err}); install flash-attn with `{FLASH_ATTN_INSTALL}` (after a "
-                f"CUDA torch; docs/training.md, 'Installing on GPUs'), or set {packing_key}=False") from err
+                f"refused ({type(err).__name__}: {err}); {_packing_refused_hint(attn_implementation, packing_key)}"
+            ) from err
         # e.g. flash-attn built for another CUDA: sdpa is slower but equally correct without packing.
         logger.warning("attn_implementation=%s unavailable (%s); using the model's default", attn_implementation, err)
         return make({})

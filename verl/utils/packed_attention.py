@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from verl.utils import ulysses
+from verl.utils.attention import varlen_attn_causal_kwargs
 from verl.utils.attention_names import PACKED_ATTENTION, PACKED_FLASH_ATTENTION, VARLEN_ATTN_MISSING
 
 
@@ -76,13 +77,13 @@ def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         from torch.nn.attention.varlen import varlen_attn
     except ImportError as err:
         raise RuntimeError(VARLEN_ATTN_MISSING) from err
+    # torch 2.13 spells causal as window_size=(-1, 0); earlier varlen_attn builds took is_causal
+    # (the same rule attention.has_varlen_attn checks before a model is loaded).
+    causal = varlen_attn_causal_kwargs(varlen_attn)
+    if causal is None:
+        raise RuntimeError(VARLEN_ATTN_MISSING)
     params = inspect.signature(varlen_attn).parameters
-    kwargs: dict[str, Any] = {"scale": scale}
-    # torch 2.13 spells causal as window_size=(-1, 0); earlier varlen_attn builds took is_causal.
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)
-    else:
-        kwargs["is_causal"] = True
+    kwargs: dict[str, Any] = {"scale": scale, **causal}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True

@@ -5,7 +5,8 @@ one contiguous slice of its tokens (`slice_packed`). Everything but attention is
 runs on the slice alone; attention needs whole sequences, so the registered packed attention
 (verl/utils/packed_attention.py) swaps layouts around it with two all-to-alls: from (all heads,
 my tokens) to (my heads, all tokens), the varlen attention over the whole packed row, and back.
-Heads and key/value heads must both divide by the SP size (`check_heads`). Per-token results (the
+The heads must divide by the SP size, the key/value heads too or divide it (then each is repeated
+up to the SP size; `check_heads`). Per-token results (the
 log-probs) come back with `gather_tokens`, whose backward hands each rank the gradient of its slice.
 
     with sequence_parallel(group, packed_position_ids_1N):
@@ -18,6 +19,11 @@ SP size times the SP=1 gradient (each rank's all-gather backward sums every rank
 so FSDP's mean over ranks gives the SP=1 gradient. DataParallelPPOActor and DataParallelPPOCritic
 run it when given `sp_group`; the FSDP workers build the groups and gather each group's rows
 (verl/workers/sp_groups.py).
+
+Gradient checkpointing recomputes each layer's forward inside `.backward()`, after the
+`sequence_parallel` block has exited: the actor and critic re-enter the forward's state around each
+micro-batch's backward (`with resumed(state): loss.backward()`), so the recomputed attention runs the
+same all-to-alls.
 """
 
 from __future__ import annotations
@@ -48,12 +54,15 @@ def active() -> _SPState | None:
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp_size: int, key: str = "ulysses_sequence_parallel_size") -> None:
-    """Both head counts must divide by the SP size: each rank attends with a whole share of each."""
+    """Each rank attends with a whole share of the attention heads, so they must divide by the SP size;
+    the key/value heads must too, or divide it (each is then repeated sp_size / num_kv_heads times
+    before the all-to-all, `heads_to_sequence`: veRL's rule)."""
     if sp_size < 1:
         raise ValueError(f"{key}={sp_size}: must be >= 1")
-    if num_heads % sp_size or num_kv_heads % sp_size:
-        raise ValueError(f"{key}={sp_size} must divide the model's attention heads ({num_heads}) and key/value "
-                         f"heads ({num_kv_heads}); choose a size that divides both")
+    if num_heads % sp_size or (num_kv_heads % sp_size and sp_size % num_kv_heads):
+        raise ValueError(f"{key}={sp_size} does not fit the model's attention heads ({num_heads}) and key/value "
+                         f"heads ({num_kv_heads}): the size must divide the attention heads, and either divide "
+                         "the key/value heads or be a multiple of them (they are then repeated); choose such a size")
 
 
 def padded_position_ids(position_ids: torch.Tensor, sp_size: int) -> tuple[torch.Tensor, int]:
@@ -79,15 +88,27 @@ def slice_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, group: Any
 
 
 @contextmanager
-def sequence_parallel(group: Any, position_ids: torch.Tensor) -> Iterator[None]:
+def sequence_parallel(group: Any, position_ids: torch.Tensor) -> Iterator[_SPState]:
     """Within it, the packed attention runs Ulysses over `group`; `position_ids` is the whole (1, N)
-    packed row's (padded here as slice_packed pads it)."""
-    global _STATE
+    packed row's (padded here as slice_packed pads it). Yields the state, for `resumed`."""
     size = dist.get_world_size(group)
+    with resumed(_SPState(group, size, padded_position_ids(position_ids, size)[0])) as state:
+        yield state
+
+
+@contextmanager
+def resumed(state: _SPState | None) -> Iterator[_SPState | None]:
+    """Re-enter a forward's SP state (None: no SP, a no-op), e.g. around its loss's `.backward()`:
+    gradient checkpointing recomputes each layer's forward inside the backward, and its attention
+    must run the same all-to-alls. A module global rather than a thread-local: autograd runs a CUDA
+    backward (the recompute included) on its device threads, which see it while `.backward()` waits
+    inside this context. Right for reentrant and non-reentrant checkpointing alike (both recompute
+    within the backward call)."""
+    global _STATE
     previous = _STATE
-    _STATE = _SPState(group, size, padded_position_ids(position_ids, size)[0])
+    _STATE = state if state is not None else previous
     try:
-        yield
+        yield state
     finally:
         _STATE = previous
 
@@ -99,9 +120,15 @@ def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def heads_to_sequence(x: torch.Tensor, state: _SPState) -> torch.Tensor:
-    """(1, H, n, D) all heads of my n tokens -> (1, H/P, P*n, D) my heads of every token."""
-    _, heads, n, dim = x.shape
+    """(1, H, n, D) all heads of my n tokens -> (1, H/P, P*n, D) my heads of every token.
+
+    Key/value heads fewer than P (P a multiple of them, `check_heads`) are first repeated P/H times
+    each, in place (repeat_interleave): rank r then holds key/value head r*H//P, the one its query
+    heads share under GQA (query head h reads key/value head h // (Hq/H))."""
     p = state.size
+    if x.shape[1] < p:
+        x = x.repeat_interleave(p // x.shape[1], dim=1)
+    _, heads, n, dim = x.shape
     out = _all_to_all(x.reshape(p, heads // p, n, dim), state.group)          # (src, H/P, n, D)
     return out.permute(1, 0, 2, 3).reshape(1, heads // p, p * n, dim)
 

@@ -86,6 +86,9 @@ class DataParallelPPOActor(BasePPOActor):
         # Ulysses: the ranks of `sp_group` hold the same micro-batches and split each packed row
         # (verl/utils/ulysses.py); None = no sequence parallelism.
         self.sp_group = sp_group
+        # The SP state of the last packed forward, re-entered around its loss's backward (gradient
+        # checkpointing recomputes the layers there; ulysses.resumed).
+        self._sp_state: ulysses._SPState | None = None
         self.actor_module = actor_module
         self.actor_optimizer = actor_optimizer
         self._packing_checked = False
@@ -171,7 +174,7 @@ class DataParallelPPOActor(BasePPOActor):
         n = packed.input_ids.shape[-1]
         labels_N = packed.input_ids[0].roll(-1).clone()
         labels_N[slots_M] = labels_M
-        with ulysses.sequence_parallel(self.sp_group, packed.position_ids):
+        with ulysses.sequence_parallel(self.sp_group, packed.position_ids) as self._sp_state:
             ids_1n, pos_1n, pad = ulysses.slice_packed(packed.input_ids, packed.position_ids, self.sp_group)
             chunk = ids_1n.shape[-1]
             start = dist.get_rank(self.sp_group) * chunk
@@ -312,7 +315,10 @@ class DataParallelPPOActor(BasePPOActor):
                     # neither): the sum is the loss of the whole mini-batch, however (dynamic batch
                     # size) the rows were split
                     share = partial(_share, micro[K.RESPONSE_MASK], mini_tokens, mini_rows, dp_size)
-                    self._micro_batch_loss(micro, temperature, metrics, share).backward()
+                    self._sp_state = None
+                    loss = self._micro_batch_loss(micro, temperature, metrics, share)
+                    with ulysses.resumed(self._sp_state):   # gradient checkpointing's recompute runs SP too
+                        loss.backward()
                 grad_norm, finite = self._optimizer_step()
                 grad_nonfinite += int(not finite)
                 metrics["actor/grad_norm"].append(grad_norm)

@@ -36,6 +36,7 @@ class DataParallelPPOCritic:
                  use_remove_padding: bool | None = None, sp_group: Any = None) -> None:
         self.config = config
         self.sp_group = sp_group   # Ulysses over these ranks (same micro-batches), as DataParallelPPOActor
+        self._sp_state: ulysses._SPState | None = None   # the last packed forward's, for its backward
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         if use_remove_padding is None:
@@ -68,7 +69,7 @@ class DataParallelPPOCritic:
     def _packed_values_sequence_parallel(self, packed: Any) -> torch.Tensor:
         """(N, 1) values of the packed row: this rank's slice through the model, gathered over the group."""
         n = packed.input_ids.shape[-1]
-        with ulysses.sequence_parallel(self.sp_group, packed.position_ids):
+        with ulysses.sequence_parallel(self.sp_group, packed.position_ids) as self._sp_state:
             ids_1n, pos_1n, _ = ulysses.slice_packed(packed.input_ids, packed.position_ids, self.sp_group)
             out_n = self.critic_module(input_ids=ids_1n, position_ids=pos_1n, attention_mask=None,
                                        use_cache=False).logits.squeeze(0)
@@ -126,6 +127,7 @@ class DataParallelPPOCritic:
                     float(mini_mask.sum()), tf.rows_with_tokens(mini_mask), mini_mask.device)
                 for micro in micro_batches:
                     response_mask = self._loss_mask(micro)
+                    self._sp_state = None
                     vpreds = self._forward_micro_batch(micro)
                     vf_loss, vf_clipfrac = core_algos.compute_value_loss(
                         vpreds, micro[K.RETURNS], micro[K.VALUES], response_mask,
@@ -133,7 +135,8 @@ class DataParallelPPOCritic:
                     # Token share (token-mean) or row share (seq-mean modes) of the mini-batch.
                     share = tf.micro_batch_share(response_mask, mini_tokens, tf.rows_with_tokens(response_mask),
                                                  mini_rows, loss_agg_mode, dp_size)
-                    (vf_loss * share).backward()
+                    with ulysses.resumed(self._sp_state):   # gradient checkpointing's recompute runs SP too
+                        (vf_loss * share).backward()
                     metrics["critic/vf_loss"].append(vf_loss.item())
                     metrics["critic/vf_clipfrac"].append(vf_clipfrac.item())
                     metrics["critic/vpred_mean"].append(tf.masked_mean(vpreds, response_mask).item())
