@@ -192,7 +192,7 @@ def test_has_varlen_attn_requires_the_arguments_the_packed_attention_passes(monk
     for fn, expected in [(window, {"window_size": (-1, 0)}), (is_causal, {"is_causal": True}), (neither, None),
                          (no_scale, None)]:
         monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", fn)
-        assert attention.varlen_attn_causal_kwargs(fn) == expected, fn.__name__
+        assert pa.varlen_attn_causal_kwargs(fn) == expected, fn.__name__
         assert attention.has_varlen_attn() is (expected is not None), fn.__name__
     # the kernel refuses the same build with the same message the config check gives
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", neither)

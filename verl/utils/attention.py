@@ -11,10 +11,6 @@ time (the config check reads its constants).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from typing import Any
-
 from verl.utils.attention_names import (  # noqa: F401  (re-exported: the names callers use)
     FLASH_ATTN_INSTALL,
     PACKED_ATTENTION,
@@ -24,24 +20,6 @@ from verl.utils.attention_names import (  # noqa: F401  (re-exported: the names 
 )
 
 
-def varlen_attn_causal_kwargs(varlen_attn: Callable[..., Any]) -> dict[str, Any] | None:
-    """The keyword that makes torch's `varlen_attn` causal, as packed_attention.torch_varlen_attention
-    passes it: window_size=(-1, 0) where the signature takes window_size (torch 2.13, whose default
-    (-1, -1) is NOT causal), else is_causal=True (earlier builds); None when it takes neither, or no
-    `scale` (the softmax scale is passed too): such a build cannot run the packed attention."""
-    try:
-        params = inspect.signature(varlen_attn).parameters
-    except (TypeError, ValueError):
-        return None
-    if "scale" not in params:
-        return None
-    if "window_size" in params:
-        return {"window_size": (-1, 0)}
-    if "is_causal" in params:
-        return {"is_causal": True}
-    return None
-
-
 def has_varlen_attn() -> bool:
     """Whether this torch build has torch.nn.attention.varlen.varlen_attn taking what the packed
     attention passes: `scale` and a causal switch (`varlen_attn_causal_kwargs`)."""
@@ -49,6 +27,8 @@ def has_varlen_attn() -> bool:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return False
+    from verl.utils.packed_attention import varlen_attn_causal_kwargs
+
     return varlen_attn_causal_kwargs(varlen_attn) is not None
 
 

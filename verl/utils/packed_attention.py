@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from verl.utils import ulysses
-from verl.utils.attention import varlen_attn_causal_kwargs
 from verl.utils.attention_names import PACKED_ATTENTION, PACKED_FLASH_ATTENTION, VARLEN_ATTN_MISSING
 
 
@@ -68,6 +67,24 @@ def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if outs else q.new_empty(q.shape)
+
+
+def varlen_attn_causal_kwargs(varlen_attn: Callable[..., Any]) -> dict[str, Any] | None:
+    """The keyword that makes torch's `varlen_attn` causal, as packed_attention.torch_varlen_attention
+    passes it: window_size=(-1, 0) where the signature takes window_size (torch 2.13, whose default
+    (-1, -1) is NOT causal), else is_causal=True (earlier builds); None when it takes neither, or no
+    `scale` (the softmax scale is passed too): such a build cannot run the packed attention."""
+    try:
+        params = inspect.signature(varlen_attn).parameters
+    except (TypeError, ValueError):
+        return None
+    if "scale" not in params:
+        return None
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}
+    if "is_causal" in params:
+        return {"is_causal": True}
+    return None
 
 
 def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
