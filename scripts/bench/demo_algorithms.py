@@ -55,6 +55,9 @@ ROWS: dict[str, tuple[str, ...]] = {
     "adv_opo": (f"{ADV}=opo",),
     "adv_gpg": (f"{ADV}=gpg", f"{LOSS}=gpg"),    # GPG is the pair (estimator and loss), as in its paper
     "adv_optimal_token_baseline": (f"{ADV}=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=true"),
+    # LoRA (docs/demo.md "With a LoRA adapter"): rank 32 on every linear layer, alpha 64, 10x GRPO's lr
+    "lora_r32": ("actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=64",
+                 "actor_rollout_ref.actor.optim.lr=1e-3"),
 }
 
 
