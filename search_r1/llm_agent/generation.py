@@ -37,6 +37,7 @@ import torch
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.generation_config import GenerationConfig
+from search_r1.llm_agent.open_tag import OpenTag
 from search_r1.llm_agent.tensor_helper import (
     left_pad,
     masked_rows,
@@ -81,14 +82,17 @@ class LLMGenerationManager:
             raise ValueError("tokenizer must define both pad_token_id and eos_token_id")
         self.text = TokenText(tokenizer)
         self._tool: ToolTurns | None = None
+        self._open = OpenTag(config) if config.open_tag else None   # the open tag (off: the original's strings)
         if config.protocol == "tool":
             self._tool = ToolTurns(self.text, config)
             return
+        self._invalid_notice = actions.INVALID_ACTION_NOTICE_WITH_OPEN if self._open else actions.INVALID_ACTION_NOTICE
         self._close_ids = self.text.encode(actions.INFORMATION_CLOSE)
-        self._invalid_ids = self.text.encode(actions.INVALID_ACTION_NOTICE)
+        self._invalid_ids = self.text.encode(self._invalid_notice)
         self._budget_ids = self.text.encode(actions.SEARCH_BUDGET_NOTICE)
         for name, ids in (("the invalid-action notice", self._invalid_ids),
                           ("the search-budget notice", self._budget_ids),
+                          ("the open-budget notice", self.text.encode(actions.OPEN_BUDGET_NOTICE) if self._open else []),
                           ("the </information> closing", self._close_ids)):
             if len(ids) > config.max_obs_length:
                 raise ValueError(f"max_obs_length ({config.max_obs_length}) is shorter than {name} "
@@ -106,11 +110,12 @@ class LLMGenerationManager:
         if self._tool is not None:
             return self._tool.cut_turn(sampled, eos_token_ids)
         text = self.text.decode(sampled)
-        action = actions.parse_action(text)
+        opens = self.config.open_tag
+        action = actions.parse_action(text, opens)
         kept = sampled
         if action.is_valid and text[action.end:]:
-            kept = self.text.shortest_prefix(sampled, actions.has_complete_action)
-            action = actions.parse_action(self.text.decode(kept))
+            kept = self.text.shortest_prefix(sampled, lambda t: actions.has_complete_action(t, opens))
+            action = actions.parse_action(self.text.decode(kept), opens)
         emitted_eos = bool(kept) and kept[-1] in eos_token_ids
         queries = (action.content,) if action.kind == "search" else ()
         return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled),
@@ -226,6 +231,8 @@ class LLMGenerationManager:
         """Whether the turn's search (tags) or tool calls (tool) are carried out, not refused as over budget."""
         if self._tool is not None:
             return bool(res.calls) and not self._tool.is_final(row)
+        if res.action.kind == "open":   # an open past max_opens gets the open-budget notice (_apply_turn)
+            return not is_final and row.n_opens < self.config.max_opens
         return res.action.kind == "search" and not is_final
 
     def _observation_for(self, res: _TurnResult, hits: list[list[Hit]] | None, error: str | None,
@@ -235,7 +242,9 @@ class LLMGenerationManager:
         `others`: the answers of calls of tools other than search, when already run."""
         if self._tool is not None:
             return self._tool.answers(res, hits, error, stats, others)
-        return actions.render_search_failure() if hits is None else actions.render_observation(hits[0])
+        if self._open is not None and res.action.kind == "open":
+            return self._open.observe(res.action.content, stats)
+        return actions.render_search_failure() if hits is None else actions.render_observation(hits[0], bool(self._open))
 
     def _n_searches(self, res: _TurnResult) -> int:
         """The turn's searches, as valid_search_stats and search_failures count them: its search
@@ -427,12 +436,15 @@ class LLMGenerationManager:
                   or actions.stop_if_final_turn(res.action, is_final))
         obs_text = ""
         if search_obs is not None:
-            row.n_searches += 1
+            row.n_opens += int(res.action.kind == "open")
+            row.n_searches += int(res.action.kind != "open")
             obs_text = search_obs
+        elif res.action.kind == "open":   # past max_opens, or in the final turn (the row then ends)
+            obs_text = actions.OPEN_BUDGET_NOTICE
         elif reason == actions.MAX_TURNS:
             obs_text = actions.SEARCH_BUDGET_NOTICE
         elif reason is None:
-            obs_text = actions.INVALID_ACTION_NOTICE
+            obs_text = self._invalid_notice
         obs_ids, truncated = self._observation_ids(obs_text) if obs_text else ([], False)
         stats["obs_truncated"] += int(truncated)
         row.append_turn(res.kept_ids, obs_ids, sampled_log_probs)
@@ -490,4 +502,7 @@ class LLMGenerationManager:
             "timing_s": dict(timing),
             K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: self._log_probs_match_actor,
         }
+        if self.config.open_tag:   # opens run per row; unknown ids / pages, and opens the server did not answer
+            meta_info.update(valid_open_stats=[row.n_opens for row in rows], open_not_found=int(stats["open_not_found"]),
+                             open_failures=int(stats["open_failures"]))
         return DataProto.from_dict(tensors=tensors, meta_info=meta_info)

@@ -22,6 +22,7 @@ class _Row:
     n_turns: int = 0
     n_valid_actions: int = 0
     n_searches: int = 0
+    n_opens: int = 0            # tag protocol with the open tag: opens run (not-found and failed ones included)
     n_tool_rounds: int = 0      # tool protocol: rounds of tool answers appended (veRL's user turns)
     tool_counts: dict[str, int] = field(default_factory=dict)   # tool protocol: calls per tool (budgets)
     # Response position from which the policy sampled from a rolling context that had dropped
