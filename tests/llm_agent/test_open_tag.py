@@ -4,13 +4,14 @@ scripted engine and the project's BM25 server over HTTP (its POST /open)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
 import requests
 
 from search_r1.llm_agent import actions
-from search_r1.llm_agent.generation import LLMGenerationManager
+from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
 from search_r1.search.client import RetrievalClient
 from search_r1.search.documents import Page, paginate, render_page
 from search_r1.search.schema import Hit
@@ -95,6 +96,9 @@ def test_config_off_keeps_the_original_stop_strings_and_on_adds_close_open():
     assert make_config("http://x/retrieve", open_tag=True).stop == ("</search>", "</answer>", "</open>")
     # an engine asked not to stop at actions (stop=()) is not given one; the manager cuts by position
     assert make_config("http://x/retrieve", open_tag=True, stop=()).stop == ()
+    # the config travels to async rollout workers as a dict: rebuilt there, the same (no second </open>)
+    on = make_config("http://x/retrieve", open_tag=True)
+    assert GenerationConfig(**dataclasses.asdict(on)) == on
 
 
 @pytest.mark.parametrize("overrides, named", [
