@@ -47,7 +47,7 @@ from search_r1.llm_agent.tensor_helper import (
 )
 from search_r1.llm_agent.token_text import TokenText
 from search_r1.llm_agent.tool_turns import ToolTurns, turn_limit
-from search_r1.llm_agent.trajectory import _Row, _TurnResult
+from search_r1.llm_agent.trajectory import _Row, _TurnResult, rollout_statistics
 from search_r1.search.schema import Hit
 from verl.utils import batch_keys as K
 
@@ -478,31 +478,6 @@ class LLMGenerationManager:
         if all(lps is not None for lps in row_log_probs):
             tensors[K.ROLLOUT_LOG_PROBS] = torch.tensor(
                 [lps + [0.0] * (width - len(lps)) for lps in row_log_probs], dtype=torch.float32)
-        reasons = Counter(row.stop_reason for row in rows)   # an unfinished row (None) is in no count
-        meta_info = {
-            "turns_stats": [row.n_turns for row in rows],
-            # Rows that ran out of budget without answering, as in the original.
-            "active_mask": [row.stop_reason not in (actions.ANSWERED, actions.EOS) for row in rows],
-            "valid_action_stats": [row.n_valid_actions for row in rows],
-            "valid_search_stats": [row.n_searches for row in rows],
-            "search_failures": int(stats["search_failures"]),
-            "obs_truncated": int(stats["obs_truncated"]),
-            "context_cuts": int(stats["context_cuts"]),
-            # Tool protocol: calls made, malformed ones (answered with an error message), answers cut to
-            # max_tool_response_length characters.
-            "tool_calls": int(stats["tool_calls"]),
-            "tool_call_errors": int(stats["tool_call_errors"]),
-            "tool_response_truncated": int(stats["tool_response_truncated"]),
-            # Per tool: tools/<name>/{calls, errors, latency_ms} (errors: malformed or over-budget calls
-            # and failed answers; calls of a name no tool has count under tools/_unknown).
-            "tool_stats": {k: float(v) for k, v in sorted(stats.items()) if k.startswith("tools/")},
-            "generated_tokens": int(stats["generated_tokens"]),
-            "kept_tokens": int(stats["kept_tokens"]),
-            "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},
-            "timing_s": dict(timing),
-            K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: self._log_probs_match_actor,
-        }
-        if self.config.open_tag:   # opens run per row; unknown ids / pages, and opens the server did not answer
-            meta_info.update(valid_open_stats=[row.n_opens for row in rows], open_not_found=int(stats["open_not_found"]),
-                             open_failures=int(stats["open_failures"]))
+        meta_info = rollout_statistics(rows, stats, timing, open_tag=self.config.open_tag)
+        meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] = self._log_probs_match_actor
         return DataProto.from_dict(tensors=tensors, meta_info=meta_info)
