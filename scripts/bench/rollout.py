@@ -47,7 +47,8 @@ def default_turn_index(context_text: str) -> int:
     if context_text.count(ASSISTANT_MARK) > 1:
         return context_text.count(ASSISTANT_MARK) - 1
     tail = context_text.rsplit(ASSISTANT_MARK, 1)[-1]
-    return tail.count("<information>") + tail.count(actions.INVALID_ACTION_NOTICE.strip())
+    notices = (actions.INVALID_ACTION_NOTICE, actions.INVALID_ACTION_NOTICE_WITH_OPEN, actions.OPEN_BUDGET_NOTICE)
+    return tail.count("<information>") + sum(tail.count(notice.strip()) for notice in notices)
 
 
 @dataclass

@@ -165,11 +165,12 @@ def pick_split(source: str, preferred: Sequence[str], local_dir: str | Path | No
     raise FileNotFoundError(f"source {source!r} has none of the splits {list(preferred)} (found {have})")
 
 
-def make_row(record: QARecord, data_source: str, split: str, index: int) -> dict:
-    """One training/validation parquet row, exactly per DESIGN §3.2."""
+def make_row(record: QARecord, data_source: str, split: str, index: int, template_type: str = "base") -> dict:
+    """One training/validation parquet row, exactly per DESIGN §3.2 (`template_type` open: the
+    prompt with the open tag's sentence, search_r1/prompt.py)."""
     return {
         "data_source": data_source,
-        "prompt": [{"role": "user", "content": make_prefix(record.question)}],
+        "prompt": [{"role": "user", "content": make_prefix(record.question, template_type)}],
         "ability": ABILITY,
         "reward_model": {"style": "rule", "ground_truth": {"target": list(record.golden_answers)}},
         "extra_info": {"split": split, "index": index},
@@ -212,10 +213,14 @@ def check_format(fmt: str) -> str:
 
 
 def records_to_rows(records: Sequence[QARecord], data_source: str, split: str, start_index: int = 0,
-                    fmt: str = "tags") -> list[dict]:
+                    fmt: str = "tags", template_type: str = "base") -> list[dict]:
     """Rows (in format `fmt`) with indices start_index, start_index+1, ... so merged sources never collide."""
-    row_of = make_tool_row if check_format(fmt) == "tool" else make_row
-    return [row_of(r, data_source, split, start_index + i) for i, r in enumerate(records)]
+    if check_format(fmt) == "tool":
+        if template_type != "base":
+            raise ValueError(f"--template_type {template_type} is for --format tags (the tool format's prompt is "
+                             "veRL's; declare an open tool in the tool config instead)")
+        return [make_tool_row(r, data_source, split, start_index + i) for i, r in enumerate(records)]
+    return [make_row(r, data_source, split, start_index + i, template_type) for i, r in enumerate(records)]
 
 
 def write_parquet(rows: Sequence[dict], path: str | Path) -> Path:
@@ -242,6 +247,7 @@ def build_merged(
     out_split: str,
     local_dir: str | Path | None,
     fmt: str = "tags",
+    template_type: str = "base",
 ) -> list[dict]:
     """Rows (in format `fmt`) of several sources concatenated, with indices unique across sources.
 
@@ -253,7 +259,8 @@ def build_merged(
         source_dir = local_dir_for(source, local_dir)
         split = pick_split(source, preferred_splits, source_dir)
         records = load_source_split(source, split, source_dir)
-        rows.extend(records_to_rows(records, source, out_split, start_index=len(rows), fmt=fmt))
+        rows.extend(records_to_rows(records, source, out_split, start_index=len(rows), fmt=fmt,
+                                    template_type=template_type))
     return rows
 
 
@@ -272,8 +279,9 @@ def add_common_args(parser, default_local_dir: str) -> None:
                         help="folder with FlashRAG JSONL files {source}/{split}.jsonl (default: --local_dir); "
                              "sources not found there are read from the hub")
     parser.add_argument("--hdfs_dir", default=None, help="accepted for compatibility; copying to HDFS is not supported")
-    parser.add_argument("--template_type", default="base", choices=["base"],
-                        help="accepted for compatibility; only the released 'base' template exists")
+    parser.add_argument("--template_type", default="base", choices=["base", "open"],
+                        help="'base': the released template; 'open': it plus one sentence on the open tag "
+                             "(<open> doc_id </open>, for open_tag.enable=true; --format tags only)")
     parser.add_argument("--format", dest="fmt", default="tags", choices=list(FORMATS),
                         help="row layout: 'tags' (the original's <search> prompt, data_source = source) or "
                              "'tool' (veRL's native tool-calling rows, data_source = searchR1_<source>)")
@@ -287,9 +295,10 @@ def parse_sources(text: str) -> list[str]:
 
 
 def merge_split(sources: Sequence[str], splits: Sequence[str], out_split: str, local_dir: str | Path,
-                input_dir: str | Path | None = None, fmt: str = "tags") -> Path:
+                input_dir: str | Path | None = None, fmt: str = "tags", template_type: str = "base") -> Path:
     """Merge `splits` (first one found per source) of `sources` into `{local_dir}/{out_split}.parquet`."""
-    rows = build_merged(sources, tuple(splits), out_split, input_dir if input_dir is not None else local_dir, fmt)
+    rows = build_merged(sources, tuple(splits), out_split, input_dir if input_dir is not None else local_dir, fmt,
+                        template_type)
     return write_parquet(rows, Path(local_dir) / f"{out_split}.parquet")
 
 
@@ -301,6 +310,6 @@ def merge_cli(argv: list[str] | None, doc: str | None, default_sources: str, spl
     parser.add_argument("--data_sources", default=default_sources)
     args = parser.parse_args(argv)
     path = merge_split(parse_sources(args.data_sources), splits, out_split, args.local_dir, args.input_dir,
-                       args.fmt)
+                       args.fmt, args.template_type)
     print(f"{out_split}: {path}")
     return path

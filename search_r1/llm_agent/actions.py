@@ -15,10 +15,13 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from search_r1.search.documents import Page, render_page
 from search_r1.search.schema import Hit
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+# The second tag (`open_tag.enable`; off by default): `<open> doc_id </open>` or `<open> doc_id page 2 </open>`.
+OPEN_OPEN, OPEN_CLOSE = "<open>", "</open>"
 INFORMATION_OPEN = "\n\n<information>"
 INFORMATION_CLOSE = "</information>\n\n"
 
@@ -39,10 +42,27 @@ SEARCH_BUDGET_NOTICE = (
 )
 SEARCH_FAILED_TEXT = "The search engine failed to answer this query; no documents were retrieved."
 
+# With the open tag on only (new strings: the original never had them). The invalid-action notice
+# then also says how to open; the original's (above) is used whenever the tag is off.
+INVALID_ACTION_NOTICE_WITH_OPEN = (
+    "\nMy previous action is invalid. "
+    "If I want to search, I should put the query between <search> and </search>. "
+    "If I want to read a document from the search results, I should put its doc_id between <open> and </open>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+OPEN_BUDGET_NOTICE = (
+    "\nMy open budget is spent: this document was not opened, and I cannot open any more documents.\n"
+)
+OPEN_FAILED_TEXT = "The document could not be opened: the search engine did not answer."
+
 # Matches the first complete action; a tag name must close with the same name.
 _ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_ACTION_WITH_OPEN_RE = re.compile(r"<(search|answer|open)>(.*?)</\1>", re.DOTALL)
+# An open's content: the doc id, optionally followed by `page N` (the server refuses a page out of range).
+_OPEN_PAGE_RE = re.compile(r"^(.*?)(?:[\s,;]+page\s*(\d+))?$", re.DOTALL | re.IGNORECASE)
 
-ActionKind = Literal["search", "answer", "invalid"]
+ActionKind = Literal["search", "answer", "open", "invalid"]
 
 
 @dataclass(frozen=True)
@@ -59,44 +79,76 @@ class Action:
         return self.kind != "invalid"
 
 
-def parse_action(text: str) -> Action:
-    """The first complete `<search>q</search>` or `<answer>a</answer>` in `text`.
+def parse_action(text: str, open_tag: bool = False) -> Action:
+    """The first complete `<search>q</search>` or `<answer>a</answer>` in `text` (with `open_tag`,
+    also `<open>doc_id</open>`; the first complete action of any kind wins).
 
     A search with an empty query is invalid: it could not be sent to the server
-    without failing the whole batch's request.
+    without failing the whole batch's request. So is an open without a doc id.
     """
-    match = _ACTION_RE.search(text)
+    match = (_ACTION_WITH_OPEN_RE if open_tag else _ACTION_RE).search(text)
     if match is None:
         return Action(kind="invalid", content="")
     kind = match.group(1)
     content = match.group(2).strip()
-    if kind == "search" and not content:
+    if kind in ("search", "open") and not content:
         return Action(kind="invalid", content="")
-    return Action(kind="search" if kind == "search" else "answer", content=content, end=match.end())
+    if kind == "open" and not parse_open(content)[0]:
+        return Action(kind="invalid", content="")
+    return Action(kind=kind, content=content, end=match.end())  # type: ignore[arg-type]
 
 
-def has_complete_action(text: str) -> bool:
+def parse_open(content: str) -> tuple[str, int]:
+    """(doc_id, page) of an open's content: `doc_id` (page 1) or `doc_id page N`. The id is
+    taken as written (stripped); one the server does not know is answered as unknown, not refused here."""
+    match = _OPEN_PAGE_RE.match(content.strip())
+    assert match is not None  # the pattern matches every string
+    doc_id, page = match.group(1).strip(), match.group(2)
+    return doc_id, 1 if page is None else int(page)
+
+
+def has_complete_action(text: str, open_tag: bool = False) -> bool:
     """True once `text` contains a complete action (monotone in text prefixes)."""
-    return parse_action(text).is_valid
+    return parse_action(text, open_tag).is_valid
 
 
-def render_passages(hits: list[Hit]) -> str:
+def render_passages(hits: list[Hit], show_doc_ids: bool = False) -> str:
     """`Doc {i}(Title: {first_line}) {rest}\\n` per hit, numbered from 1.
 
     `first_line` is the stored contents' first line exactly as stored (wiki-18 titles
     keep their double quotes) and `rest` the remaining lines, as the original renders
     them; `Hit.title` (quotes removed) is for rerankers and logs, not for this text.
+    `show_doc_ids` (the open tag on): `Doc {i}(Title: {first_line}) [doc_id: {id}] {rest}`,
+    the id the policy opens (the tool protocol's `show_doc_ids` choice, in this format).
     """
     parts = []
     for i, hit in enumerate(hits, start=1):
         first_line, _, rest = hit.contents.partition("\n")
-        parts.append(f"Doc {i}(Title: {first_line}) {rest}\n")
+        doc = f" [doc_id: {hit.doc_id}]" if show_doc_ids else ""
+        parts.append(f"Doc {i}(Title: {first_line}){doc} {rest}\n")
     return "".join(parts)
 
 
-def render_observation(hits: list[Hit]) -> str:
+def render_observation(hits: list[Hit], show_doc_ids: bool = False) -> str:
     """The observation appended after a search: the passages, stripped, inside `<information>`."""
-    return INFORMATION_OPEN + render_passages(hits).strip() + INFORMATION_CLOSE
+    return INFORMATION_OPEN + render_passages(hits, show_doc_ids).strip() + INFORMATION_CLOSE
+
+
+def render_open_page(title: str, page: Page, doc_id: str) -> str:
+    """The observation appended after an open: one page of the document (`documents.render_page`'s
+    header and text, as the tool protocol's open tool writes it) inside `<information>`."""
+    return INFORMATION_OPEN + render_page(title, page, f"doc {doc_id}").strip() + INFORMATION_CLOSE
+
+
+def render_open_unknown(message: str) -> str:
+    """The observation appended when the server does not have the document or page asked for
+    (`message` is the server's, e.g. `no document with id '9'`)."""
+    return INFORMATION_OPEN + f"The document could not be opened: {message}." + INFORMATION_CLOSE
+
+
+def render_open_failure() -> str:
+    """The observation appended when the retrieval server could not answer an open."""
+    return INFORMATION_OPEN + OPEN_FAILED_TEXT + INFORMATION_CLOSE
 
 
 def render_search_failure() -> str:
@@ -127,12 +179,12 @@ def stop_if_eos(action: Action, emitted_eos: bool) -> str | None:
 def stop_if_final_turn(action: Action, is_final_turn: bool) -> str | None:
     """The turn after the last allowed search ends the row whatever it did.
 
-    A search there gets the budget notice; anything else that is not an answer
-    (caught earlier) is an invalid action.
+    A search (or an open) there gets the budget notice; anything else that is not an
+    answer (caught earlier) is an invalid action.
     """
     if not is_final_turn:
         return None
-    return MAX_TURNS if action.kind == "search" else INVALID_ACTION
+    return MAX_TURNS if action.kind in ("search", "open") else INVALID_ACTION
 
 
 def stop_if_context_full(response_len: int, turn_budget: int, max_total_response_length: int | None) -> str | None:

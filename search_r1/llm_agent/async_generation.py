@@ -6,7 +6,7 @@ asyncio retrieval client, so a row that searches does not wait for the batch's s
 generation, and the engine never idles while some rows still have turns to go.
 
 The rules are the sync manager's, called, not copied: the rolling context
-(`_context`), the cut at the first action (`_cut_turn`), observations, stop rules and the
+(`_context`), the cut at the first action (`_cut_turn`), observations (an `<open>` too), stop rules and the
 final no-search turn (`_apply_turn`). Only the order in which rows advance differs; each
 row sees exactly what it would see in sync mode. This runs inside each rollout worker on
 its shard of rows (`ActorRolloutRefWorker.generate_trajectories`); the driver composes the
@@ -48,6 +48,8 @@ class AsyncAgentLoop:
         trajectory's own, and a failed request becomes an observation (counted)."""
         from search_r1.search.client import RetrievalError
 
+        if self.manager._open is not None and res.action.kind == "open":   # the open tag: a blocking call
+            return await asyncio.to_thread(self.manager._observation_for, res, [], None, stats)
         queries = list(res.queries)
         hits, error = [], None
         if queries:

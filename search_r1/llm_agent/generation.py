@@ -37,6 +37,7 @@ import torch
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.generation_config import GenerationConfig
+from search_r1.llm_agent.open_tag import OpenTag
 from search_r1.llm_agent.tensor_helper import (
     left_pad,
     masked_rows,
@@ -46,7 +47,7 @@ from search_r1.llm_agent.tensor_helper import (
 )
 from search_r1.llm_agent.token_text import TokenText
 from search_r1.llm_agent.tool_turns import ToolTurns, turn_limit
-from search_r1.llm_agent.trajectory import _Row, _TurnResult
+from search_r1.llm_agent.trajectory import _Row, _TurnResult, rollout_statistics
 from search_r1.search.schema import Hit
 from verl.utils import batch_keys as K
 
@@ -81,14 +82,17 @@ class LLMGenerationManager:
             raise ValueError("tokenizer must define both pad_token_id and eos_token_id")
         self.text = TokenText(tokenizer)
         self._tool: ToolTurns | None = None
+        self._open = OpenTag(config) if config.open_tag else None   # the open tag (off: the original's strings)
         if config.protocol == "tool":
             self._tool = ToolTurns(self.text, config)
             return
+        self._invalid_notice = actions.INVALID_ACTION_NOTICE_WITH_OPEN if self._open else actions.INVALID_ACTION_NOTICE
         self._close_ids = self.text.encode(actions.INFORMATION_CLOSE)
-        self._invalid_ids = self.text.encode(actions.INVALID_ACTION_NOTICE)
+        self._invalid_ids = self.text.encode(self._invalid_notice)
         self._budget_ids = self.text.encode(actions.SEARCH_BUDGET_NOTICE)
         for name, ids in (("the invalid-action notice", self._invalid_ids),
                           ("the search-budget notice", self._budget_ids),
+                          ("the open-budget notice", self.text.encode(actions.OPEN_BUDGET_NOTICE) if self._open else []),
                           ("the </information> closing", self._close_ids)):
             if len(ids) > config.max_obs_length:
                 raise ValueError(f"max_obs_length ({config.max_obs_length}) is shorter than {name} "
@@ -106,11 +110,12 @@ class LLMGenerationManager:
         if self._tool is not None:
             return self._tool.cut_turn(sampled, eos_token_ids)
         text = self.text.decode(sampled)
-        action = actions.parse_action(text)
+        opens = self.config.open_tag
+        action = actions.parse_action(text, opens)
         kept = sampled
         if action.is_valid and text[action.end:]:
-            kept = self.text.shortest_prefix(sampled, actions.has_complete_action)
-            action = actions.parse_action(self.text.decode(kept))
+            kept = self.text.shortest_prefix(sampled, lambda t: actions.has_complete_action(t, opens))
+            action = actions.parse_action(self.text.decode(kept), opens)
         emitted_eos = bool(kept) and kept[-1] in eos_token_ids
         queries = (action.content,) if action.kind == "search" else ()
         return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled),
@@ -226,6 +231,8 @@ class LLMGenerationManager:
         """Whether the turn's search (tags) or tool calls (tool) are carried out, not refused as over budget."""
         if self._tool is not None:
             return bool(res.calls) and not self._tool.is_final(row)
+        if res.action.kind == "open":   # an open past max_opens gets the open-budget notice (_apply_turn)
+            return not is_final and row.n_opens < self.config.max_opens
         return res.action.kind == "search" and not is_final
 
     def _observation_for(self, res: _TurnResult, hits: list[list[Hit]] | None, error: str | None,
@@ -235,7 +242,9 @@ class LLMGenerationManager:
         `others`: the answers of calls of tools other than search, when already run."""
         if self._tool is not None:
             return self._tool.answers(res, hits, error, stats, others)
-        return actions.render_search_failure() if hits is None else actions.render_observation(hits[0])
+        if self._open is not None and res.action.kind == "open":
+            return self._open.observe(res.action.content, stats)
+        return actions.render_search_failure() if hits is None else actions.render_observation(hits[0], bool(self._open))
 
     def _n_searches(self, res: _TurnResult) -> int:
         """The turn's searches, as valid_search_stats and search_failures count them: its search
@@ -427,12 +436,15 @@ class LLMGenerationManager:
                   or actions.stop_if_final_turn(res.action, is_final))
         obs_text = ""
         if search_obs is not None:
-            row.n_searches += 1
+            row.n_opens += int(res.action.kind == "open")
+            row.n_searches += int(res.action.kind != "open")
             obs_text = search_obs
+        elif res.action.kind == "open":   # past max_opens, or in the final turn (the row then ends)
+            obs_text = actions.OPEN_BUDGET_NOTICE
         elif reason == actions.MAX_TURNS:
             obs_text = actions.SEARCH_BUDGET_NOTICE
         elif reason is None:
-            obs_text = actions.INVALID_ACTION_NOTICE
+            obs_text = self._invalid_notice
         obs_ids, truncated = self._observation_ids(obs_text) if obs_text else ([], False)
         stats["obs_truncated"] += int(truncated)
         row.append_turn(res.kept_ids, obs_ids, sampled_log_probs)
@@ -466,28 +478,6 @@ class LLMGenerationManager:
         if all(lps is not None for lps in row_log_probs):
             tensors[K.ROLLOUT_LOG_PROBS] = torch.tensor(
                 [lps + [0.0] * (width - len(lps)) for lps in row_log_probs], dtype=torch.float32)
-        reasons = Counter(row.stop_reason for row in rows)   # an unfinished row (None) is in no count
-        meta_info = {
-            "turns_stats": [row.n_turns for row in rows],
-            # Rows that ran out of budget without answering, as in the original.
-            "active_mask": [row.stop_reason not in (actions.ANSWERED, actions.EOS) for row in rows],
-            "valid_action_stats": [row.n_valid_actions for row in rows],
-            "valid_search_stats": [row.n_searches for row in rows],
-            "search_failures": int(stats["search_failures"]),
-            "obs_truncated": int(stats["obs_truncated"]),
-            "context_cuts": int(stats["context_cuts"]),
-            # Tool protocol: calls made, malformed ones (answered with an error message), answers cut to
-            # max_tool_response_length characters.
-            "tool_calls": int(stats["tool_calls"]),
-            "tool_call_errors": int(stats["tool_call_errors"]),
-            "tool_response_truncated": int(stats["tool_response_truncated"]),
-            # Per tool: tools/<name>/{calls, errors, latency_ms} (errors: malformed or over-budget calls
-            # and failed answers; calls of a name no tool has count under tools/_unknown).
-            "tool_stats": {k: float(v) for k, v in sorted(stats.items()) if k.startswith("tools/")},
-            "generated_tokens": int(stats["generated_tokens"]),
-            "kept_tokens": int(stats["kept_tokens"]),
-            "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},
-            "timing_s": dict(timing),
-            K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: self._log_probs_match_actor,
-        }
+        meta_info = rollout_statistics(rows, stats, timing, open_tag=self.config.open_tag)
+        meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] = self._log_probs_match_actor
         return DataProto.from_dict(tensors=tensors, meta_info=meta_info)

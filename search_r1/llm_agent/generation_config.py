@@ -54,10 +54,17 @@ class GenerationConfig:
     # retriever.serve=ray: the Ray Serve application that answers searches (replaces search_url and the
     # tool config's retrieval_service_url with ray-serve://<app>; search_r1/search/ray_serve.py).
     serve_app: str | None = None
+    # Tag protocol: the second tag `<open> doc_id </open>` / `<open> doc_id page N </open>` (trainer key
+    # open_tag.*; docs/agent.md "The open tag"). Off: everything is the original's, byte for byte.
+    open_tag: bool = False
+    max_opens: int = 2                 # opens one row may run (each also takes a turn of max_turns)
+    open_page_size: int = 1000         # characters of one page of an opened document
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tags", "tool"):
             raise ValueError(f"GenerationConfig.protocol must be 'tags' or 'tool', got {self.protocol!r}")
+        if self.open_tag:
+            self._check_open_tag()
         if self.protocol == "tool":
             self._check_tool_settings()
         if self.serve_app:
@@ -91,6 +98,25 @@ class GenerationConfig:
                 f"max_response_length + max_obs_length = {turn_budget}"
             )
         self.stop = tuple(self.stop)
+
+    def _check_open_tag(self) -> None:
+        from search_r1.search.documents import MAX_PAGE_SIZE
+
+        if self.protocol != "tags":
+            raise ValueError("GenerationConfig.open_tag (open_tag.enable) is the tag protocol's; with the tool protocol "
+                             "declare an open tool in the tool config (multi_turn.tool_config_path)")
+        if self.serve_app:
+            raise ValueError("GenerationConfig.open_tag (open_tag.enable) needs the retrieval server over HTTP "
+                             "(retriever.url, its POST /open); retriever.serve=ray is not supported with it")
+        if not isinstance(self.max_opens, int) or self.max_opens < 1:
+            raise ValueError(f"GenerationConfig.max_opens (open_tag.max_opens) must be an integer >= 1, "
+                             f"got {self.max_opens!r}")
+        if not isinstance(self.open_page_size, int) or not 1 <= self.open_page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"GenerationConfig.open_page_size (open_tag.page_size) must be an integer in "
+                             f"[1, {MAX_PAGE_SIZE}], got {self.open_page_size!r}")
+        # The engine stops at </open> as at </search> (an engine without stop strings is cut by position).
+        if actions.SEARCH_CLOSE in self.stop and actions.OPEN_CLOSE not in self.stop:
+            self.stop = (*self.stop, actions.OPEN_CLOSE)
 
     def _check_tool_settings(self) -> None:
         if not self.tool_config:

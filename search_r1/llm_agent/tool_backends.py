@@ -24,7 +24,7 @@ from typing import Any
 
 import requests
 
-from search_r1.llm_agent.tool_results import ToolFailure
+from search_r1.llm_agent.tool_results import DocumentNotFound, ToolFailure
 from search_r1.llm_agent.tool_results import tool_result as _result
 from search_r1.search import documents
 
@@ -163,6 +163,13 @@ class OpenTool:
         raise ToolFailure("give 'doc_id' (from a search result) or 'url'")
 
     def _open_doc(self, doc_id: str, page: int) -> str:
+        title, p = self.read_doc(doc_id, page)
+        return _result(documents.render_page(title, p, f"doc {doc_id}"))
+
+    def read_doc(self, doc_id: str, page: int) -> tuple[str, documents.Page]:
+        """(title, page) of a corpus passage through the retrieval server's POST /open (also the tag
+        protocol's `<open>`). No such document or page: `DocumentNotFound` (the server's message);
+        the server unreachable or failing: `ToolFailure`."""
         if self.open_url is None:
             raise ToolFailure("this open tool reads URLs only; give 'url'")
         try:
@@ -171,12 +178,19 @@ class OpenTool:
         except requests.RequestException as err:
             raise ToolFailure(f"the retrieval server did not answer ({type(err).__name__})") from None
         if response.status_code in (400, 404):
-            raise ToolFailure(str(response.json().get("detail", response.text)))
+            try:
+                detail = str(response.json().get("detail", response.text))
+            except ValueError:
+                detail = response.text[:200]
+            raise DocumentNotFound(detail)
         if response.status_code != 200:
             raise ToolFailure(f"the retrieval server answered HTTP {response.status_code}")
-        data = response.json()
-        p = documents.Page(text=data["text"], page=data["page"], num_pages=data["num_pages"])
-        return _result(documents.render_page(data.get("title", ""), p, f"doc {doc_id}"))
+        try:
+            data = response.json()
+            return str(data.get("title", "")), documents.Page(text=data["text"], page=data["page"],
+                                                              num_pages=data["num_pages"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ToolFailure("the retrieval server's answer to /open is not {text, page, num_pages}") from None
 
     def _open_url(self, url: str, page: int) -> str:
         if self.fetcher == "none":
@@ -251,5 +265,5 @@ def run_call(backend: Any, arguments: dict) -> tuple[str, bool]:
         return _result(f"Error: {err}"), False
 
 
-__all__ = ["BACKENDS", "COMMON_KEYS", "OpenTool", "SerperSearchTool", "TavilySearchTool", "ToolFailure",
+__all__ = ["BACKENDS", "COMMON_KEYS", "DocumentNotFound", "OpenTool", "SerperSearchTool", "TavilySearchTool", "ToolFailure",
            "build_backend", "check_config", "run_call"]

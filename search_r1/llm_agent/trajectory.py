@@ -1,10 +1,15 @@
 """One trajectory while it is rolled out, and one policy turn after its cut: the records the
-generation manager's loops (sync, async) and both protocols' rules (tags, tool) share."""
+generation manager's loops (sync, async) and both protocols' rules (tags, tool) share; and the
+rollout's statistics over finished rows (`rollout_statistics`, the batch's meta_info)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from search_r1.llm_agent import actions
 from search_r1.llm_agent.actions import Action
 
 
@@ -22,6 +27,7 @@ class _Row:
     n_turns: int = 0
     n_valid_actions: int = 0
     n_searches: int = 0
+    n_opens: int = 0            # tag protocol with the open tag: opens run (not-found and failed ones included)
     n_tool_rounds: int = 0      # tool protocol: rounds of tool answers appended (veRL's user turns)
     tool_counts: dict[str, int] = field(default_factory=dict)   # tool protocol: calls per tool (budgets)
     # Response position from which the policy sampled from a rolling context that had dropped
@@ -69,3 +75,36 @@ class _TurnResult:
     generated: int
     calls: tuple = ()                 # tool protocol: the turn's parsed calls (tools.ToolCall | ToolCallError)
     queries: tuple[str, ...] = ()     # the queries the turn sends to the retrieval server
+
+
+def rollout_statistics(rows: Sequence[_Row], stats: Counter[str], timing: dict[str, float],
+                       open_tag: bool = False) -> dict[str, Any]:
+    """The rollout's `meta_info` statistics: per-row counts (turns, valid actions, searches; opens
+    with the open tag on), the loops' counters, stop reasons and timings (docs/agent.md "Metrics")."""
+    reasons = Counter(row.stop_reason for row in rows)   # an unfinished row (None) is in no count
+    meta_info = {
+        "turns_stats": [row.n_turns for row in rows],
+        # Rows that ran out of budget without answering, as in the original.
+        "active_mask": [row.stop_reason not in (actions.ANSWERED, actions.EOS) for row in rows],
+        "valid_action_stats": [row.n_valid_actions for row in rows],
+        "valid_search_stats": [row.n_searches for row in rows],
+        "search_failures": int(stats["search_failures"]),
+        "obs_truncated": int(stats["obs_truncated"]),
+        "context_cuts": int(stats["context_cuts"]),
+        # Tool protocol: calls made, malformed ones (answered with an error message), answers cut to
+        # max_tool_response_length characters.
+        "tool_calls": int(stats["tool_calls"]),
+        "tool_call_errors": int(stats["tool_call_errors"]),
+        "tool_response_truncated": int(stats["tool_response_truncated"]),
+        # Per tool: tools/<name>/{calls, errors, latency_ms} (errors: malformed or over-budget calls
+        # and failed answers; calls of a name no tool has count under tools/_unknown).
+        "tool_stats": {k: float(v) for k, v in sorted(stats.items()) if k.startswith("tools/")},
+        "generated_tokens": int(stats["generated_tokens"]),
+        "kept_tokens": int(stats["kept_tokens"]),
+        "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},
+        "timing_s": dict(timing),
+    }
+    if open_tag:   # opens run per row; unknown ids / pages, and opens the server did not answer
+        meta_info.update(valid_open_stats=[row.n_opens for row in rows], open_not_found=int(stats["open_not_found"]),
+                         open_failures=int(stats["open_failures"]))
+    return meta_info

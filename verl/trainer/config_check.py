@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer.config_check_policy_loss import check_policy_loss, load_custom_algorithms
 from verl.trainer.config_lora import check_lora
+from verl.trainer.config_open_tag import check_open_tag
 from verl.trainer.config_schema import ConfigError, raise_if, undeclared_keys, unknown_key_message
 from verl.trainer.run_config import CRITIC_FORWARD_MICRO, RunConfig
 from verl.utils.attention import FLASH_ATTN_INSTALL
@@ -563,6 +564,7 @@ RULES: tuple[Rule, ...] = (
     check_sequence_parallel,
     check_imports,
     check_lora,
+    check_open_tag,
 )
 
 

@@ -183,6 +183,12 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
     if "valid_search_stats" in meta_info:
         searches = np.asarray(meta_info["valid_search_stats"], dtype=np.float64)
         metrics["env/number_of_valid_search"] = float(searches.mean()) if searches.size else 0.0
+    if "valid_open_stats" in meta_info:   # the tag protocol's open tag (open_tag.enable): opens per row
+        opens = np.asarray(meta_info["valid_open_stats"], dtype=np.float64)
+        metrics["env/number_of_valid_open"] = float(opens.mean()) if opens.size else 0.0
+    for key in ("open_not_found", "open_failures"):
+        if key in meta_info:
+            metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
     for key in ("search_failures", "obs_truncated", "context_cuts",
                 "tool_calls", "tool_call_errors", "tool_response_truncated"):   # (the last three: tool protocol)
         if key in meta_info:

@@ -90,6 +90,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     tag protocol's and does not bound a tool-protocol row.
     """
     from search_r1.llm_agent.generation import GenerationConfig
+    from verl.trainer.config_open_tag import open_tag_settings
 
     data, rollout = config.data, config.actor_rollout_ref.rollout
     protocol = Protocol.from_config(config)
@@ -103,7 +104,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
         return GenerationConfig(
             max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),
             max_response_length=int(data.max_response_length), search_url=config.retriever.url,
-            stop=tuple(rollout.stop), **common)
+            stop=tuple(rollout.stop), **open_tag_settings(config), **common)
     multi_turn = rollout.multi_turn
     prompt, budget = int(data.max_prompt_length), int(data.max_response_length)
     # The search tool's url, topk and timeout replace retriever.*'s in GenerationConfig.__post_init__.
