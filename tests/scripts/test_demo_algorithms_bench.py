@@ -62,3 +62,23 @@ def test_the_table_reads_the_results_and_the_validation_curve(tmp_path: Path) ->
     assert table[2] == ("| dapo | `demo.recipe=dapo` | failed (returncode 1) | | | | |")
     assert table[3] == ("| grpo | (the GRPO demo) | 0.333 → **0.833** | 0.667 (step 4) | 1.000 / 0.500 | "
                         "0.500, 1.25 | 4.2 (2.5) |")
+
+
+def test_the_documented_lora_demo_command_is_the_lora_row_and_composes_with_lora_on() -> None:
+    """docs/demo.md "With a LoRA adapter": its command is the bench's lora_r32 row, and the config it
+    composes trains an adapter (rank, alpha, lr) on the GRPO demo's settings."""
+    import re
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "demo.md").read_text()
+    section = doc.split("### With a LoRA adapter", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).replace("\\\n", " ")
+    argv = shlex.split(block)
+    assert argv[:3] == ["python", "-m", "scripts.demo.run_demo"] and tuple(argv[3:]) == ROWS["lora_r32"]
+    algorithm, rest = split_algorithm(argv[3:])
+    settings, overrides = split_args(rest)
+    cfg = planned_config(algorithm, settings, overrides)
+    assert config_errors(cfg) == []
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, cfg.actor_rollout_ref.actor.optim.lr) == (32, 64, 1e-3)
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n_agent) == (32, 5)
