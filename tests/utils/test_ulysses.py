@@ -217,6 +217,36 @@ def _two_rank_sp(rank: int, port: int, model_dir: str, result_dir: str) -> None:
         raise
 
 
+def test_the_row_boundaries_are_derived_once_for_every_layer_and_the_recompute(monkeypatch):
+    """Under SP the packed row is fixed for the whole forward: its cu_seqlens (two host syncs) are derived
+    on the first layer's call and reused by the other layers and by gradient checkpointing's recompute."""
+    from verl.utils import packed_attention as pa
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        model = _model()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        ids, positions, _ = _packed_row()
+        calls = []
+        derive = pa.cu_seqlens_from_position_ids
+        monkeypatch.setattr(pa, "cu_seqlens_from_position_ids", lambda p: calls.append(1) or derive(p))
+        with ulysses.sequence_parallel(group, positions) as state:
+            ids_1n, pos_1n, _ = ulysses.slice_packed(ids, positions, group)
+            logits = model(input_ids=ids_1n, position_ids=pos_1n).logits
+        with ulysses.resumed(state):
+            logits.float().square().mean().backward()
+        assert len(calls) == 1 and state.boundaries[1] == 12     # two layers, forward and recompute
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_two_rank_sp_equals_sp1_for_the_model_the_actor_and_the_critic(tiny_model_dir, tmp_path):
     """One spawn of two gloo ranks (SP group = both; ~100 s here, mostly start-up), three checks:

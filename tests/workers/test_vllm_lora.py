@@ -83,6 +83,8 @@ def test_vllm_max_lora_rank_rounds_up_to_a_rank_vllm_accepts() -> None:
 def test_engine_args_serve_the_adapter_over_the_base_loaded_from_the_checkpoint() -> None:
     adapter = engine_args_from(_lora_config(), "/m", seed=0, device="cuda", lora=SPEC)
     assert adapter["enable_lora"] is True and adapter["max_lora_rank"] == 8 and adapter["max_loras"] == 1
+    # every request carries the adapter: no CUDA graphs for LoRA-free batches
+    assert adapter["compilation_config"] == {"cudagraph_specialize_lora": False}
     assert adapter["load_format"] == "auto"   # the frozen base, read once; the default 'dummy' would be random
     merged = engine_args_from(_lora_config(**{"actor_rollout_ref.rollout.lora_sync": "merged"}), "/m", 0, "cuda",
                               lora=SPEC)
@@ -153,10 +155,12 @@ def test_the_engine_keeps_its_base_weights_across_sleeps_with_the_adapter(lora_v
     llm = FakeLLM.instances[0]
     assert llm.log == ["sleep:1"]     # level 1: the base stays (in host memory); level 2 would drop it
     rollout.wake_up(lambda: rollout.sync_adapter(_adapter(), version=0))
+    assert rollout.last_sync_bytes == tensor_bytes(_adapter())
     rollout.sleep()
     assert rollout.synced_version == 0    # the adapter stays loaded: no new sync for the same version
     rollout.wake_up(lambda: rollout.sync_adapter(_adapter(), version=0))
     assert llm.log.count("add_lora:actor-v0:1") == 1 and "reload_weights" not in llm.log
+    assert rollout.last_sync_bytes == 0   # this wake sent nothing (e.g. validation after a rollout)
 
 
 def test_merged_sync_sends_full_weights_and_counts_their_bytes(lora_vllm: Any) -> None:

@@ -19,7 +19,8 @@ export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ra
   AdamW creates it at the first step, this is after it). Gradients never: every step ends with
   `zero_grad(set_to_none=True)`, so grad_offload has nothing to move. vLLM sleeps at level 2 between
   rollouts (verl/workers/rollout/vllm_rollout.py): no weights on the host, only the model's buffers
-  vLLM backs up (the rotary table, max_position_embeddings x head_dim in bf16, 4 fp32 scales a layer).
+  vLLM backs up (the rotary table, max_position_embeddings x head_dim in bf16, 4 fp32 scales a layer);
+  with LoRA's lora_sync=adapter at level 1: the base weights backed up in pinned memory on every rank.
   A pipelined run's rollout ranks hold no FSDP copy; a push arrives one full tensor at a time, in the
   engine's dtype, into the engine on the GPU.
 - checkpoint_save: the saving model's state is onloaded to the GPU (its host copy freed); DCP writes
@@ -27,8 +28,10 @@ export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ra
   plus the tensor; two of the largest shard tensors are counted); with trainer.save_hf_model rank 0
   stages the HF export (verl/utils/checkpoint/hf_export.py): a safetensors file of up to
   `hf_max_shard_mb` in the export dtype plus the tensor that crossed the bound.
-- pinned memory: none. Offload copies go to pageable memory and vLLM's level-1 sleep (a pinned copy of
-  the weights on every rank) is not used.
+- pinned memory: none without LoRA's adapter sync. Offload copies go to pageable memory; vLLM's level-1
+  sleep (a pinned copy of the weights on every rank) is used only with lora_sync=adapter, counted at
+  the weights' bytes per rank; torch's pinned allocator rounds each block up to a power of two, which
+  this does not count yet (up to ~1.9x at 7B: a known gap, docs/training.md "LoRA").
 With CPU workers the device plan (verl/utils/memory_plan.py) is host memory too: each phase adds the
 largest per-worker phase x the node's ranks.
 

@@ -70,12 +70,12 @@ class _LogProbEntropyHead(torch.autograd.Function):
             lse_c = torch.logsumexp(z_cV, dim=-1)
             lse_M[start:stop] = lse_c
             out_MK[start:stop, 0] = z_cV.gather(-1, labels_M[start:stop, None]).squeeze(-1) - lse_c
-            if with_sum_pi_squared:
-                p_cV = (z_cV - lse_c[:, None]).exp_()
-                out_MK[start:stop, -1] = (p_cV * p_cV).sum(dim=-1)
+            if with_entropy or with_sum_pi_squared:
+                p_cV = (z_cV - lse_c[:, None]).exp_()   # one (c, V) temporary beside z for both statistics
+            if with_sum_pi_squared:   # a batched dot product: no second (c, V) tensor
+                out_MK[start:stop, -1] = torch.bmm(p_cV[:, None, :], p_cV[:, :, None]).view(-1)
             if with_entropy:
                 # H = lse - E_p[z]; E_p[z] is kept for the backward pass.
-                p_cV = (z_cV - lse_c[:, None]).exp_()
                 mean_z_c = p_cV.mul_(z_cV).sum(dim=-1)
                 mean_z_M[start:stop] = mean_z_c
                 out_MK[start:stop, 1] = lse_c - mean_z_c

@@ -142,7 +142,10 @@ def _packed_attention_forward(name: str) -> Callable[..., tuple[torch.Tensor, No
         if sp is not None and not padded_or_cached:
             # Ulysses: my heads of every token in, varlen over the whole packed row, my tokens back.
             query, key, value = (ulysses.heads_to_sequence(t, sp) for t in (query, key, value))
-            out = _packed(name, module, query, key, value, sp.full_position_ids, scaling, dropout, kwargs)
+            if sp.boundaries is None:
+                sp.boundaries = cu_seqlens_from_position_ids(sp.full_position_ids)
+            out = _packed(name, module, query, key, value, sp.full_position_ids, scaling, dropout, kwargs,
+                          boundaries=sp.boundaries)
             return ulysses.sequence_to_heads(out, sp), None
         if padded_or_cached or position_ids is None or not getattr(module, "is_causal", True):
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
@@ -154,13 +157,17 @@ def _packed_attention_forward(name: str) -> Callable[..., tuple[torch.Tensor, No
 
 
 def _packed(name: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            position_ids: torch.Tensor, scaling: float | None, dropout: float, kwargs: dict[str, Any]) -> torch.Tensor:
-    """Causal attention within each sequence of the packed rows -> (B, N, Hq, D)."""
+            position_ids: torch.Tensor, scaling: float | None, dropout: float, kwargs: dict[str, Any],
+            boundaries: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """Causal attention within each sequence of the packed rows -> (B, N, Hq, D). `boundaries`: the
+    rows' (cu_seqlens, max length) when known (Ulysses: one packed row, derived once for all layers);
+    then the varlen kernel always runs (the one-sequence sdpa shortcut would repeat key/value heads by
+    the model's global ratio, not the SP share's)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, n, head_dim = query.shape
-    cu_seqlens, max_len = cu_seqlens_from_position_ids(position_ids.expand(batch, -1))
-    if cu_seqlens.numel() - 1 == batch:   # one sequence per row: plain causal attention
+    cu_seqlens, max_len = boundaries or cu_seqlens_from_position_ids(position_ids.expand(batch, -1))
+    if boundaries is None and cu_seqlens.numel() - 1 == batch:   # one sequence per row: plain causal attention
         kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
                                       **kwargs)[0]

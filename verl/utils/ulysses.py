@@ -43,6 +43,9 @@ class _SPState:
     group: Any
     size: int
     full_position_ids: torch.Tensor   # (1, N_padded): the whole packed row's positions
+    # (cu_seqlens, max length) of that row, derived on the first layer's call and reused by every
+    # other layer and by the recompute in the backward (the derivation syncs with the host twice)
+    boundaries: tuple[torch.Tensor, int] | None = None
 
 
 _STATE: _SPState | None = None

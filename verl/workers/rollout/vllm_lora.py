@@ -57,7 +57,9 @@ def lora_sync_mode(rollout_cfg: Any, lora: LoraSpec | None) -> str | None:
 
 def lora_engine_args(lora: LoraSpec) -> dict[str, Any]:
     """The `vllm.LLM` arguments that let the engine serve the actor's adapter (one at a time)."""
-    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank), "max_loras": 1}
+    # every request carries the adapter: no second set of CUDA graphs captured for LoRA-free batches
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank), "max_loras": 1,
+            "compilation_config": {"cudagraph_specialize_lora": False}}
 
 
 def adapter_name(version: int) -> str:

@@ -18,7 +18,7 @@ base model from the model path once and serves the actor's adapter (`sync_adapte
 weights version, verl/workers/rollout/vllm_lora.py); with `merged` it loads merged weights as above.
 
 Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`: weights and KV cache
-discarded, vLLM's level 2) and wakes once per rollout, not once per turn, in the order that keeps
+discarded, vLLM's level 2; with lora_sync=adapter level 1, the base backed up in pinned host memory) and wakes once per rollout, not once per turn, in the order that keeps
 the peak low: free cached blocks, weight memory back, the actor's weights in, free again, then the
 KV cache.
 
@@ -59,7 +59,8 @@ VLLM_VERSION = "0.32.0"
 VLLM_APIS: dict[str, tuple[str, ...]] = {
     "vllm.EngineArgs": ("load_format", "enable_prefix_caching", "logprobs_mode", "distributed_executor_backend",
                         "enable_sleep_mode", "tensor_parallel_size", "seed", "max_num_seqs", "enable_lora",
-                        "max_lora_rank", "max_loras"),
+                        "max_lora_rank", "max_loras", "compilation_config"),
+    "vllm.config.CompilationConfig": ("cudagraph_specialize_lora",),
     "vllm.LLM": ("collective_rpc", "sleep", "wake_up", "reset_prefix_cache"),
     "vllm.LLM.wake_up": ("tags",),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights": ("weights_iterator", "is_checkpoint_format"),
@@ -313,6 +314,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         cache, the big one, into the room the others gave back. The cache is emptied whether or
         not the actor offloads, since FSDP's freed blocks stay cached too."""
         device_utils.empty_cache()
+        self.last_sync_bytes = 0   # what this wake sends: nothing when the engine already has the version
         if self.sleep_between_phases:
             self.llm.wake_up(tags=["weights"])
         load_weights()
@@ -327,10 +329,12 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         With lora_sync=adapter, level 1: the base weights wait in host memory (they are never sent
         again) and the adapter stays loaded.
 
-        Level 1 would keep a pinned host copy of the weights on every rank (15 GB for a 7B model,
-        120 GB per 8-GPU node) only to copy it back at the next wake, where the actor's newer
-        weights overwrite it anyway; level 2 frees it and the next wake streams the actor's weights
-        in (vLLM keeps the model's buffers, e.g. the rotary tables, across it)."""
+        Without LoRA, level 1 would keep a pinned host copy of the weights on every rank (15 GB for a
+        7B model, 120 GB per 8-GPU node) only to copy it back at the next wake, where the actor's
+        newer weights overwrite it anyway; level 2 frees it and the next wake streams the actor's
+        weights in (vLLM keeps the model's buffers, e.g. the rotary tables, across it). With an
+        adapter the base is never sent again, so level 1's host copy is the price of not streaming
+        it (a host round trip of the base each step; docs/training.md, "LoRA")."""
         if self.sleep_between_phases:
             self.llm.sleep(level=self.sleep_level)
             if self.sleep_level == 2:
