@@ -10,7 +10,12 @@ random full-length batch of the configured shape:
    `plan_memory(..., first_update=True)` (AdamW creates its state inside this step: its backward holds none);
 3. a second update on the same batch, measured: `actor_update`, against the steady-state plan
    (what preflight checks: the backward now holds AdamW's state);
-4. a log-prob pass, measured: `actor_log_prob`, with AdamW's state resident, as the plan counts it.
+4. a log-prob pass, measured: `actor_log_prob`, with AdamW's state resident, as the plan counts it;
+5. LoRA (`--lora-rank N`, or actor_rollout_ref.model.lora_rank > 0): the actor is built as the worker
+   builds it (PEFT's adapters on every linear, the frozen base in bf16 on CUDA, AdamW over the fp32
+   adapter alone, verl/utils/memory_plan_lora.py), the same update and log-prob passes, and with
+   `--lora-rank` (use_kl_loss on) the reference pass, measured: `reference_log_prob`, the actor with
+   its adapter disabled (no reference weights), unmeasured once before the first update as the trainer does.
 
 Each measured call is bracketed by `torch.cuda.reset_peak_memory_stats()` / `max_memory_allocated()`,
 so each update's peak is its own. Prints ONE JSON object: per measured phase the plan's certain and
@@ -18,13 +23,14 @@ estimated bytes (by entry and in total), its moments (an update: backward and op
 the one that binds), the measured peak and measured / plan; the bytes the actor really holds
 (parameter shards, AdamW state) beside the plan's entries for them; what the passes computed;
 device, torch and transformers.
-Measures the actor alone: a config whose actor phases also count a critic or a reference is refused.
+Measures the actor alone: a config whose actor phases also count a critic or reference weights is refused.
 Not part of any test suite on a GPU; `--device cpu --tiny` runs the same path on CPU with measured
 values null (tests/utils/test_memory_plan_gpu_check.py).
 
     python scripts/gpu_checks/memory_plan_vs_allocated.py                  # on a GPU: 8 rows, micro 4, 1024 + 512
     python scripts/gpu_checks/memory_plan_vs_allocated.py --micro 8 actor_rollout_ref.model.enable_gradient_checkpointing=true
     python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen2.5-3b/config.json
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen2.5-7b/config.json --lora-rank 64
     python scripts/gpu_checks/memory_plan_vs_allocated.py --device cpu --tiny --prompt-length 16 --response-length 8
     python scripts/gpu_checks/memory_plan_vs_allocated.py --compose-only    # parse and plan, build nothing
 
@@ -60,6 +66,7 @@ from verl.trainer.main_ppo import compose_config
 from verl.utils import batch_keys as K
 from verl.utils import fsdp_utils
 from verl.utils.attention import attn_implementation
+from verl.utils.lora import LoraSpec, adapter_disabled, is_adapter_param
 from verl.utils.memory_plan import MemoryPlan, Phase, plan_memory, sequence_length
 from verl.utils.model import load_model_config
 from verl.workers.actor.dp_actor import DataParallelPPOActor
@@ -81,7 +88,8 @@ TINY: dict[str, Any] = {**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 
                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
                         "max_position_embeddings": 4096, "sliding_window": 4096, "max_window_layers": 2,
                         "bos_token_id": 511, "eos_token_id": 511}
-MEASURED_PHASES = ("actor_update", "actor_log_prob")     # plan phases; the update is measured twice
+# plan phases; the update is measured twice; the reference pass only with LoRA (the actor, adapter off)
+MEASURED_PHASES = ("actor_update", "actor_log_prob", "reference_log_prob")
 # Entries of an actor phase that belong to the actor (the rest would be another model's resident state).
 _ACTOR_ENTRY_PREFIXES = ("actor ", "gathered layer", "gathered next layer", "gathered root unit", "reduce-scatter staging",
                          "log-prob head")
@@ -120,7 +128,7 @@ class Actor:
 
 def trainer_overrides(model_path: str, shape: BatchShape, device: str, extra: list[str]) -> list[str]:
     """One GPU, the actor alone (GRPO: no critic; no KL loss or in-reward KL: no reference), no search,
-    rows x (prompt + response) tokens, micro-batches of `shape.micro` rows; then `extra`."""
+    rows x (prompt + response) tokens, micro-batches of `shape.micro` rows (every pass); then `extra`."""
     arr = "actor_rollout_ref"
     return [
         "trainer.nnodes=1", "trainer.n_gpus_per_node=1", f"trainer.device={device}", "trainer.logger=[console]",
@@ -129,7 +137,8 @@ def trainer_overrides(model_path: str, shape: BatchShape, device: str, extra: li
         f"data.train_batch_size={shape.rows}", f"data.max_start_length={shape.prompt_length}",
         f"data.max_prompt_length={shape.prompt_length}", f"data.max_response_length={shape.response_length}",
         f"{arr}.actor.ppo_mini_batch_size={shape.rows}", f"{arr}.actor.ppo_micro_batch_size_per_gpu={shape.micro}",
-        f"{arr}.rollout.log_prob_micro_batch_size_per_gpu={shape.micro}", *extra,
+        f"{arr}.rollout.log_prob_micro_batch_size_per_gpu={shape.micro}",
+        f"{arr}.ref.log_prob_micro_batch_size_per_gpu={shape.micro}", *extra,   # LoRA's reference pass
     ]
 
 
@@ -143,7 +152,22 @@ def check_actor_only(plan: MemoryPlan) -> None:
         if others:
             raise ValueError(f"plan phase {phase.name} counts {others}: this check builds the actor alone; keep "
                              "algorithm.adv_estimator=grpo, actor_rollout_ref.actor.use_kl_loss=false and "
-                             "algorithm.use_kl_in_reward=false")
+                             "algorithm.use_kl_in_reward=false (with LoRA, --lora-rank, the reference is the "
+                             "actor with its adapter off: use_kl_loss=true is measured)")
+
+
+def lora_overrides(rank: int | None, extra: list[str]) -> list[str]:
+    """--lora-rank N: LoRA of rank N (alpha 2N) and use_kl_loss on, so the reference pass (the actor with
+    its adapter off) is planned and measured; refused beside an explicit lora_rank override."""
+    if rank is None:
+        return []
+    if rank <= 0:
+        raise ValueError(f"--lora-rank must be > 0, got {rank} (leave it out for the full-parameter actor)")
+    given = [o for o in extra if o.lstrip("+").partition("=")[0] == "actor_rollout_ref.model.lora_rank"]
+    if given:
+        raise ValueError(f"--lora-rank {rank} and {given[0]} both set actor_rollout_ref.model.lora_rank; pass one")
+    return [f"actor_rollout_ref.model.lora_rank={rank}", f"actor_rollout_ref.model.lora_alpha={2 * rank}",
+            "actor_rollout_ref.actor.use_kl_loss=true"]
 
 
 def _free_port() -> int:
@@ -179,7 +203,9 @@ def build_actor(arr: DictConfig, device: str, mesh: Any) -> Actor:
         module = AutoModelForCausalLM.from_config(config, **kwargs)
     # The worker's own methods (not a copy), on a view holding the attributes and the method they read.
     worker = SimpleNamespace(device=device, device_mesh=mesh)
-    worker._prepare = lambda *args: _FSDPWorkerBase._prepare(worker, *args)
+    # LoRA: the worker's _prepare injects the adapters (the base frozen, bf16 on CUDA) before FSDP2 wraps
+    lora = LoraSpec.from_model_config(model_cfg) if int(model_cfg.get("lora_rank", 0) or 0) > 0 else None
+    worker._prepare = lambda *args: _FSDPWorkerBase._prepare(worker, *args, lora)
     module = _FSDPWorkerBase._wrap(worker, module, model_cfg, trainable=True)
     optimizer, scheduler = fsdp_utils.build_optimizer(module, arr.actor.optim)
     ppo = DataParallelPPOActor(arr.actor, module, optimizer, use_remove_padding=use_rmpad)
@@ -204,19 +230,24 @@ def random_batch(vocab_size: int, shape: BatchShape, seed: int = 0) -> dict[str,
     }
 
 
-def compute_log_prob(actor: Actor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """ActorRolloutRefWorker.compute_log_prob's body: log-probs (B, R) of the responses, on the host."""
-    rollout = actor.config.rollout
+def compute_log_prob(actor: Actor, tensors: dict[str, torch.Tensor], reference: bool = False) -> torch.Tensor:
+    """ActorRolloutRefWorker.compute_log_prob's body: log-probs (B, R) of the responses, on the host;
+    `reference`: compute_ref_log_prob's LoRA body (the ref's batch keys, the actor with its adapter off)."""
+    keys = actor.config.ref if reference else actor.config.rollout
     data = DataProto.from_dict(tensors=tensors).to(actor.worker.device)
     data.meta_info.update({
-        K.META_MICRO_BATCH_SIZE: rollout.log_prob_micro_batch_size,
-        K.META_MAX_TOKEN_LEN: rollout.log_prob_max_token_len_per_gpu,
-        K.META_USE_DYNAMIC_BSZ: rollout.log_prob_use_dynamic_bsz,
-        K.META_TEMPERATURE: rollout.temperature,
+        K.META_MICRO_BATCH_SIZE: keys.log_prob_micro_batch_size,
+        K.META_MAX_TOKEN_LEN: keys.log_prob_max_token_len_per_gpu,
+        K.META_USE_DYNAMIC_BSZ: keys.log_prob_use_dynamic_bsz,
+        K.META_TEMPERATURE: actor.config.rollout.temperature,
     })
     fsdp_cfg = actor.config.actor.fsdp_config
     _FSDPWorkerBase._onload(actor.worker, actor.module, None, fsdp_cfg)
-    log_probs_BR, _ = actor.ppo.compute_log_prob(data)
+    if reference:
+        with adapter_disabled(actor.module):
+            log_probs_BR, _ = actor.ppo.compute_log_prob(data)
+    else:
+        log_probs_BR, _ = actor.ppo.compute_log_prob(data)
     _FSDPWorkerBase._offload(actor.worker, actor.module, None, fsdp_cfg)
     return log_probs_BR.cpu()
 
@@ -262,12 +293,33 @@ def fingerprint(module: nn.Module) -> dict[str, float]:
 
 def held_bytes(actor: Actor) -> dict[str, int]:
     """Bytes the actor holds on this rank: parameter shards, AdamW state (all of it, and the part on
-    the training device: torch keeps AdamW's `step` on the host unless capturable/fused)."""
+    the training device: torch keeps AdamW's `step` on the host unless capturable/fused); with LoRA
+    the adapter's and the frozen base's shares of the parameters too."""
     state = [v for s in actor.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     on_device = [v for v in state if _local(v).device.type == actor.worker.device]
-    return {"actor params (fp32 shard)": sum(_nbytes(p) for p in actor.module.parameters()),
+    held = {"actor params (fp32 shard)": sum(_nbytes(p) for p in actor.module.parameters()),
             "actor AdamW state (shard)": sum(_nbytes(v) for v in state),
             "actor AdamW state on the training device": sum(_nbytes(v) for v in on_device)}
+    named = list(actor.module.named_parameters())
+    if any(is_adapter_param(n) for n, _ in named):
+        held["actor adapter params (shard)"] = sum(_nbytes(p) for n, p in named if is_adapter_param(n))
+        held["actor frozen base params (shard)"] = sum(_nbytes(p) for n, p in named if not is_adapter_param(n))
+    return held
+
+
+def lora_summary(actor: Actor, plan: MemoryPlan) -> dict[str, Any] | None:
+    """The adapter the built actor holds beside the plan's count of it (None without LoRA)."""
+    named = list(actor.module.named_parameters())
+    adapter = [(n, p) for n, p in named if is_adapter_param(n)]
+    if not adapter:
+        return None
+    frozen = [p for n, p in named if not is_adapter_param(n)]
+    return {"rank": int(actor.config.model.lora_rank), "alpha": float(actor.config.model.lora_alpha),
+            "parameters": sum(_local(p).numel() for _, p in adapter), "parameter_tensors": len(adapter),
+            "plan_parameters": plan.lora_params, "plan_parameter_tensors": plan.lora_tensors,
+            "trainable_only_adapter": all(p.requires_grad == is_adapter_param(n) for n, p in named),
+            "frozen_dtypes": sorted({str(p.dtype) for p in frozen}),
+            "adapter_dtypes": sorted({str(p.dtype) for _, p in adapter})}
 
 
 def phase_report(phase: Phase, peak: Peak | None) -> dict[str, Any]:
@@ -308,23 +360,35 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
         first_plan = plan_memory(cfg, model_config=model_config, first_update=True)
         arr = cfg.actor_rollout_ref
         normalize_actor_batch_sizes(arr, "actor_rollout_ref", world_size=1)
+        with_ref = any(p.name == "reference_log_prob" for p in plan.phases)   # LoRA with use_kl_loss only
         mesh = init_single_rank(device)
         try:
             actor = build_actor(arr, device, mesh)
             tensors = random_batch(int(model_config["vocab_size"]), shape)
             tensors[K.OLD_LOG_PROBS] = compute_log_prob(actor, tensors)
+            if with_ref:   # the trainer's order: old log-probs, the reference's, then the update
+                tensors[K.REF_LOG_PROB] = compute_log_prob(actor, tensors, reference=True)
             before = fingerprint(actor.module)
             metrics, first_peak = run_measured(device, lambda: update_actor(actor, tensors))
             after = fingerprint(actor.module)
             second, update_peak = run_measured(device, lambda: update_actor(actor, tensors))
             log_probs_BR, log_prob_peak = run_measured(device, lambda: compute_log_prob(actor, tensors))
+            ref_BR, ref_peak = run_measured(device, lambda: compute_log_prob(actor, tensors, reference=True)) \
+                if with_ref else (None, None)
             held = held_bytes(actor)
-            parameters = fsdp_utils.count_parameters(actor.module)
-            parameter_tensors = len(list(actor.module.parameters()))
+            lora = lora_summary(actor, plan)
+            # the model's own parameters (with LoRA: the frozen base's; the plan counts the adapter apart)
+            base = [p for n, p in actor.module.named_parameters() if not is_adapter_param(n)]
+            parameters, parameter_tensors = sum(_local(p).numel() for p in base), len(base)
         finally:
             dist.destroy_process_group()
     phases = {p.name: p for p in plan.phases}
     first_update = next(p for p in first_plan.phases if p.name == "actor_update")
+    measured = {"actor_update_first": phase_report(first_update, first_peak),
+                "actor_update": phase_report(phases["actor_update"], update_peak),
+                "actor_log_prob": phase_report(phases["actor_log_prob"], log_prob_peak)}
+    if with_ref:
+        measured["reference_log_prob"] = phase_report(phases["reference_log_prob"], ref_peak)
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -333,19 +397,21 @@ def run_check(model_config: dict[str, Any], shape: BatchShape, device: str, extr
         "shape": {**asdict(shape), "sequence_length": sequence_length(cfg)},
         "overrides": overrides,   # the model path in them named a temporary folder, gone now
         "plan_phases": [p.name for p in plan.phases], "plan_gib": plan.phase_gib(), "plan_notes": plan.notes,
-        "phases": {"actor_update_first": phase_report(first_update, first_peak),
-                   "actor_update": phase_report(phases["actor_update"], update_peak),
-                   "actor_log_prob": phase_report(phases["actor_log_prob"], log_prob_peak)},
-        "held_bytes": held,
+        "phases": measured, "held_bytes": held, "lora": lora,
         "update": {"pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"],
                    "grad_nonfinite": metrics["actor/grad_nonfinite"],
                    "response_tokens": int(tensors[K.RESPONSE_MASK].sum()),
                    "parameter_tensors_changed": sum(before[k] != after[k] for k in before),
+                   "frozen_tensors_changed": sum(before[k] != after[k] for k in before if lora and not is_adapter_param(k)),
                    "parameter_tensors": len(before)},
         "second_update": {"pg_loss": second["actor/pg_loss"], "grad_norm": second["actor/grad_norm"],
                           "grad_nonfinite": second["actor/grad_nonfinite"]},
         "log_prob": {"shape": list(log_probs_BR.shape), "mean": float(log_probs_BR.mean()),
                      "finite": bool(torch.isfinite(log_probs_BR).all())},
+        # the adapter off: the base model's log-probs, apart from the trained actor's after two updates
+        "reference_log_prob": None if ref_BR is None else {
+            "shape": list(ref_BR.shape), "mean": float(ref_BR.mean()), "finite": bool(torch.isfinite(ref_BR).all()),
+            "max_abs_diff_from_actor": float((ref_BR - log_probs_BR).abs().max())},
     }
 
 
@@ -367,6 +433,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="LoRA of this rank (alpha 2x) with use_kl_loss: also measures the reference pass")
     return parser.parse_args(argv)
 
 
@@ -383,8 +451,11 @@ def composed_report(model_config: dict[str, Any], shape: BatchShape, device: str
     """--compose-only: what the check would plan (nothing built): overrides and GiB per phase."""
     with tempfile.TemporaryDirectory(prefix="memory_plan_check_") as folder:
         overrides, cfg, plan = compose(model_config, shape, device, extra, folder)
+        names = {p.name for p in plan.phases}
         return {"composed": True, "overrides": overrides, "plan_gib": plan.phase_gib(),
-                "sequence_length": sequence_length(cfg)}
+                "sequence_length": sequence_length(cfg), "lora_params": plan.lora_params,
+                # what run_check would measure: the update twice, the log-prob pass, the LoRA reference pass
+                "measured_phases": ["actor_update_first", *(n for n in MEASURED_PHASES if n in names)]}
 
 
 def write_report(report: dict[str, Any], out: str | None) -> None:
@@ -399,12 +470,16 @@ def write_report(report: dict[str, Any], out: str | None) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     model_config, shape = model_and_shape(args)
+    try:
+        extra = [*lora_overrides(args.lora_rank, list(args.overrides)), *args.overrides]
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
     if args.compose_only:
-        report = composed_report(model_config, shape, args.device, list(args.overrides))
+        report = composed_report(model_config, shape, args.device, extra)
     else:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("no CUDA device here: run on a GPU machine, or pass --device cpu --tiny")
-        report = run_check(model_config, shape, args.device, list(args.overrides))
+        report = run_check(model_config, shape, args.device, extra)
     write_report(report, args.out)
     return report
 

@@ -41,6 +41,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_3B = "example/model_configs/qwen2.5-3b/config.json"
+QWEN_7B = "example/model_configs/qwen2.5-7b/config.json"
 BIG_3B = ("--model-config", QWEN_3B, "--rows", "16", "--micro", "4", "--prompt-length", "2048",
           "--response-length", "512", "actor_rollout_ref.model.enable_gradient_checkpointing=true")
 TINY = ("--device", "cpu", "--tiny", "--rows", "4", "--micro", "2", "--prompt-length", "16", "--response-length", "8")
@@ -173,6 +174,12 @@ CHECKS: tuple[Check, ...] = (
     _measure("memory_plan_3b_gc", "scripts.gpu_checks.memory_plan_vs_allocated",
              "the same, Qwen2.5-3B shape with gradient checkpointing, 16 rows of 2048 + 512", True, 55,
              _memory_figures),
+    # LoRA (issue 34 item 5): the 7B shape at rank 64, as example/lora/train_grpo_lora_7b.sh trains it on one GPU
+    Check("memory_plan_7b_lora64", "the same with LoRA rank 64 on Qwen2.5-7B's shape (bf16 frozen base, fp32 "
+          "adapter + AdamW), gradient checkpointing, 8 rows of 2048 + 512; also the reference pass (adapter off)",
+          "scripts.gpu_checks.memory_plan_vs_allocated",
+          ("--model-config", QWEN_7B, *BIG_3B[2:], "--rows", "8", "--lora-rank", "64", "--out", "{out}/report.json"),
+          (*TINY, "--lora-rank", "8", "--out", "{out}/report.json"), "measure", 35, 240, 300, _memory_figures),
     _measure("actor_throughput_0.5b", "scripts.gpu_checks.actor_throughput",
              "update and log-prob tokens/s and MFU, Qwen2.5-0.5B shape", False, 35, _throughput_figures),
     _measure("actor_throughput_3b_gc", "scripts.gpu_checks.actor_throughput",

@@ -85,6 +85,75 @@ def test_tiny_demo_runs_end_to_end_and_evaluate_sh_reads_its_checkpoint(tmp_path
     assert result["overall_f1"] >= result["overall"] - 1e-9
 
 
+# The tiny demo's RL settings on the shipped warm start (a model that answers: EM above 0 before RL).
+SHIPPED_MODEL_KEYS = ("demo.n_demos", "demo.sft_world_seeds", "demo.sft_steps", "demo.sft_batch_size",
+                      "demo.hidden_size", "demo.num_layers", "demo.num_heads", "demo.intermediate_size",
+                      "demo.vocab_size", "data.max_response_length")
+
+
+def evaluate_sh(model_dir: str, tmp: Path, url: str, name: str, n_gpus: int = 1,
+                extra: tuple[str, ...] = ()) -> dict:
+    """scripts/nq_hotpotqa/evaluate.sh on `model_dir` (the demo's lengths, its data and server): its JSON."""
+    out = tmp / f"{name}.json"
+    env = {**os.environ, "BASE_MODEL": model_dir, "DATA_DIR": str(tmp / "data"), "N_GPUS": str(n_gpus),
+           "OUTPUT_JSON": str(out), "RETRIEVER_URL": url, "OMP_NUM_THREADS": "1",
+           # evaluate.sh runs `python3` as a user with the venv activated would (CI does not activate it).
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(["bash", "scripts/nq_hotpotqa/evaluate.sh", "data.max_response_length=40",
+                           "data.max_obs_length=128", "data.max_prompt_length=768",
+                           "data.max_start_length=256", "max_turns=2", *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(tmp_path: Path) -> None:
+    """A LoRA run's hf/ export is the adapter; evaluate.sh on it reproduces the run's last validation EM
+    and on its base model the run's EM before training (the adapter starts as a no-op: B = 0)."""
+    args = [a for a in tiny_args(tmp_path) if a.partition("=")[0] not in SHIPPED_MODEL_KEYS]
+    summary = run_demo([*args, "actor_rollout_ref.model.lora_rank=8",
+                        "actor_rollout_ref.model.lora_alpha=16",
+                        # a large step that surely moves lora_B off zero (GRPO's advantages can all be 0 in so
+                        # small a batch; the entropy bonus always has a gradient): the answers change
+                        "actor_rollout_ref.actor.optim.lr=0.2", "actor_rollout_ref.actor.entropy_coeff=0.01"])
+    hf = Path(summary.hf_model_dir)
+    assert (hf / "adapter_model.safetensors").exists() and not (hf / "model.safetensors").exists()
+    adapter = json.loads((hf / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (8, 16)
+    base = adapter["base_model_name_or_path"]
+    assert (Path(base) / "config.json").exists()
+
+    data = tmp_path / "data"
+    # The demo's validation settings: its 2 workers, batch, rollout chunk and retrieval depth (greedy both).
+    same = ("data.val_batch_size=16", "actor_rollout_ref.rollout.micro_batch_size=256", "retriever.topk=2")
+    with retrieval_server(None, data / "bm25", data / "corpus.jsonl", 2, tmp_path / "srv.log") as url:
+        on_adapter = evaluate_sh(str(hf), tmp_path, url, "adapter", 2, same)
+        on_base = evaluate_sh(base, tmp_path, url, "base", 2, same)
+        proc = subprocess.run(
+            [sys.executable, "infer.py", "--question", "Who founded Tupemi Wenvios?", "--model_path", str(hf),
+             "--retriever_url", url, "--topk", "2", "--max_turns", "2", "--device", "cpu", "--max_new_tokens", "16"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
+    validations = [r for r in records if any(k.startswith("val/test_score/") for k in r)]
+    before, after = validations[0], validations[-1]
+    print(f"run: before {summary.val_em_before} after {summary.val_em_after}; evaluate.sh: base {on_base} "
+          f"adapter {on_adapter}")
+    assert on_adapter["overall"] == pytest.approx(summary.val_em_after, abs=1e-9)
+    assert on_base["overall"] == pytest.approx(summary.val_em_before, abs=1e-9)
+    for source in summary.val_em_after_by_source:
+        for metric in ("test_score", "test_f1"):
+            key = f"val/{metric}/{source}"
+            assert on_adapter[key] == pytest.approx(after[key], abs=1e-9)
+            assert on_base[key] == pytest.approx(before[key], abs=1e-9)
+    # the adapter changed the answers: evaluate.sh applied it (the base alone gives the other figures)
+    assert (on_adapter["overall"], on_adapter["overall_f1"]) != (on_base["overall"], on_base["overall_f1"])
+    # infer.py loads the adapter folder (its base from adapter_config.json, the adapter merged in) and answers
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "# Answer:" in proc.stdout, proc.stdout[-2000:]
+
+
 # Timing, throughput and MFU depend on the machine's load; everything else must not.
 _LOAD_DEPENDENT = ("timing", "perf/", "throughput")
 

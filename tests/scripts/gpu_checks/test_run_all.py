@@ -19,7 +19,8 @@ from scripts.gpu_checks import run_all
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "scripts" / "gpu_checks" / "run_all.sh"
-NAMES = ["pytest_gpu", "issue13", "sharded_init", "memory_plan_0.5b", "memory_plan_3b_gc", "actor_throughput_0.5b",
+NAMES = ["pytest_gpu", "issue13", "sharded_init", "memory_plan_0.5b", "memory_plan_3b_gc", "memory_plan_7b_lora64",
+         "actor_throughput_0.5b",
          "actor_throughput_3b_gc", "async_rollout_counters", "demo_grpo_sync", "demo_grpo_async", "demo_ppo", "demo_tool"]
 # The device budget is 15 minutes a call, machine start included: the kit is planned for 12 on one H100.
 BUDGET_S = 12 * 60
@@ -40,6 +41,8 @@ def test_every_check_composes_on_cpu(tmp_path: Path) -> None:
     gpu_tests = sum(len(re.findall(r"^def test_", f.read_text(), re.M)) for f in (REPO / "tests" / "gpu").glob("test_*.py"))
     assert checks["pytest_gpu"]["figures"] == {"collected": gpu_tests} and gpu_tests >= 6
     assert checks["memory_plan_3b_gc"]["figures"]["plan_gib"]["actor_update"] == pytest.approx(57.48, abs=0.01)
+    # LoRA on the 7B shape: the reference pass is planned (the actor, adapter off: no reference weights)
+    assert checks["memory_plan_7b_lora64"]["figures"]["plan_gib"]["reference_log_prob"] == pytest.approx(22.2, abs=0.01)
     demos = {n: checks[n]["figures"] for n in NAMES if n.startswith("demo_")}
     assert {n: (f["algorithm"], f["protocol"], f["rollout_mode"], f["device"]) for n, f in demos.items()} == {
         "demo_grpo_sync": ("grpo", "tags", "sync", "cuda"), "demo_grpo_async": ("grpo", "tags", "async", "cuda"),
