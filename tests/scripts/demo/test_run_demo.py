@@ -109,8 +109,9 @@ def evaluate_sh(model_dir: str, tmp: Path, url: str, name: str, n_gpus: int = 1,
 
 @pytest.mark.slow
 def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(tmp_path: Path) -> None:
-    """A LoRA run's hf/ export is the adapter; evaluate.sh on it reproduces the run's last validation EM
-    and on its base model the run's EM before training (the adapter starts as a no-op: B = 0)."""
+    """A LoRA run's hf/ export is the adapter; evaluate.sh on it reproduces the run's last validation EM,
+    which differs from the run's EM before training (the base alone: the adapter starts as a no-op,
+    B = 0), so evaluate.sh applied the adapter. One evaluate.sh run (each takes a minute or two)."""
     args = [a for a in tiny_args(tmp_path) if a.partition("=")[0] not in SHIPPED_MODEL_KEYS]
     summary = run_demo([*args, "actor_rollout_ref.model.lora_rank=8",
                         "actor_rollout_ref.model.lora_alpha=16",
@@ -129,7 +130,6 @@ def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(t
     same = ("data.val_batch_size=16", "actor_rollout_ref.rollout.micro_batch_size=256", "retriever.topk=2")
     with retrieval_server(None, data / "bm25", data / "corpus.jsonl", 2, tmp_path / "srv.log") as url:
         on_adapter = evaluate_sh(str(hf), tmp_path, url, "adapter", 2, same)
-        on_base = evaluate_sh(base, tmp_path, url, "base", 2, same)
         proc = subprocess.run(
             [sys.executable, "infer.py", "--question", "Who founded Tupemi Wenvios?", "--model_path", str(hf),
              "--retriever_url", url, "--topk", "2", "--max_turns", "2", "--device", "cpu", "--max_new_tokens", "16"],
@@ -138,17 +138,14 @@ def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(t
     records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
     validations = [r for r in records if any(k.startswith("val/test_score/") for k in r)]
     before, after = validations[0], validations[-1]
-    print(f"run: before {summary.val_em_before} after {summary.val_em_after}; evaluate.sh: base {on_base} "
-          f"adapter {on_adapter}")
+    print(f"run: before {summary.val_em_before} after {summary.val_em_after}; evaluate.sh: adapter {on_adapter}")
     assert on_adapter["overall"] == pytest.approx(summary.val_em_after, abs=1e-9)
-    assert on_base["overall"] == pytest.approx(summary.val_em_before, abs=1e-9)
     for source in summary.val_em_after_by_source:
         for metric in ("test_score", "test_f1"):
             key = f"val/{metric}/{source}"
             assert on_adapter[key] == pytest.approx(after[key], abs=1e-9)
-            assert on_base[key] == pytest.approx(before[key], abs=1e-9)
-    # the adapter changed the answers: evaluate.sh applied it (the base alone gives the other figures)
-    assert (on_adapter["overall"], on_adapter["overall_f1"]) != (on_base["overall"], on_base["overall_f1"])
+    # the adapter changed the answers, so the figures above are the adapter's, not the base's
+    assert any(after[k] != before[k] for k in after if k.startswith(("val/test_score/", "val/test_f1/")))
     # infer.py loads the adapter folder (its base from adapter_config.json, the adapter merged in) and answers
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "# Answer:" in proc.stdout, proc.stdout[-2000:]
