@@ -243,3 +243,25 @@ def test_dapo_dynamic_sampling_filters_groups_and_generates_again(ray_cluster, s
     assert 0.0 <= step["reward/overlong_fraction"] <= 1.0 and step["reward/overlong_reward_mean"] <= 0.0
     assert step["actor/grad_nonfinite"] == 0
     assert step["env/number_of_valid_search"] > 0   # multi-turn rows with searches were filtered and padded together
+
+
+@pytest.mark.slow   # ~30 s beside this module's search world (built once): 3 steps, the server answering in 3 s
+def test_a_partial_rollout_with_lora_takes_the_merged_weights_between_turns(
+        ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
+    # one_step_off with rollout.partial=true (tests/trainer/test_search_e2e.py's run) and LoRA: step 1's
+    # weights reach batch 2 between two of its turns, through the same push (merged for the HF engine)
+    from search_r1.search.retrieval_server import ServerConfig, create_app
+    from search_r1.search.serving import serve_in_background
+    from tests.trainer.test_pipeline_lora import LORA, _base_numel
+
+    retriever = build_bm25_retriever(search_world.corpus_path, tmp_path / "index")
+    with serve_in_background(create_app(retriever, ServerConfig(simulate_latency_ms=3000))) as url:
+        overrides = _search_overrides(search_world, tmp_path, "grpo", [
+            f"retriever.url={url}/retrieve", "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+            *LORA, "actor_rollout_ref.rollout.partial=true"])
+        history = run_ppo(compose_config(overrides))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    second = history[1]
+    assert second["pipeline/partial_rows"] > 0 and second["pipeline/token_staleness_max"] == 1.0
+    last = history[-1]
+    assert last["pipeline/weight_sync_bytes"] == last["pipeline/weight_syncs"] * _base_numel(search_world.model_dir) * 4

@@ -121,8 +121,9 @@ def test_merged_weights_and_exported_adapter_match_peft(tiny_model_dir, tmp_path
     (["actor_rollout_ref.model.lora_adapter_path=/x"], "lora_adapter_path='/x' is set but "
                                                         "actor_rollout_ref.model.lora_rank=0"),
     (["critic.model.lora_rank=8"], "critic.model.lora_rank=8: critic LoRA is not supported yet"),
-    (["actor_rollout_ref.model.lora_rank=8", "trainer.pipeline=one_step_off"],
-     "the weight push to a rollout pool does not carry a LoRA model yet"),
+    (["actor_rollout_ref.model.lora_rank=8", "trainer.pipeline=one_step_off", "trainer.rollout_pool=1",
+      "actor_rollout_ref.model.lora_adapter_path=/no/such/adapter"],
+     "lora_adapter_path='/no/such/adapter' with trainer.pipeline=one_step_off: the rollout pool's first rollout"),
     (["trainer.save_merged_lora=true"], "trainer.save_merged_lora=True exports a LoRA model merged"),
 ])
 def test_lora_config_rules_name_the_key(overrides, message):
@@ -133,6 +134,18 @@ def test_lora_config_rules_name_the_key(overrides, message):
 def test_lora_config_valid():
     assert config_errors(compose_config(["actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_alpha=32",
                                          "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])) == []
+
+
+@pytest.mark.parametrize("extra", [
+    ["trainer.pipeline=one_step_off"],
+    ["trainer.pipeline=async", "actor_rollout_ref.rollout.name=vllm"],
+    ["trainer.pipeline=async", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.lora_sync=merged"],
+])
+def test_lora_composes_with_the_pipelines(extra):
+    # the push carries the adapter (vLLM, lora_sync=adapter) or the merged weights (verl/workers/lora_push.py)
+    errors = config_errors(compose_config(["actor_rollout_ref.model.lora_rank=8", "trainer.n_gpus_per_node=2",
+                                           "trainer.rollout_pool=1", *extra]))
+    assert errors == []
 
 
 def test_infer_loads_an_adapter_folder_with_its_base(tiny_model_dir, tmp_path):

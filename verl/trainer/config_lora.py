@@ -69,9 +69,10 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
             errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} has no {' / '.join(missing)}: give a "
                           "folder a LoRA run exported (global_step_N/hf) or PeftModel.save_pretrained wrote")
     errors.extend(_check_lora_sync(cfg, rank))
-    if run.pools.pipelined:
-        errors.append(f"{LORA_KEY}.lora_rank={rank} with trainer.pipeline={cfg.trainer.pipeline}: the weight push "
-                      "to a rollout pool does not carry a LoRA model yet; use trainer.pipeline=sync")
+    if run.pools.pipelined and adapter_path:
+        errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} with trainer.pipeline={cfg.trainer.pipeline}: "
+                      "the rollout pool's first rollout would use the base model (it loads model.path; the "
+                      "adapter arrives with the first push); use trainer.pipeline=sync to continue from an adapter")
     if importlib.util.find_spec("peft") is None:
         errors.append(f"{LORA_KEY}.lora_rank={rank} needs Hugging Face PEFT, which is not installed: "
                       "`pip install peft -c requirements-lock.txt`")

@@ -636,13 +636,21 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         return self._rollout_pool.dtype
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weight_push_manifest(self, dtype: torch.dtype) -> Any:
-        """Train pool: the PushManifest of the actor's weights (names, full shapes, in push order)
-        travelling in `dtype` (no collective)."""
-        from verl.workers.weight_sync import push_manifest
+    def rollout_push_mode(self) -> str:
+        """Rollout pool: what a push must carry to its engine (verl/workers/lora_push.py): `full`,
+        or with LoRA `adapter` (vLLM serving the adapter) or `merged`."""
+        self._require(self._rollout_pool is not None, "rollout_push_mode")
+        return self._rollout_pool.push_mode
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_push_manifest(self, dtype: torch.dtype, mode: str = "full") -> Any:
+        """Train pool: the PushManifest of what a push of `mode` sends (the actor's weights; with LoRA
+        its adapter or its merged weights): names, full shapes, in push order, travelling in `dtype`
+        (no collective)."""
+        from verl.workers.lora_push import lora_push_manifest
 
         self._require(self._is_actor, "weight_push_manifest")
-        return push_manifest(self.actor_module, dtype)
+        return lora_push_manifest(self.actor_module, dtype, mode)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
     def join_weight_sync(self, host: str, port: int, size: int, manifest: Any) -> None:
@@ -664,14 +672,17 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)   # the two pools' calls run together
     def send_weights(self) -> int:
-        """Train pool: the actor's full weights, cast to the rollout engine's dtype, to every rollout
-        rank; returns the bytes rank 0 sent (0 on the other ranks, which only gather)."""
-        from verl.workers.weight_sync import push_state, send_state
+        """Train pool: the actor's full weights (with LoRA: the adapter, or the merged weights, as the
+        manifest's mode says), cast to the rollout engine's dtype, to every rollout rank; returns the
+        bytes rank 0 sent (0 on the other ranks, which only gather)."""
+        from verl.workers.lora_push import lora_push_state
+        from verl.workers.weight_sync import send_state
 
         self._require(self._is_actor and self._push_manifest is not None, "send_weights")
         fsdp_cfg = self.config.actor.fsdp_config
         self._onload(self.actor_module, None, fsdp_cfg)
-        sent = send_state(self._weight_sync, push_state(self.actor_module), self._push_manifest, self.device)
+        manifest = self._push_manifest
+        sent = send_state(self._weight_sync, lora_push_state(self.actor_module, manifest.mode), manifest, self.device)
         self._offload(self.actor_module, None, fsdp_cfg)
         return sent
 

@@ -35,7 +35,9 @@ from omegaconf import open_dict
 from torch import nn
 
 from verl.utils import fsdp_utils
+from verl.utils.lora import LoraSpec
 from verl.utils.model import load_causal_lm
+from verl.workers.lora_push import push_mode
 from verl.workers.rollout import BaseRollout, HFRollout, build_rollout
 from verl.workers.weight_sync import (
     PushManifest,
@@ -60,6 +62,9 @@ class RolloutPoolState:
     dtensors: int                   # DTensors (sharded tensors) alive in this process (0)
     params: int                     # elements of the engine's weights this process holds (HF module; 0 for vLLM)
     last_push: tuple[str, ...]      # the tensors of the last push, in the order the engine took them
+    push_mode: str = "full"         # what pushes carry: full, or with LoRA adapter / merged (lora_push.py)
+    lora: dict[str, Any] | None = None   # vLLM: its lora_state() (LoRA mode, adapters, loads, bytes); HF: None
+    lora_ids: tuple[int, ...] = ()  # the LoRARequest id each generation phase's requests carried (version + 1)
 
 
 def engine_compute_dtype(device: str) -> torch.dtype:
@@ -82,11 +87,15 @@ class RolloutPoolEngine:
     """A rollout rank's engine (`rollout`), the HF engine's plain module (`module`, None for vLLM)
     and the version of the weights the engine holds."""
 
-    def __init__(self, rollout: BaseRollout, module: nn.Module | None, device: str) -> None:
+    def __init__(self, rollout: BaseRollout, module: nn.Module | None, device: str, lora: LoraSpec | None = None) -> None:
         self.rollout, self.module, self.device = rollout, module, device
+        # LoRA: what a push carries (verl/workers/lora_push.py): the adapter alone where the engine
+        # serves it (vLLM, lora_sync=adapter), else the merged weights; `full` without LoRA
+        self.push_mode = push_mode(lora, getattr(rollout, "adapter_sync", None) is not None)
         self.version = 0                   # the model path's weights, loaded at build
         self.pushes = 0
         self.last_push: tuple[str, ...] = ()
+        self.lora_ids: list[int] = []
         if not self._is_hf:
             self.rollout.synced_version = 0  # type: ignore[attr-defined]
 
@@ -97,8 +106,11 @@ class RolloutPoolEngine:
     @classmethod
     def build(cls, config: Any, tokenizer: Any, device: str, attn: str | None, seed: int,
               device_index: int | None = None) -> RolloutPoolEngine:
-        """The engine of `config` (the actor_rollout_ref tree) with the model path's weights."""
+        """The engine of `config` (the actor_rollout_ref tree) with the model path's weights. With LoRA
+        a vLLM engine is built as the sync path builds it (lora_sync=adapter: enable_lora, the base
+        from the model path); the HF engine's module stays plain (pushes carry merged weights)."""
         model_cfg = config.model
+        lora = LoraSpec.from_model_config(model_cfg)
         rollout_cfg = rollout_pool_engine_config(config.rollout)
         module = None
         if build_rollout_name(rollout_cfg, device) == "hf":
@@ -108,8 +120,8 @@ class RolloutPoolEngine:
             module.requires_grad_(False)
             module.to(device).eval()
         rollout = build_rollout(rollout_cfg, module, tokenizer, model_path=model_cfg.path, seed=seed, device=device,
-                                device_index=device_index)
-        return cls(rollout, module, device)
+                                device_index=device_index, lora=lora if module is None else None)
+        return cls(rollout, module, device, lora)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,6 +132,9 @@ class RolloutPoolEngine:
 
     def join(self, manifest: PushManifest) -> None:
         """Check that pushes of `manifest` can go straight into this engine."""
+        if manifest.mode != self.push_mode:
+            raise ValueError(f"weight push: the sender pushes {manifest.mode!r} tensors, the rollout engine takes "
+                             f"{self.push_mode!r} (actor_rollout_ref.model.lora_rank must be the same for both pools)")
         if manifest.dtype != self.dtype:
             raise ValueError(f"weight push: the sender casts to {manifest.dtype}, the rollout engine holds {self.dtype}")
         if self.module is not None:
@@ -130,6 +145,15 @@ class RolloutPoolEngine:
         if self.module is not None:
             self.last_push = tuple(receive_into_module(group, manifest, self.module))
             received = manifest.nbytes
+        elif manifest.mode == "adapter":
+            # the adapter (small): received whole, written as this version's adapter folder, loaded
+            stream = ReceivedTensors(group, manifest, self.device)
+            try:
+                tensors = {name: tensor.cpu() for name, tensor in stream}
+            finally:
+                received = stream.finish()
+            self.rollout.sync_adapter(tensors, version=version)  # type: ignore[attr-defined]
+            self.last_push = tuple(stream.names)
         else:
             stream = ReceivedTensors(group, manifest, self.device)
             try:
@@ -150,6 +174,9 @@ class RolloutPoolEngine:
             yield      # the module is frozen in eval mode; HFRollout sets eval around its own calls too
             return
         self.rollout.wake_up(lambda: self._check_engine_holds(version))  # type: ignore[attr-defined]
+        request = getattr(self.rollout, "lora_request", None)
+        if request is not None:
+            self.lora_ids.append(int(request.lora_int_id))
         try:
             yield
         finally:
@@ -171,7 +198,9 @@ class RolloutPoolEngine:
             engine_loads=self.pushes if self._is_hf else self.rollout.weight_loads,  # type: ignore[attr-defined]
             fsdp_modules=fsdp_modules, dtensors=dtensors,
             params=sum(p.numel() for p in self.module.parameters()) if self.module is not None else 0,
-            last_push=self.last_push)
+            last_push=self.last_push, push_mode=self.push_mode,
+            lora=self.rollout.lora_state() if hasattr(self.rollout, "lora_state") else None,  # type: ignore[attr-defined]
+            lora_ids=tuple(self.lora_ids))
 
 
 def sharded_objects_alive() -> tuple[int, int]:

@@ -70,10 +70,13 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class PushManifest:
-    """Every tensor a push sends, in the order sent, and the dtype they travel (and land) in."""
+    """Every tensor a push sends, in the order sent, and the dtype they travel (and land) in.
+    `mode`: what the tensors are (verl/workers/lora_push.py): `full` the actor's weights, `adapter`
+    a LoRA actor's adapter only (PEFT's names), `merged` a LoRA actor's merged weights."""
 
     tensors: tuple[TensorSpec, ...]
     dtype: torch.dtype
+    mode: str = "full"
 
     @property
     def numel(self) -> int:
@@ -90,7 +93,7 @@ class PushManifest:
         return [name for spec in self.tensors for name in (spec.name, *spec.aliases)]
 
     def with_dtype(self, dtype: torch.dtype) -> PushManifest:
-        return PushManifest(self.tensors, dtype)
+        return PushManifest(self.tensors, dtype, self.mode)
 
 
 def _distinct_state(module: nn.Module) -> list[tuple[str, torch.Tensor, list[str]]]:

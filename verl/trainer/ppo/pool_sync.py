@@ -17,11 +17,16 @@ from verl.workers.weight_sync import PushManifest
 def join_weight_sync(train_wg: Any, rollout_wg: Any) -> PushManifest:
     """Build the group of the train pool's rank 0 and every rollout rank. A push carries the dtype
     the rollout engines hold their weights in; the manifest (tensor names and shapes, in push order)
-    comes from the train pool's actor. Returns it."""
+    comes from the train pool's actor, for the push mode the engines take (verl/workers/lora_push.py:
+    `full`; with LoRA `adapter` or `merged`). Returns it."""
     dtypes = set(rollout_wg.rollout_weight_dtype())
     if len(dtypes) != 1:
         raise RuntimeError(f"the rollout pool's engines hold weights in different dtypes: {sorted(map(str, dtypes))}")
-    manifest: PushManifest = train_wg.weight_push_manifest(dtypes.pop())[0]
+    modes = set(rollout_wg.rollout_push_mode())
+    if len(modes) != 1:
+        raise RuntimeError(f"the rollout pool's engines take different pushes: {sorted(modes)}")
+    # with LoRA the engine decides what travels: the adapter alone (vLLM serving it) or the merged weights
+    manifest: PushManifest = train_wg.weight_push_manifest(dtypes.pop(), modes.pop())[0]
     host, port = train_wg.weight_sync_endpoint()[0]
     size = 1 + rollout_wg.world_size
     # both pools at once: joining blocks until every member is there
