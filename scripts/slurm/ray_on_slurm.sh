@@ -115,6 +115,13 @@ cleanup() {
         fi
         wait "$pid" 2>/dev/null
     done
+    # A head that died on its own (e.g. a port taken) leaves its worker processes behind until they
+    # notice; on this node, end every process still running from this job's Ray temp dir.
+    if pkill -TERM -f -- "$ray_tmp/session_" 2>/dev/null; then
+        for _ in $(seq 20); do pgrep -f -- "$ray_tmp/session_" >/dev/null || break; sleep 0.5; done
+        pkill -KILL -f -- "$ray_tmp/session_" 2>/dev/null
+        log "stopped the job's leftover Ray processes on $(hostname)"
+    fi
     log "stopped"
     exit "$rc"
 }
