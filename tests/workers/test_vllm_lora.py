@@ -233,15 +233,16 @@ def _peft_log_probs(model: torch.nn.Module, out: Any, response_len: int) -> torc
 @pytest.mark.vllm
 @pytest.mark.slow   # ~1 min on a 2-core CPU: one vLLM-CPU engine, two adapters
 def test_vllm_cpu_serves_the_actors_adapter_in_sync_and_async_generation(vllm_model_dir: str) -> None:  # noqa: F811
-    # The engine runs in this process: its process group and thread setting are put back after it.
-    threads = torch.get_num_threads()
-    try:
-        _serve_two_adapters(vllm_model_dir)
-    finally:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    # In a fresh process: vLLM-CPU's kernel registration walks every module already imported, and in the
+    # slow suite's process one imported by an earlier test broke it (AttributeError in its dispatcher).
+    import subprocess
+    import sys
+    from pathlib import Path
 
-        cleanup_dist_env_and_memory()
-        torch.set_num_threads(threads)
+    code = f"from tests.workers.test_vllm_lora import _serve_two_adapters; _serve_two_adapters({vllm_model_dir!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
 
 def _serve_two_adapters(vllm_model_dir: str) -> None:  # noqa: F811
