@@ -207,23 +207,36 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
+def lora_scalings(module: nn.Module) -> dict[str, float]:
+    """alpha / r of each LoRA-wrapped module, by its name."""
+    return {name: float(layer.scaling[ADAPTER_NAME]) for name, layer in module.named_modules()
+            if hasattr(layer, "lora_A") and ADAPTER_NAME in getattr(layer, "scaling", {})}
+
+
+def merged_weight(name: str, full: torch.Tensor, state: dict[str, torch.Tensor],
+                  scaling: dict[str, float]) -> torch.Tensor | None:
+    """W + scaling * B @ A in fp32 when `name` is a LoRA-wrapped linear's base weight (`full`: that
+    weight gathered; the adapter's factors are gathered from `state`, a collective), else None."""
+    owner, _, local = name.rpartition(".base_layer.")
+    if local != "weight" or owner not in scaling:
+        return None
+    a = _full(state[f"{owner}.lora_A.{ADAPTER_NAME}.weight"]).float()
+    b = _full(state[f"{owner}.lora_B.{ADAPTER_NAME}.weight"]).float()
+    return full.float() + scaling[owner] * (b @ a)
+
+
 def merged_state(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, full tensor) of the adapted model: each LoRA-wrapped weight merged
     (W + scaling * B @ A, in W's dtype), the adapters left out; other entries as they are. Every rank
     must iterate it to the end (gathering a shard is a collective)."""
     state = module.state_dict()
-    scaling = {name: layer.scaling[ADAPTER_NAME] for name, layer in module.named_modules()
-               if hasattr(layer, "lora_A") and ADAPTER_NAME in getattr(layer, "scaling", {})}
+    scaling = lora_scalings(module)
     for name, tensor in state.items():
         if is_adapter_param(name):
             continue
-        owner, _, local = name.rpartition(".base_layer.")
         full = _full(tensor)
-        if local == "weight" and owner in scaling:
-            a = _full(state[f"{owner}.lora_A.{ADAPTER_NAME}.weight"]).float()
-            b = _full(state[f"{owner}.lora_B.{ADAPTER_NAME}.weight"]).float()
-            full = (full.float() + scaling[owner] * (b @ a)).to(full.dtype)
-        yield checkpoint_name(name), full
+        merged = merged_weight(name, full, state, scaling)
+        yield checkpoint_name(name), full if merged is None else merged.to(full.dtype)
 
 
 def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:

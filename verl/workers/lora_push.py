@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from verl.utils.fsdp_utils import full_tensor
-from verl.utils.lora import ADAPTER_NAME, LoraSpec, is_adapter_param
+from verl.utils.lora import ADAPTER_NAME, LoraSpec, is_adapter_param, lora_scalings, merged_weight
 from verl.utils.lora import checkpoint_name as lora_checkpoint_name
 from verl.workers.weight_sync import PushManifest, TensorSpec, checkpoint_name, push_manifest, push_state
 
@@ -89,26 +89,17 @@ def lora_push_manifest(module: nn.Module, dtype: torch.dtype, mode: str) -> Push
     return PushManifest(tuple(specs), dtype, mode)
 
 
-def _scalings(module: nn.Module) -> dict[str, float]:
-    return {name: float(layer.scaling[ADAPTER_NAME]) for name, layer in module.named_modules()
-            if hasattr(layer, "lora_A") and ADAPTER_NAME in getattr(layer, "scaling", {})}
-
-
 def _merged(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Each frozen entry once, full (gathered: a collective on every rank, in the same order), an
     adapted linear's weight merged in fp32: W + scaling * B @ A."""
-    scaling = _scalings(module)
+    scaling = lora_scalings(module)
     state = module.state_dict(keep_vars=True)
     for name, tensor, _ in _distinct(module):
         if is_adapter_param(name):
             continue
-        owner, _, local = name.rpartition(".base_layer.")
         full = full_tensor(tensor)
-        if local == "weight" and owner in scaling:
-            a = full_tensor(state[f"{owner}.lora_A.{ADAPTER_NAME}.weight"]).float()
-            b = full_tensor(state[f"{owner}.lora_B.{ADAPTER_NAME}.weight"]).float()
-            full = full.float() + scaling[owner] * (b @ a)
-        yield merged_push_name(name), full
+        merged = merged_weight(name, full, state, scaling)
+        yield merged_push_name(name), full if merged is None else merged
 
 
 def lora_push_state(module: nn.Module, mode: str) -> Iterator[tuple[str, torch.Tensor]]:
