@@ -260,8 +260,7 @@ def test_one_step_off_with_dynamic_sampling_trains_only_varying_groups_within_th
         def __call__(self, data: Any) -> Any:
             scores_BR = super().__call__(data)    # records the batch
             hit_B = (data.batch[K.RESPONSES][:, 0] % 2 == 0).float()
-            last_B = scores_BR.new_zeros(len(hit_B), dtype=int) + (data.batch[K.ATTENTION_MASK][
-                :, -scores_BR.shape[-1]:].sum(-1) - 1).clamp(min=0)
+            last_B = (data.batch[K.ATTENTION_MASK][:, -scores_BR.shape[-1]:].sum(-1) - 1).clamp(min=0)
             scores_BR.zero_()
             scores_BR[torch.arange(len(hit_B)), last_B] = hit_B
             return scores_BR
