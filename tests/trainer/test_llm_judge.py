@@ -184,7 +184,9 @@ def test_timeout_malformed_and_no_verdict_fail_without_scoring(judge_server):
     errors = " | ".join(judge.last_stats.errors)
     assert "timeout after 0.3s" in errors and "malformed chat completion" in errors
     assert "no yes/no verdict in the judge's reply 'maybe'" in errors and "HTTP 400" in errors
-    assert script.requests["slow"] == 2                          # timeouts are retried
+    # timeouts are retried: the client sent "slow" twice and each other item once (counted client-side,
+    # since under load a timed-out retry may never reach the server's handler within the 0.3 s)
+    assert judge.last_stats.calls == 2 + 4 and script.requests["slow"] >= 1
     assert script.requests["malformed"] == 1 and script.requests["maybe"] == 1 and script.requests["bad400"] == 1
 
 
