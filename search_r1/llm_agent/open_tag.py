@@ -5,8 +5,9 @@ The passage is read through the retrieval server's POST /open with the tool prot
 (tool_backends.py: one HTTP client for both protocols) and rendered inside the same
 `<information>…</information>` framing as search results (actions.py). An id or page the server
 does not have is an observation saying so (`open_not_found`); a server that does not answer is one
-too (`open_failures`). Neither ends the row. The per-row budget (`max_opens`) and the final-turn
-rule are the manager's (generation.py `_runs_action`, `_apply_turn`).
+too (`open_failures`), after `retriever.max_retries` resends as for a search. Neither ends the row.
+The per-row budget (`max_opens`) and the final-turn rule are the manager's (generation.py
+`_runs_action`, `_apply_turn`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class OpenTag:
                                  "documents (open_tag.enable)")
             self._tool = OpenTool("open", {"retrieval_service_url": self.config.search_url,
                                            "page_size": self.config.open_page_size,
-                                           "timeout": self.config.retrieval_timeout})
+                                           "timeout": self.config.retrieval_timeout,
+                                           "max_retries": self.config.retrieval_max_retries})
         return self._tool
 
     def observe(self, content: str, stats: Counter[str]) -> str:

@@ -136,7 +136,7 @@ class OpenTool:
     answers the page as text). Either way one page of `page_size` characters comes back."""
 
     KEYS = ("retrieval_service_url", "page_size", "fetcher", "reader_url", "api_key_env", "max_bytes",
-            "allow_private_addresses")
+            "allow_private_addresses", "max_retries", "backoff_factor")
     FETCHERS = ("none", "direct", "jina")
 
     def __init__(self, name: str, config: dict) -> None:
@@ -150,7 +150,18 @@ class OpenTool:
         self.timeout = float(config.get("timeout", 30))
         # `fetcher: direct` reaches public addresses only unless the operator allows private ones
         self.allow_private = bool(config.get("allow_private_addresses", False))
+        # POST /open is retried as a search is (search_r1.search.client.retrying_session): refused
+        # connections and 5xx answers, with backoff; a read timeout and 4xx answers are not.
+        self.max_retries = int(config.get("max_retries", 3))
+        self.backoff_factor = float(config.get("backoff_factor", 0.5))
+        if self.max_retries < 0 or self.backoff_factor < 0:
+            raise ValueError(f"open tool {name!r}: max_retries ({self.max_retries}) and backoff_factor "
+                             f"({self.backoff_factor}) must be >= 0")
+        self._session: requests.Session | None = None
         self.config = config
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_session": None}   # sockets do not travel; rebuilt on first use
 
     def call(self, arguments: dict) -> str:
         page = arguments.get("page", 1)
@@ -172,11 +183,16 @@ class OpenTool:
         the server unreachable or failing: `ToolFailure`."""
         if self.open_url is None:
             raise ToolFailure("this open tool reads URLs only; give 'url'")
+        if self._session is None:
+            from search_r1.search.client import retrying_session
+
+            self._session = retrying_session(self.max_retries, self.backoff_factor, self.timeout, pool_size=4)
         try:
-            response = requests.post(self.open_url, json={"doc_id": doc_id, "page": page, "page_size": self.page_size},
-                                     timeout=self.timeout)
+            response = self._session.post(self.open_url, timeout=self.timeout,
+                                          json={"doc_id": doc_id, "page": page, "page_size": self.page_size})
         except requests.RequestException as err:
-            raise ToolFailure(f"the retrieval server did not answer ({type(err).__name__})") from None
+            raise ToolFailure(f"the retrieval server did not answer after {self.max_retries} retries "
+                              f"({type(err).__name__})") from None
         if response.status_code in (400, 404):
             try:
                 detail = str(response.json().get("detail", response.text))

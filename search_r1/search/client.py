@@ -71,6 +71,33 @@ class _Retry(Retry):
         return None if after is None else min(after * (1.0 + random.random()), self.max_retry_after)
 
 
+def retrying_session(max_retries: int, backoff_factor: float, timeout: float, pool_size: int = 16
+                     ) -> requests.Session:
+    """A requests Session with the retrieval clients' retry policy: connection failures, resets while
+    reading and 5xx answers resent up to `max_retries` times with exponential backoff (POST included:
+    the endpoints are read-only), a 503's Retry-After honoured up to `timeout`, a read timeout and 4xx
+    answers never resent; the last 5xx is handed back rather than raised."""
+    retry = _Retry(
+        total=max_retries,
+        connect=max_retries,
+        status=max_retries,
+        read=max_retries,  # resets while reading; _Retry re-raises a read timeout as is
+        other=0,
+        redirect=0,
+        allowed_methods=frozenset({"GET", "POST"}),
+        status_forcelist=RETRYABLE_STATUS,
+        backoff_factor=backoff_factor,
+        raise_on_status=False,
+        respect_retry_after_header=True,
+    )
+    retry.max_retry_after = timeout
+    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=retry)
+    session = requests.Session()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
 class RetrievalError(RuntimeError):
     """A /retrieve call that did not produce results.
 
@@ -195,27 +222,7 @@ class RetrievalClient(_RetrieveEndpoint):
         self._session = self._make_session()
 
     def _make_session(self) -> requests.Session:
-        retry = _Retry(
-            total=self.max_retries,
-            connect=self.max_retries,
-            status=self.max_retries,
-            read=self.max_retries,  # resets while reading; _Retry re-raises a read timeout as is
-            other=0,
-            redirect=0,
-            allowed_methods=frozenset({"GET", "POST"}),
-            status_forcelist=RETRYABLE_STATUS,
-            backoff_factor=self.backoff_factor,
-            # Hand the last 5xx back to us instead of raising, so its message is kept.
-            raise_on_status=False,
-            # An overloaded server's 503 says when to come back; capped at the request timeout.
-            respect_retry_after_header=True,
-        )
-        retry.max_retry_after = self.timeout
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.pool_size, max_retries=retry)
-        session = requests.Session()
-        session.mount("http://", adapter)
-        session.mount("https://", adapter)
-        return session
+        return retrying_session(self.max_retries, self.backoff_factor, self.timeout, self.pool_size)
 
     # A requests.Session holds sockets and locks; ship the settings and rebuild it.
     def __getstate__(self) -> dict[str, Any]:

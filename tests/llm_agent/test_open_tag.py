@@ -5,10 +5,15 @@ scripted engine and the project's BM25 server over HTTP (its POST /open)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections import Counter
 
 import pytest
 import requests
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
@@ -311,3 +316,48 @@ def test_async_rows_equal_sync_rows_with_opens(tokenizer, retrieval_url):
     total = sum(stats, Counter())
     assert total["open_not_found"] == sync_out.meta_info["open_not_found"] == 1
     assert total["open_failures"] == 0
+
+
+@pytest.fixture
+def flaky_open_server(retrieval_url):
+    """POST /open answers 503 to the first `fail` calls of each doc id, then forwards to the real server."""
+    app, seen, fail = FastAPI(), Counter(), 2
+    real = retrieval_url.removesuffix("/retrieve") + "/open"
+
+    @app.post("/open")
+    async def open_doc(request: Request) -> JSONResponse:
+        body = await request.json()
+        seen[body["doc_id"]] += 1
+        if seen[body["doc_id"]] <= fail:
+            return JSONResponse(status_code=503, content={"detail": "busy"})
+        answer = requests.post(real, json=body, timeout=5)
+        return JSONResponse(status_code=answer.status_code, content=answer.json())
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/retrieve", seen
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_an_open_is_retried_as_a_search_is(tokenizer, flaky_open_server):
+    """A 5xx from POST /open is resent up to retriever.max_retries times (backoff), as a search is:
+    with 2 retries the page comes back on the third call; with 1 the open is counted as failed."""
+    from search_r1.llm_agent.open_tag import OpenTag
+
+    url, seen = flaky_open_server
+    stats: Counter[str] = Counter()
+    retried = OpenTag(make_config(url, open_tag=True, retrieval_max_retries=2))
+    assert retried._backend().backoff_factor == 0.5 and retried._backend().max_retries == 2
+    retried._backend().backoff_factor = 0.01
+    page = retried.observe("1", stats)
+    assert page.startswith(actions.INFORMATION_OPEN + "Eiffel Tower"), page   # CORPUS doc 1
+    assert seen["1"] == 3 and not stats
+    short = OpenTag(make_config(url, open_tag=True, retrieval_max_retries=1))
+    short._backend().backoff_factor = 0.01
+    assert short.observe("2", stats) == actions.render_open_failure()
+    assert seen["2"] == 2 and stats["open_failures"] == 1
