@@ -261,8 +261,10 @@ def test_host_plan_counts_the_base_kept_by_level_1_sleep() -> None:
     buffers = 2 * 131072 * 128 + 4 * 4 * 28                      # level 2: rotary table and scales only
     assert list(sleep_items().values()) == [8 * buffers]
     lora = ("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.rollout.name=vllm")
-    (key, kept), = sleep_items(*lora).items()
-    assert key.startswith("vLLM level-1 sleep (LoRA") and kept == 8 * (buffers + 2 * shape.vllm_params())
+    (key, kept), (lora_key, _) = sleep_items(*lora).items()
+    # the base in 2 MiB segments: a little above its bytes (tests/utils/test_host_memory_plan_lora.py has the sum)
+    assert key.startswith("vLLM level-1 sleep (LoRA") and "stacked" in lora_key
+    assert 8 * (buffers + 2 * shape.vllm_params()) < kept < 8 * (buffers + 2 * shape.vllm_params()) * 1.01
     assert list(sleep_items(*lora, "actor_rollout_ref.rollout.lora_sync=merged").values()) == [8 * buffers]
 
 

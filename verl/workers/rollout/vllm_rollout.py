@@ -1,8 +1,9 @@
 """Rollout with vLLM inside the actor worker (hybrid engine): token ids in, sampled ids and their log-probs out.
 
-The engine is built once per worker with random weights (`load_format=dummy`); before a
-generation phase the actor's current weights are streamed into it (`sync_weights`), one full
-tensor at a time, under the Hugging Face checkpoint names vLLM's loaders expect. On a pipeline's
+The engine is built once per worker with random weights (`load_format=dummy`; with LoRA's
+lora_sync=adapter it loads the base from the model path instead, below); before a generation phase
+the actor's current weights are streamed into it (`sync_weights`), one full tensor at a time, under
+the Hugging Face checkpoint names vLLM's loaders expect. On a pipeline's
 rollout pool (verl/workers/rollout_pool.py) it loads the model path's weights instead, and each
 weight push from the train pool streams through `sync_weights` as it arrives. Nothing is
 re-tokenized: prompts go in as `prompt_token_ids` (left padding stripped), and the ids vLLM
@@ -17,10 +18,16 @@ LoRA (`actor_rollout_ref.model.lora_rank > 0`): with `rollout.lora_sync=adapter`
 base model from the model path once and serves the actor's adapter (`sync_adapter`, a LoRARequest per
 weights version, verl/workers/rollout/vllm_lora.py); with `merged` it loads merged weights as above.
 
-Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`: weights and KV cache
-discarded, vLLM's level 2; with lora_sync=adapter level 1, the base backed up in pinned host memory) and wakes once per rollout, not once per turn, in the order that keeps
-the peak low: free cached blocks, weight memory back, the actor's weights in, free again, then the
-KV cache.
+Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`). Without LoRA's adapter sync
+at vLLM's level 2: weights and KV cache discarded, the next wake streams the actor's weights in. With
+lora_sync=adapter at level 1: the base weights (and the LoRA buffers) are copied to pinned host memory
+at every sleep and back at every wake (a host round trip of the base per step; the workers'
+PYTORCH_ALLOC_CONF caps torch's pinned rounding, verl/utils/host_memory_plan.py plans the bytes). At
+every level vLLM also backs up its runtime and CUDA-graph pools to host. The wake and sleep are
+timed and their host bytes read (`phase_stats`: timing_s/rollout_wake, timing_s/rollout_sleep,
+rollout/sleep_host_bytes). It wakes once per rollout, not once per turn, in the order that keeps the
+peak low: free cached blocks, weight memory back, the actor's weights in, free again, then the KV
+cache.
 
 Tensor parallelism: with `tensor_model_parallel_size` t > 1 the engine runs under vLLM's
 `external_launcher`: t consecutive workers of the group form one engine (vLLM builds its groups
@@ -364,16 +371,17 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         return stats
 
     def sleep(self) -> None:
-        """Give the engine's memory back to training: weights and KV cache discarded (level 2).
-        With lora_sync=adapter, level 1: the base weights wait in host memory (they are never sent
-        again) and the adapter stays loaded.
+        """Give the engine's memory back to training. The level follows the sync mode:
 
-        Without LoRA, level 1 would keep a pinned host copy of the weights on every rank (15 GB for a
-        7B model, 120 GB per 8-GPU node) only to copy it back at the next wake, where the actor's
-        newer weights overwrite it anyway; level 2 frees it and the next wake streams the actor's
-        weights in (vLLM keeps the model's buffers, e.g. the rotary tables, across it). With an
-        adapter the base is never sent again, so level 1's host copy is the price of not streaming
-        it (a host round trip of the base each step; docs/training.md, "LoRA")."""
+        - lora_sync=adapter: level 1. The base weights go to pinned host memory (they are never sent
+          again) and come back at the next wake; the adapter stays loaded. That host copy, and its
+          round trip each step, is the price of never streaming the base (docs/training.md, "LoRA").
+        - otherwise (no LoRA, or merged): level 2, weights and KV cache discarded. Level 1 would keep
+          a pinned host copy of the weights on every rank (15 GB for a 7B model, 120 GB per 8-GPU
+          node) only to copy it back before the actor's newer weights overwrite it; the next wake
+          streams the actor's weights in (vLLM keeps the model's buffers, e.g. the rotary tables).
+
+        Timed, with the bytes the sleep backed up to host (`phase_stats`)."""
         if self.sleep_between_phases:
             start = time.perf_counter()
             self.llm.sleep(level=self.sleep_level)   # its backups: synchronous cudaMemcpy per segment
