@@ -95,7 +95,7 @@ def _multiturn_in_worker_group(model_dir: str, tokenizer, greedy: DataProto, tok
         group.rollout_wake_up()
         out = LLMGenerationManager(tokenizer, group, config, is_validation=True).run_llm_loop(
             prompts, prompts.batch[K.INPUT_IDS][:, -min(width, 128):])
-        woke = [w for w in group.rollout_sleep() if w is not None]
+        woke = [r["engine_wake_ups"] for r in group.rollout_sleep() if r is not None]
         rollout_s = time.perf_counter() - start
     finally:
         group.shutdown()

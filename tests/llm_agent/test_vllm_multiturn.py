@@ -87,7 +87,7 @@ def test_multiturn_search_on_vllm_keeps_sampled_ids_and_masks_observations(
                                   max_obs_length=400, search_url=retrieval_url, topk=1)
         wg.rollout_wake_up()     # as the trainer does; the manager's own wake nests inside
         out = LLMGenerationManager(tok, wg, config, is_validation=True).run_llm_loop(gen_batch, ids)
-        assert wg.rollout_sleep() == [1, 1]     # three engine calls, one wake per rank
+        assert wg.rollout_sleep() == [{"engine_wake_ups": 1}] * 2   # three engine calls, one wake per rank (CPU: no sleep)
 
     meta = out.meta_info
     assert meta["valid_search_stats"] == [1, 1] and meta["stop_reasons"]["answered"] == 2

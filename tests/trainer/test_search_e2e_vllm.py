@@ -100,3 +100,29 @@ def test_a_pipelined_run_on_vllm_samples_with_the_weights_it_was_sent(
     assert step["pipeline/weight_sync_bytes"] == 2 * n_params * 4
     if partial:
         assert step["pipeline/partial_rows"] == 0.0 and step["pipeline/token_staleness_max"] == 0.0
+
+
+def test_a_partial_rollout_with_lora_on_vllm_loads_the_new_adapter_between_turns(
+        ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
+    # test_search_e2e.py's partial-rollout LoRA run on the vLLM engine with lora_sync=adapter: a push
+    # between two turns of batch 2 (a slow retriever leaves time for it) is the new adapter alone, loaded
+    # into the engine as the next version, so batch 2's rows hold tokens of two adapter versions
+    from search_r1.search.retrieval_server import ServerConfig, create_app
+    from search_r1.search.serving import serve_in_background
+    from tests.trainer.test_pipeline_lora import LORA, _adapter_numel
+    from tests.trainer.test_search_e2e import _search_overrides, build_bm25_retriever
+    from verl.trainer.main_ppo import compose_config, run_ppo
+
+    retriever = build_bm25_retriever(vllm_search_world.corpus_path, tmp_path / "index")
+    with serve_in_background(create_app(retriever, ServerConfig(simulate_latency_ms=3000))) as url:
+        overrides = _search_overrides(vllm_search_world, tmp_path, "grpo", [
+            f"retriever.url={url}/retrieve", "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+            *VLLM, "actor_rollout_ref.rollout.lora_sync=adapter", *LORA, "actor_rollout_ref.rollout.partial=true"])
+        history = run_ppo(compose_config(overrides))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    second = history[1]
+    assert second["pipeline/partial_rows"] > 0 and second["pipeline/token_staleness_max"] == 1.0
+    last = history[-1]
+    # every push was the adapter (fp32 on vLLM-CPU), none the base: the engine's new version is an adapter
+    syncs = last["pipeline/weight_syncs"]
+    assert syncs >= 2 and last["pipeline/weight_sync_bytes"] == syncs * _adapter_numel(vllm_search_world.model_dir) * 4

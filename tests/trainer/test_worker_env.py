@@ -15,11 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from verl.trainer.main_ppo import WORKER_ENV, worker_env
+import pytest
+
+from tests.workers._batches import load_trainer_config
+from verl.trainer.main_ppo import WORKER_ENV, pinned_alloc_conf, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 READ_WORKER_ENV = """
-import json, os, ray
+import json, os, sys, ray
+import torch
 from verl.single_controller.base import Dispatch, Worker, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.trainer.main_ppo import WORKER_ENV, _init_ray, compose_config
@@ -29,11 +33,17 @@ class EnvWorker(Worker):
     def environment(self, keys):
         return {key: os.environ.get(key) for key in keys}
 
-config = compose_config(["trainer.device=cpu", "trainer.n_gpus_per_node=1"])
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def allocator_settings(self):
+        return torch._C._accelerator_getAllocatorSettings()   # what this worker's torch read
+
+config = compose_config(["trainer.device=cpu", "trainer.n_gpus_per_node=1", *sys.argv[1:]])
 assert _init_ray(config, use_gpu=False), "a local Ray was not started"
 pool = RayResourcePool([1], use_gpu=False)
 group = RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker))
-print("WORKER_ENV_JSON " + json.dumps(group.environment(list(WORKER_ENV))[0]), flush=True)
+keys = [*WORKER_ENV, "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]
+seen = {k: v for k, v in group.environment(keys)[0].items() if v is not None or k in WORKER_ENV}
+print("WORKER_ENV_JSON " + json.dumps({**seen, "torch": group.allocator_settings()[0]}), flush=True)
 ray.shutdown()
 """
 
@@ -47,14 +57,49 @@ def test_worker_env_is_the_defaults_unless_the_driver_environment_sets_a_variabl
     assert not {"NCCL_CUMEM_ENABLE", "VLLM_DISABLE_COMPILE_CACHE", "CUDA_DEVICE_MAX_CONNECTIONS"} & set(WORKER_ENV)
 
 
-def test_a_worker_sees_the_worker_env_and_the_users_own_value_wins(tmp_path: Path) -> None:
-    clean = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", *WORKER_ENV)}
-    # The user's own setting for one variable; the node (the raylet this driver starts) inherits the
-    # same environment, so only the runtime_env could give the worker another value.
-    env = {**clean, "HOME": str(tmp_path), "NCCL_DEBUG": "INFO"}
-    result = subprocess.run([sys.executable, "-c", READ_WORKER_ENV], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300)
+def _worker_sees(tmp_path: Path, *overrides: str, **user_env: str) -> dict:
+    drop = ("RAY_ADDRESS", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", *WORKER_ENV)
+    clean = {k: v for k, v in os.environ.items() if k not in drop}
+    # The user's own settings; the node (the raylet this driver starts) inherits the same environment,
+    # so only the runtime_env could give the worker another value.
+    env = {**clean, "HOME": str(tmp_path), **user_env}
+    result = subprocess.run([sys.executable, "-c", READ_WORKER_ENV, *overrides], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
     lines = [line for line in result.stdout.splitlines() if line.startswith("WORKER_ENV_JSON ")]
     assert result.returncode == 0 and lines, result.stderr[-3000:]
-    seen = json.loads(lines[0][len("WORKER_ENV_JSON "):])
-    assert seen == {**WORKER_ENV, "NCCL_DEBUG": "INFO"}
+    return json.loads(lines[0][len("WORKER_ENV_JSON "):])
+
+
+def test_a_worker_sees_the_worker_env_and_the_users_own_value_wins(tmp_path: Path) -> None:
+    seen = _worker_sees(tmp_path, "actor_rollout_ref.rollout.name=hf", NCCL_DEBUG="INFO")
+    assert seen == {**WORKER_ENV, "NCCL_DEBUG": "INFO", "torch": ""}
+
+
+ROUND = "pinned_max_round_threshold_mb:16"
+
+
+@pytest.mark.parametrize(("user", "expected"), [
+    ({}, {"PYTORCH_ALLOC_CONF": ROUND}),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, {"PYTORCH_ALLOC_CONF": f"expandable_segments:True,{ROUND}"}),
+    # torch reads the older name when the new one is unset: the setting joins the user's value there
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,"},
+     {"PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:128,{ROUND}"}),
+    ({"PYTORCH_ALLOC_CONF": "a:1", "PYTORCH_CUDA_ALLOC_CONF": "b:2"}, {"PYTORCH_ALLOC_CONF": f"a:1,{ROUND}"}),
+    # the user's own threshold is theirs
+    ({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}, {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}),
+])
+def test_vllm_rollout_workers_cap_torchs_pinned_rounding_merged_into_the_users_setting(
+        user: dict[str, str], expected: dict[str, str]) -> None:
+    assert pinned_alloc_conf(user) == expected
+    vllm = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "vllm"})
+    assert worker_env(user, vllm) == {**WORKER_ENV, **expected}
+    auto = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "auto"})    # vLLM on a GPU host
+    assert worker_env(user, auto) == {**WORKER_ENV, **expected}
+    hf = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "hf"})
+    assert worker_env(user, hf) == WORKER_ENV      # the HF rollout: no pinned backups
+
+
+def test_a_vllm_runs_worker_torch_reads_the_pinned_rounding_with_the_users_settings(tmp_path: Path) -> None:
+    seen = _worker_sees(tmp_path, "actor_rollout_ref.rollout.name=vllm", PYTORCH_ALLOC_CONF="expandable_segments:False")
+    assert seen["PYTORCH_ALLOC_CONF"] == f"expandable_segments:False,{ROUND}"
+    assert seen["torch"] == f"expandable_segments:False,{ROUND}"    # set before torch read it, in the worker

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from verl.trainer.main_ppo import compose_config
 from verl.utils.host_memory_plan import (
+    VLLM_RUNTIME_POOLS_ESTIMATE,
     _models,
     hf_max_shard_bytes,
     host_fit,
@@ -64,8 +65,10 @@ def test_offloaded_shards_of_the_nodes_ranks_are_its_host_memory_and_gradients_n
     assert sleep == 8 * (2 * 131072 * 128 + 4 * 4 * 28)
     # at init AdamW has no state yet; no offload at all: nothing but the loader's buffers
     assert not any("AdamW" in k for k in phases["model_init"].certain)
-    bare = plan_host_memory(_cfg(*OFFLOADED[:10]))
-    assert {p.name: p for p in bare.phases}["training"].total == sleep
+    bare = {p.name: p for p in plan_host_memory(_cfg(*OFFLOADED[:10])).phases}["training"]
+    # and vLLM's runtime + cudagraph pools, backed up at every sleep level: a stated estimate
+    assert list(bare.estimated.values()) == [8 * VLLM_RUNTIME_POOLS_ESTIMATE["cuda graphs"]]
+    assert bare.total == sleep + 8 * VLLM_RUNTIME_POOLS_ESTIMATE["cuda graphs"]
 
 
 def test_rank_0_reads_one_tensor_at_a_time_and_no_rank_holds_the_model() -> None:

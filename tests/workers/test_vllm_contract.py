@@ -322,7 +322,7 @@ def test_a_multi_turn_rollout_wakes_the_engine_once(monkeypatch: pytest.MonkeyPa
     for _ in range(3):                          # max_turns + 1 engine calls
         worker.generate_sequences(_prompts())
     assert worker.rollout_sleep() is None       # inner: still awake
-    assert worker.rollout_sleep() == 1
+    assert worker.rollout_sleep() == {"engine_wake_ups": 1}
     assert worker.rollout.calls == ["wake_up", "generate", "generate", "generate", "sleep"]
     # Outside a rollout each call wakes and sleeps on its own (one-off generation).
     worker.rollout.calls.clear()

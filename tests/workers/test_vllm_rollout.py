@@ -99,7 +99,7 @@ def _greedy_before_and_after_update(cfg, prompts: DataProto, update: DataProto |
         wg.rollout_wake_up()
         after = wg.generate_sequences(prompts)
         assert _responses(wg.generate_sequences(prompts)) == _responses(after)   # same phase, same engine
-        woke = wg.rollout_sleep()
+        woke = [r["engine_wake_ups"] for r in wg.rollout_sleep()]
         return before, after, woke, update
     finally:
         wg.shutdown()

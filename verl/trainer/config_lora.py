@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Any
 
@@ -68,6 +69,8 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
         if missing:
             errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} has no {' / '.join(missing)}: give a "
                           "folder a LoRA run exported (global_step_N/hf) or PeftModel.save_pretrained wrote")
+        else:
+            errors.extend(_check_saved_adapter(cfg, str(adapter_path)))
     errors.extend(_check_lora_sync(cfg, rank))
     if run.pools.pipelined and adapter_path:
         errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} with trainer.pipeline={cfg.trainer.pipeline}: "
@@ -79,17 +82,66 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
     return errors
 
 
+SYNC_KEY = "actor_rollout_ref.rollout.lora_sync"
+
+
+def _serves_adapter(cfg: DictConfig) -> bool:
+    """Whether a vLLM engine serves the adapter itself (rollout.name=vllm, lora_sync=adapter)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return rollout.get("lora_sync", "adapter") == "adapter" and rollout.get("name", "hf") != "hf"
+
+
+def _check_saved_adapter(cfg: DictConfig, adapter_path: str) -> list[str]:
+    """The continued adapter's own adapter_config.json (what the engine will load) under the adapter-mode
+    rules: vLLM refuses these only at its first add_lora, after every rank has built its engine."""
+    from verl.utils.lora import ADAPTER_CONFIG
+    from verl.workers.rollout.vllm_lora import VLLM_LORA_RANKS, VLLM_UNSERVED_MODULES
+
+    path = os.path.join(adapter_path, ADAPTER_CONFIG)
+    key = f"{LORA_KEY}.lora_adapter_path"
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError(f"a JSON object expected, got {type(saved).__name__}")
+    except (OSError, ValueError) as err:
+        return [f"{key}={adapter_path!r}: cannot read {path} ({err}); give a folder a LoRA run exported "
+                "(global_step_N/hf) or PeftModel.save_pretrained wrote"]
+    if str(saved.get("peft_type", "LORA")).upper() != "LORA":
+        return [f"{key}={adapter_path!r}: {path} has peft_type={saved.get('peft_type')!r}, not a LoRA adapter"]
+    if not _serves_adapter(cfg):
+        return []
+    fix = f"set {SYNC_KEY}=merged (full merged weights after each update) or continue from another adapter"
+    where = f"{key}={adapter_path!r} ({path}) with {SYNC_KEY}=adapter"
+    errors = []
+    rank = saved.get("r")
+    if isinstance(rank, int) and rank > VLLM_LORA_RANKS[-1]:
+        errors.append(f"{where}: its r={rank}, and vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; {fix}")
+    target = saved.get("target_modules")
+    names = [target] if isinstance(target, str) else list(target or [])
+    unserved = sorted(n for n in names if isinstance(n, str) and n.rsplit(".", 1)[-1] in VLLM_UNSERVED_MODULES)
+    if unserved:
+        errors.append(f"{where}: its target_modules hold {unserved}, which vLLM's LoRA does not serve; {fix}")
+    if saved.get("modules_to_save"):
+        errors.append(f"{where}: its modules_to_save={saved['modules_to_save']!r} (fully trained modules), which "
+                      f"vLLM's LoRA does not load; {fix}")
+    for flag in ("use_dora", "lora_bias"):
+        if saved.get(flag):
+            errors.append(f"{where}: its {flag}=true, which vLLM's LoRA does not serve; {fix}")
+    return errors
+
+
 def _check_lora_sync(cfg: DictConfig, rank: int) -> list[str]:
     """actor_rollout_ref.rollout.lora_sync: its value, and what the adapter path's vLLM cannot serve."""
     from verl.workers.rollout.vllm_lora import LORA_SYNC_MODES, VLLM_LORA_RANKS, VLLM_UNSERVED_MODULES
 
-    key = "actor_rollout_ref.rollout.lora_sync"
+    key = SYNC_KEY
     mode = cfg.actor_rollout_ref.rollout.get("lora_sync", "adapter")
     if mode not in LORA_SYNC_MODES:
         return [f"{key}={mode!r} must be one of {list(LORA_SYNC_MODES)} (adapter: vLLM serves the adapter over the "
                 "base it loaded; merged: full merged weights after each update)"]
-    if mode != "adapter" or cfg.actor_rollout_ref.rollout.get("name", "hf") == "hf":
-        return []
+    if not _serves_adapter(cfg) or cfg.actor_rollout_ref.model.get("lora_adapter_path"):
+        return []   # a continued adapter's own r / target_modules are what the engine loads (_check_saved_adapter)
     errors = []
     if rank > VLLM_LORA_RANKS[-1]:
         errors.append(f"{LORA_KEY}.lora_rank={rank} with {key}=adapter: vLLM serves LoRA ranks up to "

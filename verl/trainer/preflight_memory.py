@@ -132,6 +132,9 @@ def _itemised(phase) -> str:
     return text
 
 
+HOST_KEY = "trainer.host_memory_gib"
+
+
 def host_memory_gib(cfg: DictConfig, report: PreflightReport) -> float | None:
     """trainer.host_memory_gib (GiB per node), or None; a bad value is an error naming the key."""
     value = OmegaConf.select(cfg, "trainer.host_memory_gib", default=None)
@@ -150,10 +153,15 @@ def host_memory_gib(cfg: DictConfig, report: PreflightReport) -> float | None:
 
 def check_host_memory(cfg: DictConfig, report: PreflightReport, device_plan: MemoryPlan | None) -> None:
     """The per-node host plan (the node of global rank 0) against trainer.host_memory_gib: its figures
-    always, and an error naming the phase and the key when it does not fit (null: no verdict)."""
+    always, and an error naming the phase and the key when it does not fit (null: against the node's
+    memory, `node_memory_gib`, and the message says which; no verdict only from a machine that is not
+    a node of the run)."""
     from verl.utils.host_memory_plan import host_fit, plan_host_memory
 
     gib = host_memory_gib(cfg, report)
+    source = ""
+    if gib is None and not any(e["key"] == HOST_KEY for e in report.errors):
+        gib, source = node_memory_gib(cfg)   # null: the node's own memory, and say which
     # CPU workers compute on the host; a GPU memory size given means the plan is for GPU workers
     cpu_workers = not report.gpu_run and OmegaConf.select(cfg, "trainer.gpu_memory_gib", default=None) is None
     if cpu_workers and device_plan is None:
@@ -174,5 +182,41 @@ def check_host_memory(cfg: DictConfig, report: PreflightReport, device_plan: Mem
     report.lines.append(f"host largest: {name} {largest:.1f} GiB" + _itemised(phase))
     report.lines.extend(f"host note: {n}" for n in plan.notes)
     report.host_fits, report.host_message = host_fit(plan.phases, gib)
+    if source:
+        report.host_message += f" ({source})"
     if report.host_fits is False:
-        report.error(report.host_message, "trainer.host_memory_gib")
+        report.error(report.host_message, HOST_KEY)
+
+
+def on_a_gpu_node() -> bool:
+    """Whether this machine is taken for a node of the run: it has a GPU (the launcher's job runs
+    preflight on its first GPU node)."""
+    from verl.utils.device import is_cuda_available
+
+    return is_cuda_available()
+
+
+def node_memory_gib(cfg: DictConfig) -> tuple[float | None, str]:
+    """(GiB, where from) of a node's memory when trainer.host_memory_gib is null: the smallest alive
+    node's of a Ray cluster this process has joined (`ray.nodes()`, its "memory" resource plus the
+    object store's: what Ray was given of the node), else this machine's MemTotal (psutil) where it is a
+    node of the run (it has a GPU: the launcher's job runs preflight on its first node); (None, why)
+    otherwise: a machine without a GPU checks configs for GPU nodes elsewhere."""
+    from verl.utils.memory_plan import GIB
+    try:
+        import ray
+
+        if ray.is_initialized():
+            sizes = [n["Resources"].get("memory", 0) + n["Resources"].get("object_store_memory", 0)
+                     for n in ray.nodes() if n.get("Alive")]
+            if sizes and min(sizes) > 0:
+                return min(sizes) / GIB, f"ray.nodes(): the smallest node's memory, {min(sizes) / GIB:.1f} GiB"
+    except ImportError:
+        pass
+    if not on_a_gpu_node():
+        return None, (f"{HOST_KEY}=null and this machine has no GPU, so it is not taken for a node of the run: "
+                      f"give {HOST_KEY} (GiB per node) for a verdict")
+    import psutil
+
+    total = psutil.virtual_memory().total
+    return total / GIB, f"{HOST_KEY}=null: this machine's MemTotal {total / GIB:.1f} GiB (psutil)"

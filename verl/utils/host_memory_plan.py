@@ -17,10 +17,13 @@ export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ra
 - training (between calls and during them): what `fsdp_config.*_offload` keeps on the host, for every
   training rank of the node: fp32 parameter shards (param_offload) and AdamW state (optimizer_offload;
   AdamW creates it at the first step, this is after it). Gradients never: every step ends with
-  `zero_grad(set_to_none=True)`, so grad_offload has nothing to move. vLLM sleeps at level 2 between
-  rollouts (verl/workers/rollout/vllm_rollout.py): no weights on the host, only the model's buffers
-  vLLM backs up (the rotary table, max_position_embeddings x head_dim in bf16, 4 fp32 scales a layer);
-  with LoRA's lora_sync=adapter at level 1: the base weights backed up in pinned memory on every rank.
+  `zero_grad(set_to_none=True)`, so grad_offload has nothing to move. vLLM's sleep between rollouts
+  (verl/workers/rollout/vllm_rollout.py): without LoRA's adapter sync at level 2, no weights on the
+  host, only the model's buffers vLLM backs up (the rotary table, max_position_embeddings x head_dim in
+  bf16, 4 fp32 scales a layer); with lora_sync=adapter at level 1, the base weights in pinned memory on
+  every rank (`level1_backup`: per 2 MiB segment, torch's pinned rounding capped at 16 MiB by the
+  workers' PYTORCH_ALLOC_CONF) and the LoRA stacked buffers; at every level vLLM's runtime and CUDA-graph
+  pools (`VLLM_RUNTIME_POOLS_ESTIMATE`, an estimate: their size is not known without a GPU).
   A pipelined run's rollout ranks hold no FSDP copy; a push arrives one full tensor at a time, in the
   engine's dtype, into the engine on the GPU.
 - checkpoint_save: the saving model's state is onloaded to the GPU (its host copy freed); DCP writes
@@ -28,10 +31,11 @@ export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ra
   plus the tensor; two of the largest shard tensors are counted); with trainer.save_hf_model rank 0
   stages the HF export (verl/utils/checkpoint/hf_export.py): a safetensors file of up to
   `hf_max_shard_mb` in the export dtype plus the tensor that crossed the bound.
-- pinned memory: none without LoRA's adapter sync. Offload copies go to pageable memory; vLLM's level-1
-  sleep (a pinned copy of the weights on every rank) is used only with lora_sync=adapter, counted at
-  the weights' bytes per rank; torch's pinned allocator rounds each block up to a power of two, which
-  this does not count yet (up to ~1.9x at 7B: a known gap, docs/training.md "LoRA").
+- pinned memory: vLLM's sleep backups (pinned: they cannot be swapped). Offload copies go to pageable
+  memory. torch's pinned allocator rounds each block up to a power of two by default (Qwen2.5-7B, TP=1:
+  26.8 GiB for 14.2 GiB of weights a rank); the rollout workers run with
+  PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:16 (merged into the user's, verl/trainer/main_ppo.py
+  `pinned_alloc_conf`), so only segments up to 16 MiB are rounded, and this plan counts them so.
 With CPU workers the device plan (verl/utils/memory_plan.py) is host memory too: each phase adds the
 largest per-worker phase x the node's ranks.
 
@@ -188,19 +192,114 @@ def old_loader_init(cfg: Any, model_config: dict[str, Any] | None = None,
         f"every rank: the whole {largest.name} in fp32 x {ranks} ranks (old loader)": ranks * FP32 * largest.params})
 
 
-def _vllm_sleep_buffers(cfg: Any, shape: ModelShape, ranks: int) -> dict[str, int]:
+MIB = 1024 ** 2
+# The rollout workers' PYTORCH_ALLOC_CONF carries pinned_max_round_threshold_mb:16 (main_ppo.worker_env):
+# torch's pinned host allocator then rounds only blocks up to 16 MiB to a power of two (by default every
+# block: up to 2x on vLLM's level-1 backups; c10/core/AllocatorConfig.h, ATen/core/CachingHostAllocator.h).
+PINNED_ROUND_THRESHOLD_MB = 16
+CUMEM_GRANULARITY = 2 * MIB          # cuMem maps (and so vLLM backs up) segments in 2 MiB units
+# vLLM backs up its "runtime" and "cudagraph" pools to pinned host memory at every sleep level
+# (sleep_mode_backend.py). Their size is not known without a GPU: a stated estimate per rank.
+VLLM_RUNTIME_POOLS_ESTIMATE = {"cuda graphs": 2 * 1024 * MIB, "enforce_eager": 512 * MIB}
+_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+           "up_proj": "gate_up_proj", "o_proj": "o_proj", "down_proj": "down_proj"}
+
+
+def pinned_backup_bytes(nbytes: int, threshold_mb: int | None = PINNED_ROUND_THRESHOLD_MB) -> int:
+    """Host bytes that a level-1 backup of a `nbytes` segment holds: the segment in 2 MiB units, then torch's
+    pinned rounding (a power of two up to the threshold; `None`: torch's default, every block)."""
+    segment = -(-nbytes // CUMEM_GRANULARITY) * CUMEM_GRANULARITY
+    if threshold_mb is None or segment <= threshold_mb * MIB:
+        return 1 << (segment - 1).bit_length()
+    return segment
+
+
+def vllm_rank_tensors(shape: ModelShape, tp: int) -> list[int]:
+    """Elements of each weight tensor one vLLM engine rank holds (fused qkv_proj / gate_up_proj, the
+    vocabulary padded to a multiple of 64 rows, column / row-parallel layers split over `tp`)."""
+    from verl.utils.memory_plan import VLLM_VOCAB_PADDING
+
+    h, inter, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
+    vocab = -(-shape.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    split = lambda n: -(-n // tp)  # noqa: E731
+    layer = [split(q + 2 * kv) * h, split(q) * h, split(2 * inter) * h, h * split(inter), h, h]
+    if shape.attention_bias:
+        layer.append(split(q + 2 * kv))
+    heads = 1 if shape.tie_word_embeddings else 2
+    return [split(vocab) * h] * heads + layer * shape.num_hidden_layers + [h]
+
+
+def lora_target_names(target: Any) -> set[str]:
+    """vLLM's LoRA-wrapped (fused) modules for PEFT target_modules ('all-linear' or names): a fused module
+    gets the stacked buffers of all its slices when any of them is targeted."""
+    if isinstance(target, str):
+        return set(_PACKED.values()) if target == "all-linear" else {_PACKED.get(target.rsplit(".", 1)[-1], "")} - {""}
+    return {_PACKED[n.rsplit(".", 1)[-1]] for n in (target or []) if n.rsplit(".", 1)[-1] in _PACKED}
+
+
+def lora_stacked_bytes(shape: ModelShape, tp: int, max_lora_rank: int, target: Any, max_loras: int = 1) -> int:
+    """Bytes (bf16) of one engine rank's LoRA stacked buffers: max_loras x max_lora_rank x (in + out) of every
+    targeted (fused) linear of every layer, A split over tp in a row-parallel layer, B in a column-parallel one."""
+    h, inter, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
+    split = lambda n: -(-n // tp)  # noqa: E731
+    per_module = {"qkv_proj": 3 * h + split(q + 2 * kv), "o_proj": split(q) + h,
+                  "gate_up_proj": 2 * h + split(2 * inter), "down_proj": split(inter) + h}
+    per_layer = sum(per_module[m] for m in lora_target_names(target))
+    return BF16 * max_loras * max_lora_rank * per_layer * shape.num_hidden_layers
+
+
+def level1_backup(cfg: Any, shape: ModelShape) -> dict[str, int]:
+    """Per engine rank, what vLLM's level-1 sleep (lora_sync=adapter) backs up to pinned host memory:
+    the base weights segment by segment (2 MiB units, torch's rounding up to 16 MiB; tensors under
+    1 MiB share 2 MiB segments), the LoRA stacked buffers (in the weights pool)."""
+    from verl.workers.rollout.vllm_lora import vllm_max_lora_rank
+
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    tp = int(rollout.get("tensor_model_parallel_size", 1))
+    sizes = [BF16 * n for n in vllm_rank_tensors(shape, tp)]
+    small = sum(b for b in sizes if b < MIB)
+    weights = sum(pinned_backup_bytes(b) for b in sizes if b >= MIB) + pinned_backup_bytes(small)
+    target = model.get("target_modules", "all-linear")
+    adapter_path = model.get("lora_adapter_path")
+    rank = int(model.get("lora_rank", 0) or 0)
+    if adapter_path:                      # a continued adapter's own r and targets are what the engine serves
+        from verl.utils.lora import read_adapter_config
+
+        saved = read_adapter_config(str(adapter_path))
+        rank, target = int(saved["r"]), saved.get("target_modules", target)
+    return {"weights": weights,
+            "lora": lora_stacked_bytes(shape, tp, vllm_max_lora_rank(rank), target)}
+
+
+def runtime_pools_estimate(cfg: Any) -> tuple[str, int]:
+    """(what, bytes per rank): the estimate of vLLM's runtime + cudagraph pools backed up at every sleep."""
+    eager = bool(cfg.actor_rollout_ref.rollout.get("enforce_eager", False))
+    what = "enforce_eager" if eager else "cuda graphs"
+    return what, VLLM_RUNTIME_POOLS_ESTIMATE[what]
+
+
+def _vllm_sleep_buffers(cfg: Any, shape: ModelShape, ranks: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(certain, estimated) host items of the node's engines asleep."""
     rollout = cfg.actor_rollout_ref.rollout
     if engine_weights_name(cfg) != "vllm" or not bool(rollout.get("free_cache_engine", True)):
-        return {}
+        return {}, {}
     per_rank = BF16 * shape.max_position_embeddings * shape.head_dim + FP32 * VLLM_SCALES_PER_LAYER * shape.num_hidden_layers
+    what, pools = runtime_pools_estimate(cfg)
+    estimated = {f"vLLM runtime + cudagraph pools backed up at every sleep ({what}, "
+                 f"{pools / GIB:.1f} GiB a rank, an estimate) x {ranks} ranks": ranks * pools}
     lora = int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
     if lora and str(rollout.get("lora_sync", "adapter")) == "adapter":
         # LoRA served as an adapter: level-1 sleep keeps the frozen base (never sent again) in pinned host memory
         tp = int(rollout.get("tensor_model_parallel_size", 1))
-        weights = -(-BF16 * shape.vllm_params() // tp)
-        return {f"vLLM level-1 sleep (LoRA, lora_sync=adapter): the base weights (bf16, 1/{tp}) and buffers kept "
-                f"x {ranks} ranks": ranks * (per_rank + weights)}
-    return {f"vLLM level-2 sleep: its buffers backed up (rotary table, scales) x {ranks} ranks": ranks * per_rank}
+        backup = level1_backup(cfg, shape)
+        return {f"vLLM level-1 sleep (LoRA, lora_sync=adapter): the base weights (bf16, 1/{tp}, per 2 MiB "
+                f"segment, pinned) and buffers kept x {ranks} ranks": ranks * (per_rank + backup["weights"]),
+                f"vLLM LoRA stacked buffers (max_lora_rank, bf16, pinned at level 1) x {ranks} ranks":
+                    ranks * backup["lora"]}, estimated
+    return ({f"vLLM level-2 sleep: its buffers backed up (rotary table, scales) x {ranks} ranks": ranks * per_rank},
+            estimated)
 
 
 def plan_host_memory(cfg: Any, model_config: dict[str, Any] | None = None, critic_config: dict[str, Any] | None = None,
@@ -219,9 +318,10 @@ def plan_host_memory(cfg: Any, model_config: dict[str, Any] | None = None, criti
     notes = ["not counted: each worker process's own memory (Python, torch, CUDA/NCCL libraries: a few GiB each), "
              "Ray's object store (shared memory, 30 % of the node's RAM unless set), the page cache of mmap'd files"]
     engine_ranks = rollout_ranks if pools.pipelined else ranks     # colocated: every rank runs an engine
-    sleep = {} if cpu_workers else _vllm_sleep_buffers(cfg, actor.shape, engine_ranks)
+    sleep, sleep_estimated = ({}, {}) if cpu_workers else _vllm_sleep_buffers(cfg, actor.shape, engine_ranks)
     phases = [meta_loader_init(models, world, ranks, cpu_workers),
-              Phase("training", certain={**_offloaded(models, world, ranks, with_optimizer=True), **sleep})]
+              Phase("training", certain={**_offloaded(models, world, ranks, with_optimizer=True), **sleep},
+                    estimated=dict(sleep_estimated))]
     saves: dict[str, Phase] = {}            # the actor and the critic save one after the other
     for m in models:
         if m.name == "reference":
@@ -236,7 +336,7 @@ def plan_host_memory(cfg: Any, model_config: dict[str, Any] | None = None, criti
             export = FP32 if cpu_workers else BF16
             save["rank 0: HF export file staged (hf_max_shard_mb + one tensor)"] = \
                 hf_max_shard_bytes() + export * m.shape.largest_tensor_params()
-        saves[f"{m.name} save"] = Phase(f"{m.name} save", certain=save)
+        saves[f"{m.name} save"] = Phase(f"{m.name} save", certain=save, estimated=dict(sleep_estimated))
     phases.append(largest_moment("checkpoint_save", saves))
     if cpu_workers:
         if device_plan is None:

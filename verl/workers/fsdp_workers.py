@@ -434,11 +434,13 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         return None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def rollout_sleep(self) -> int | None:
+    def rollout_sleep(self) -> dict[str, Any] | None:
         """End a rollout begun by `rollout_wake_up`. The outermost call puts the engine to sleep and
-        returns how many times it woke during the rollout (1 for a whole multi-turn rollout:
-        `rollout/engine_wake_ups`; more means a generate call began a phase of its own); a nested
-        call returns None."""
+        returns the rollout's engine figures: `engine_wake_ups`, how many times it woke during the
+        rollout (1 for a whole multi-turn rollout: `rollout/engine_wake_ups`; more means a generate
+        call began a phase of its own), and for a vLLM engine that sleeps (GPU) the seconds its
+        wake_up and sleep calls took (`rollout_wake_s`, `rollout_sleep_s`) and the bytes its sleep
+        backed up to host (`sleep_host_bytes`; vLLMRollout.phase_stats). A nested call returns None."""
         self._require(self._is_rollout, "rollout_sleep")
         if self._phase_depth == 0:
             raise RuntimeError("rollout_sleep without a rollout_wake_up")
@@ -448,7 +450,8 @@ class ActorRolloutRefWorker(_FSDPWorkerBase):
         stack, self._phase_stack = self._phase_stack, None
         stack.close()
         woke, self._phases_begun = self._phases_begun, 0
-        return woke
+        stats = getattr(getattr(self, "rollout", None), "phase_stats", None)
+        return {"engine_wake_ups": woke, **(stats() if stats is not None else {})}
 
     @contextmanager
     def _in_generation_phase(self) -> Iterator[None]:

