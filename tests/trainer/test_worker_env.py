@@ -75,7 +75,8 @@ def test_a_worker_sees_the_worker_env_and_the_users_own_value_wins(tmp_path: Pat
     assert seen == {**WORKER_ENV, "NCCL_DEBUG": "INFO", "torch": ""}
 
 
-ROUND = "pinned_max_round_threshold_mb:16"
+ROUND = "pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16"
+ADAPTER = {"actor_rollout_ref.model.lora_rank": 8}   # LoRA with lora_sync=adapter (the default): level-1 sleep
 
 
 @pytest.mark.parametrize(("user", "expected"), [
@@ -85,21 +86,38 @@ ROUND = "pinned_max_round_threshold_mb:16"
     ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,"},
      {"PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:128,{ROUND}"}),
     ({"PYTORCH_ALLOC_CONF": "a:1", "PYTORCH_CUDA_ALLOC_CONF": "b:2"}, {"PYTORCH_ALLOC_CONF": f"a:1,{ROUND}"}),
-    # the user's own threshold is theirs
-    ({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}, {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}),
+    # the user's own threshold is theirs; the cache cap (which makes blocks above it exact and uncached) is added
+    ({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64"},
+     {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:16"}),
 ])
-def test_vllm_rollout_workers_cap_torchs_pinned_rounding_merged_into_the_users_setting(
+def test_level_one_sleeping_workers_cap_torchs_pinned_rounding_and_cache_merged_into_the_users_setting(
         user: dict[str, str], expected: dict[str, str]) -> None:
     assert pinned_alloc_conf(user) == expected
-    vllm = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "vllm"})
+    vllm = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "vllm", **ADAPTER})
     assert worker_env(user, vllm) == {**WORKER_ENV, **expected}
-    auto = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "auto"})    # vLLM on a GPU host
+    auto = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "auto", **ADAPTER})   # vLLM on a GPU host
     assert worker_env(user, auto) == {**WORKER_ENV, **expected}
-    hf = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "hf"})
+    # level 2 (no LoRA, or the merged push) backs up only vLLM's small pools: torch's defaults stay
+    assert worker_env(user, load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "vllm"})) == WORKER_ENV
+    merged = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "vllm", **ADAPTER,
+                                          "actor_rollout_ref.rollout.lora_sync": "merged"})
+    assert worker_env(user, merged) == WORKER_ENV
+    hf = load_trainer_config("/m", **{"actor_rollout_ref.rollout.name": "hf", **ADAPTER})
     assert worker_env(user, hf) == WORKER_ENV      # the HF rollout: no pinned backups
 
 
+def test_a_worker_without_the_pinned_settings_is_named() -> None:
+    from verl.utils.host_memory_plan import pinned_alloc_missing
+
+    assert pinned_alloc_missing({}) == ["pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"]
+    assert pinned_alloc_missing({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:16"}) == ["pinned_max_cached_size_mb"]
+    assert pinned_alloc_missing({"PYTORCH_CUDA_ALLOC_CONF": ROUND}) == []
+    # torch reads PYTORCH_ALLOC_CONF first: the older name's settings do not count when it is set
+    assert pinned_alloc_missing({"PYTORCH_ALLOC_CONF": "a:1", "PYTORCH_CUDA_ALLOC_CONF": ROUND}) != []
+
+
 def test_a_vllm_runs_worker_torch_reads_the_pinned_rounding_with_the_users_settings(tmp_path: Path) -> None:
-    seen = _worker_sees(tmp_path, "actor_rollout_ref.rollout.name=vllm", PYTORCH_ALLOC_CONF="expandable_segments:False")
+    seen = _worker_sees(tmp_path, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8",
+                        PYTORCH_ALLOC_CONF="expandable_segments:False")
     assert seen["PYTORCH_ALLOC_CONF"] == f"expandable_segments:False,{ROUND}"
     assert seen["torch"] == f"expandable_segments:False,{ROUND}"    # set before torch read it, in the worker

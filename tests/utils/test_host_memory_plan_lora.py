@@ -70,6 +70,8 @@ def _report(monkeypatch: pytest.MonkeyPatch, *overrides: str, total_gib: float =
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=int(total_gib * GIB)))
     monkeypatch.setattr(preflight_memory, "on_a_gpu_node", lambda: True)   # this machine is a node of the run
+    monkeypatch.setattr(preflight_memory, "CGROUP_LIMITS", ())              # no container limit, no Slurm job
+    monkeypatch.delenv("SLURM_MEM_PER_NODE", raising=False)
     report = PreflightReport()
     check_host_memory(_cfg(*OFFLOADED[:10], *LORA, *overrides), report, None)
     return report
@@ -79,9 +81,9 @@ def test_preflight_takes_the_nodes_memory_when_host_memory_gib_is_null_and_says_
         monkeypatch: pytest.MonkeyPatch) -> None:
     small = _report(monkeypatch, total_gib=64)
     assert small.host_fits is False and [e["key"] for e in small.errors] == ["trainer.host_memory_gib"]
-    assert "MemTotal 64.0 GiB (psutil)" in small.host_message and "trainer.host_memory_gib=null" in small.host_message
+    assert "MemTotal (psutil), 64.0 GiB" in small.host_message and "trainer.host_memory_gib=null" in small.host_message
     big = _report(monkeypatch, total_gib=512)
-    assert big.host_fits is True and not big.errors and "MemTotal 512.0 GiB (psutil)" in big.host_message
+    assert big.host_fits is True and not big.errors and "MemTotal (psutil), 512.0 GiB" in big.host_message
     # a value given wins over the node's memory
     given = _report(monkeypatch, "trainer.host_memory_gib=100", total_gib=512)
     assert given.host_fits is False and "trainer.host_memory_gib=100" in given.host_message
@@ -97,3 +99,35 @@ def test_preflight_from_a_machine_that_is_not_a_node_gives_no_verdict_and_says_w
     check_host_memory(_cfg(*OFFLOADED[:10], *LORA), report, None)
     assert report.host_fits is None and not report.errors
     assert "has no GPU, so it is not taken for a node of the run: give trainer.host_memory_gib" in report.host_message
+
+
+def test_a_jobs_memory_is_the_least_of_memtotal_its_cgroup_limit_and_slurms(tmp_path) -> None:
+    import psutil
+
+    from verl.trainer.preflight_memory import machine_memory_bytes
+
+    total = int(psutil.virtual_memory().total)
+    assert machine_memory_bytes({}, ()) == (total, "MemTotal (psutil)")
+    unlimited, limited = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    unlimited.write_text("max\n")
+    limited.write_text(f"{total // 2}\n")
+    assert machine_memory_bytes({}, (str(unlimited),)) == (total, "MemTotal (psutil)")
+    assert machine_memory_bytes({}, (str(unlimited), str(limited))) == (total // 2, f"cgroup memory limit ({limited})")
+    slurm_mib = total // 4 // 1024 ** 2
+    assert machine_memory_bytes({"SLURM_MEM_PER_NODE": str(slurm_mib)}, (str(limited),)) == (
+        slurm_mib * 1024 ** 2, "Slurm job's SLURM_MEM_PER_NODE")
+
+
+def test_in_a_ray_cluster_the_budget_is_the_smallest_gpu_nodes_memory_resource(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from verl.trainer.preflight_memory import node_memory_gib
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 8, "memory": 16 * GIB, "object_store_memory": 8 * GIB}},   # CPU head
+             {"Alive": True, "Resources": {"GPU": 8, "memory": 900 * GIB, "object_store_memory": 200 * GIB}},
+             {"Alive": True, "Resources": {"GPU": 8, "memory": 700 * GIB, "object_store_memory": 200 * GIB}},
+             {"Alive": False, "Resources": {"GPU": 8, "memory": 1 * GIB}}]
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    gib, source = node_memory_gib(_cfg(*OFFLOADED[:10], *LORA))
+    assert gib == 700 and "smallest GPU node" in source and "object store left out" in source

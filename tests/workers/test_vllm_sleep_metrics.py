@@ -6,6 +6,7 @@ whose sleep / wake_up take 10 ms and whose sleep fills a stand-in of vLLM's slee
 from __future__ import annotations
 
 import time
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,8 +76,14 @@ def test_the_worker_reports_the_engines_wake_and_sleep_cost_per_rollout(
         slow_vllm: Any, monkeypatch: pytest.MonkeyPatch, lora: Any, level: int, host: int) -> None:
     worker = _worker(monkeypatch, 0, 1, 1)
     worker.device, worker.tokenizer, worker.eos_token_ids = "cuda", _Tok(), (1,)
-    worker.rollout = vLLMRollout(None, _rollout_config(**{"actor_rollout_ref.rollout.name": "vllm"}), _Tok(), "/m",
-                                 device="cuda", device_index=0, lora=lora)
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker.rollout = vLLMRollout(None, _rollout_config(**{"actor_rollout_ref.rollout.name": "vllm"}), _Tok(), "/m",
+                                     device="cuda", device_index=0, lora=lora)
+    # level 1 without the driver's pinned-allocator settings (Ray started elsewhere) says so; level 2 does not
+    assert any("pinned_max_cached_size_mb" in str(w.message) for w in caught) == (level == 1)
     monkeypatch.setattr(worker, "_load_rollout_weights", lambda: None)
     assert worker.rollout.sleep_level == level and FakeLLM.instances[0].log == [f"sleep:{level}"]
     worker.rollout_wake_up()

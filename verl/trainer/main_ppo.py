@@ -63,35 +63,45 @@ def worker_env(environ: Mapping[str, str] | None = None, config: DictConfig | No
     environment keeps the driver's value. Ray's runtime_env env_vars override what a worker inherits from
     its node's raylet, so this is how a user's `export NCCL_DEBUG=INFO` (before `python -m
     verl.trainer.main_ppo`) reaches every worker on every node instead of being replaced by the default.
-    With a vLLM rollout (`config`: rollout.name vllm or auto), torch's allocator setting too
-    (`pinned_alloc_conf`)."""
+    With a vLLM rollout that keeps a LoRA base across level-1 sleeps (`config`: rollout.name vllm or auto,
+    lora_rank > 0, rollout.lora_sync=adapter), torch's pinned-allocator setting too (`pinned_alloc_conf`)."""
     environ = os.environ if environ is None else environ
     env = {key: environ.get(key, default) for key, default in WORKER_ENV.items()}
-    if config is not None and str(config.actor_rollout_ref.rollout.get("name", "auto")) != "hf":   # vllm, auto
+    if config is not None and level_one_sleep(config):
         env.update(pinned_alloc_conf(environ))
     return env
 
 
-PINNED_ROUND_KEY = "pinned_max_round_threshold_mb"
+def level_one_sleep(config: DictConfig) -> bool:
+    """Whether the vLLM engines sleep at level 1 (the LoRA base kept in pinned host memory): a vLLM
+    rollout (name vllm, or auto: vLLM on a GPU host) with LoRA on and rollout.lora_sync=adapter."""
+    rollout = config.actor_rollout_ref.rollout
+    return (str(rollout.get("name", "auto")) != "hf" and int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0
+            and str(rollout.get("lora_sync", "adapter")) == "adapter")
 
 
 def pinned_alloc_conf(environ: Mapping[str, str]) -> dict[str, str]:
-    """torch's allocator setting for the vLLM rollout workers: `pinned_max_round_threshold_mb:16`, merged
-    into the user's own value. vLLM's level-1 sleep backs each weight segment up with a pinned host
-    tensor, and torch's pinned allocator rounds every block up to a power of two unless this caps it
-    (c10/core/AllocatorConfig.h: pinned_max_round_threshold defaults to SIZE_MAX): up to 2x host memory,
-    which cannot be swapped (Qwen2.5-7B, TP=1: 26.8 GiB instead of 14.2 a rank). torch reads
-    PYTORCH_ALLOC_CONF, else its older name PYTORCH_CUDA_ALLOC_CONF: the value goes into the one the user
-    set (PYTORCH_ALLOC_CONF when neither), with the user's other settings, and a threshold the user gave
-    is kept. Set in the runtime_env, so before CUDA initialises in any worker."""
-    from verl.utils.host_memory_plan import PINNED_ROUND_THRESHOLD_MB
+    """torch's pinned-allocator setting for level-1 sleep, merged into the user's own value:
+    `pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16` (verl.utils.host_memory_plan.PINNED_ALLOC_SETTINGS).
+
+    vLLM's level-1 sleep backs each weight segment up with a pinned host tensor. By default torch's pinned
+    allocator rounds every block up to a power of two (pinned_max_round_threshold defaults to SIZE_MAX):
+    up to 2x host memory, which cannot be swapped (Qwen2.5-7B, TP=1: 26.8 GiB instead of 14.2 a rank).
+    The round threshold alone is unsafe: a block above it keeps its exact size yet is cached in its
+    power-of-two bucket, and the bucket's next request of a larger size in the same bucket gets it back
+    (ATen/core/CachingHostAllocator.h get_free_block: no size check), so the next sleep's copy overruns it.
+    With the cache capped at the same 16 MiB, blocks above it are freed instead of cached: exact sizes,
+    nothing reused wrongly; each sleep pins its large backups anew (time in timing_s/rollout_sleep).
+    torch reads PYTORCH_ALLOC_CONF, else its older name PYTORCH_CUDA_ALLOC_CONF: the settings go into the
+    one the user set (PYTORCH_ALLOC_CONF when neither), with the user's other settings; a key the user
+    gave is kept. Set in the runtime_env, so before CUDA initialises in any worker."""
+    from verl.utils.host_memory_plan import PINNED_ALLOC_SETTINGS
 
     name = ("PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in environ and "PYTORCH_ALLOC_CONF" not in environ
             else "PYTORCH_ALLOC_CONF")
     value = environ.get(name, "").strip().strip(",")
-    if PINNED_ROUND_KEY in value:
-        return {name: value}
-    return {name: ",".join(p for p in (value, f"{PINNED_ROUND_KEY}:{PINNED_ROUND_THRESHOLD_MB}") if p)}
+    added = [f"{key}:{mb}" for key, mb in PINNED_ALLOC_SETTINGS.items() if key not in value]
+    return {name: ",".join(p for p in (value, *added) if p)}
 
 
 def resolve_checkpoint_dir(config: DictConfig) -> str:

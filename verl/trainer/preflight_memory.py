@@ -197,26 +197,52 @@ def on_a_gpu_node() -> bool:
 
 
 def node_memory_gib(cfg: DictConfig) -> tuple[float | None, str]:
-    """(GiB, where from) of a node's memory when trainer.host_memory_gib is null: the smallest alive
-    node's of a Ray cluster this process has joined (`ray.nodes()`, its "memory" resource plus the
-    object store's: what Ray was given of the node), else this machine's MemTotal (psutil) where it is a
-    node of the run (it has a GPU: the launcher's job runs preflight on its first node); (None, why)
+    """(GiB, where from) of a node's memory when trainer.host_memory_gib is null: the smallest alive GPU
+    node's of a Ray cluster this process has joined (`ray.nodes()`, its "memory" resource: what Ray gives
+    tasks of the node, the object store left out as the plan leaves it out; a CPU-only head node is not a
+    node the workers run on), else this machine's memory where it is a node of the run (it has a GPU: the
+    launcher's job runs preflight on its first node): the least of MemTotal (psutil), the cgroup's limit
+    and Slurm's SLURM_MEM_PER_NODE, since a job is killed at its limit, not at the node's size; (None, why)
     otherwise: a machine without a GPU checks configs for GPU nodes elsewhere."""
     from verl.utils.memory_plan import GIB
     try:
         import ray
 
         if ray.is_initialized():
-            sizes = [n["Resources"].get("memory", 0) + n["Resources"].get("object_store_memory", 0)
-                     for n in ray.nodes() if n.get("Alive")]
+            alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+            gpu_nodes = [r for r in alive if r.get("GPU", 0) > 0] or alive
+            sizes = [r.get("memory", 0) for r in gpu_nodes]
             if sizes and min(sizes) > 0:
-                return min(sizes) / GIB, f"ray.nodes(): the smallest node's memory, {min(sizes) / GIB:.1f} GiB"
+                return min(sizes) / GIB, (f"ray.nodes(): the smallest GPU node's memory resource (object store "
+                                          f"left out), {min(sizes) / GIB:.1f} GiB")
     except ImportError:
         pass
     if not on_a_gpu_node():
         return None, (f"{HOST_KEY}=null and this machine has no GPU, so it is not taken for a node of the run: "
                       f"give {HOST_KEY} (GiB per node) for a verdict")
+    total, source = machine_memory_bytes()
+    return total / GIB, f"{HOST_KEY}=null: this machine's {source}, {total / GIB:.1f} GiB"
+
+
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def machine_memory_bytes(environ: dict[str, str] | None = None, cgroup_files: tuple[str, ...] | None = None
+                         ) -> tuple[int, str]:
+    """(bytes, which) of the memory a job on this machine may use: the least of MemTotal (psutil), a cgroup
+    memory limit (v2 memory.max, v1 memory.limit_in_bytes; "max" or a huge v1 value: none) and Slurm's
+    SLURM_MEM_PER_NODE (MiB)."""
     import psutil
 
-    total = psutil.virtual_memory().total
-    return total / GIB, f"{HOST_KEY}=null: this machine's MemTotal {total / GIB:.1f} GiB (psutil)"
+    environ = dict(os.environ) if environ is None else environ
+    found = [(int(psutil.virtual_memory().total), "MemTotal (psutil)")]
+    for path in CGROUP_LIMITS if cgroup_files is None else cgroup_files:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < found[0][0]:
+            found.append((int(text), f"cgroup memory limit ({path})"))
+    if str(environ.get("SLURM_MEM_PER_NODE", "")).isdigit():
+        found.append((int(environ["SLURM_MEM_PER_NODE"]) * 1024 ** 2, "Slurm job's SLURM_MEM_PER_NODE"))
+    return min(found)

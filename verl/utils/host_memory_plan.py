@@ -33,9 +33,10 @@ export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ra
   `hf_max_shard_mb` in the export dtype plus the tensor that crossed the bound.
 - pinned memory: vLLM's sleep backups (pinned: they cannot be swapped). Offload copies go to pageable
   memory. torch's pinned allocator rounds each block up to a power of two by default (Qwen2.5-7B, TP=1:
-  26.8 GiB for 14.2 GiB of weights a rank); the rollout workers run with
-  PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:16 (merged into the user's, verl/trainer/main_ppo.py
-  `pinned_alloc_conf`), so only segments up to 16 MiB are rounded, and this plan counts them so.
+  26.8 GiB for 14.2 GiB of weights a rank); with level-1 sleep (LoRA, lora_sync=adapter) the workers run
+  with PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16 (merged into the
+  user's, verl/trainer/main_ppo.py `pinned_alloc_conf`), so only segments up to 16 MiB are rounded, and
+  this plan counts them so; a worker without the setting (Ray started with its own environment) warns.
 With CPU workers the device plan (verl/utils/memory_plan.py) is host memory too: each phase adds the
 largest per-worker phase x the node's ranks.
 
@@ -47,6 +48,7 @@ mmap'd files (reclaimable).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,10 +195,22 @@ def old_loader_init(cfg: Any, model_config: dict[str, Any] | None = None,
 
 
 MIB = 1024 ** 2
-# The rollout workers' PYTORCH_ALLOC_CONF carries pinned_max_round_threshold_mb:16 (main_ppo.worker_env):
-# torch's pinned host allocator then rounds only blocks up to 16 MiB to a power of two (by default every
-# block: up to 2x on vLLM's level-1 backups; c10/core/AllocatorConfig.h, ATen/core/CachingHostAllocator.h).
-PINNED_ROUND_THRESHOLD_MB = 16
+# With level-1 sleep the workers' PYTORCH_ALLOC_CONF carries these (main_ppo.pinned_alloc_conf): torch's
+# pinned host allocator then rounds (and caches) only blocks up to 16 MiB, to a power of two; larger ones
+# keep their size and are freed, not cached (the round threshold alone would cache exact-size blocks in
+# power-of-two buckets and hand one back for a larger request of the same bucket). By default every
+# block is rounded: up to 2x on vLLM's level-1 backups (c10/core/AllocatorConfig.h,
+# ATen/core/CachingHostAllocator.h).
+PINNED_ALLOC_SETTINGS = {"pinned_max_round_threshold_mb": 16, "pinned_max_cached_size_mb": 16}
+PINNED_ROUND_THRESHOLD_MB = PINNED_ALLOC_SETTINGS["pinned_max_round_threshold_mb"]
+
+def pinned_alloc_missing(environ: Mapping[str, str]) -> list[str]:
+    """The PINNED_ALLOC_SETTINGS keys torch will not read from `environ` (it reads PYTORCH_ALLOC_CONF, else
+    PYTORCH_CUDA_ALLOC_CONF): what a level-1-sleeping worker lacks when Ray was started with its own environment."""
+    value = environ.get("PYTORCH_ALLOC_CONF", environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    return [key for key in PINNED_ALLOC_SETTINGS if key not in value]
+
+
 CUMEM_GRANULARITY = 2 * MIB          # cuMem maps (and so vLLM backs up) segments in 2 MiB units
 # vLLM backs up its "runtime" and "cudagraph" pools to pinned host memory at every sleep level
 # (sleep_mode_backend.py). Their size is not known without a GPU: a stated estimate per rank.

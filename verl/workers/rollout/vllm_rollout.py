@@ -224,6 +224,24 @@ def engine_args_from(config: Any, model_path: str, seed: int, device: str, lora:
     return args
 
 
+
+def _warn_if_pinned_alloc_unset() -> None:
+    """Level-1 sleep: say so when this worker's torch lacks the pinned-allocator settings the driver puts in
+    the runtime_env (main_ppo.pinned_alloc_conf); a Ray cluster started with its own PYTORCH_ALLOC_CONF, or a
+    driver that joined a running cluster, can drop them, and the host plan then counts too little."""
+    import warnings
+
+    from verl.utils.host_memory_plan import pinned_alloc_missing
+
+    missing = pinned_alloc_missing(os.environ)
+    if missing:
+        warnings.warn(
+            f"lora_sync=adapter sleeps at level 1, but this worker's PYTORCH_ALLOC_CONF lacks {missing}: torch's pinned "
+            "allocator rounds each base-weight backup up to a power of two (up to 2x the host memory preflight "
+            "planned). Export PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16 "
+            "where the Ray workers start (docs/training.md, LoRA).", stacklevel=2)
+
+
 class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
     """BaseRollout over a vLLM engine built from `model_path` and kept in sync with the actor."""
 
@@ -260,6 +278,8 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
                              if self.lora_sync == "adapter" else None)
         # Adapter mode keeps the base weights across sleeps (level 1): they were loaded once and never travel.
         self.sleep_level = 1 if self.adapter_sync is not None else 2
+        if self.sleep_level == 1 and device == "cuda":
+            _warn_if_pinned_alloc_unset()
         if self.sleep_between_phases:
             self.llm.sleep(level=self.sleep_level)
             self._host_bytes = sleep_backup_bytes()
