@@ -183,16 +183,16 @@ def test_weight_sync_bytes_metric() -> None:
     assert compute_rollout_metrics({}) == {}
 
 
-def _checked(**overrides: Any) -> list[str]:
-    return [e for e in _checked_all(**overrides) if "lora_sync" in e]
+def _checked(has_gpu: bool = False, **overrides: Any) -> list[str]:
+    return [e for e in _checked_all(has_gpu, **overrides) if "lora_sync" in e]
 
 
-def _checked_all(**overrides: Any) -> list[str]:
+def _checked_all(has_gpu: bool = False, **overrides: Any) -> list[str]:
     cfg = load_trainer_config("/nonexistent/model", **{"actor_rollout_ref.model.lora_rank": 8,
                                                        "actor_rollout_ref.rollout.name": "vllm", **overrides})
     OmegaConf.resolve(cfg)
     run = SimpleNamespace(pools=SimpleNamespace(pipelined=False))
-    return check_lora(cfg, run, has_gpu=False)
+    return check_lora(cfg, run, has_gpu=has_gpu)
 
 
 def test_lora_sync_key_is_checked_and_names_itself() -> None:
@@ -230,6 +230,9 @@ def test_a_continued_adapter_is_checked_by_its_own_config_in_adapter_mode(tmp_pa
     assert "['lm_head']" in err and "actor_rollout_ref.rollout.lora_sync=adapter" in err and "lora_sync=merged" in err
     assert errors(head, **{"actor_rollout_ref.rollout.lora_sync": "merged"}) == []   # merged serves it
     assert errors(head, **{"actor_rollout_ref.rollout.name": "hf"}) == []
+    # rollout.name=auto is the HF loop on CPU workers (nothing for vLLM to refuse), vLLM on GPUs
+    auto = {"actor_rollout_ref.rollout.name": "auto", "actor_rollout_ref.model.lora_adapter_path": head}
+    assert _checked(False, **auto) == [] and len(_checked(True, **auto)) == 1
     bad = _saved_adapter(tmp_path / "bad", modules_to_save=["score"], use_dora=True, lora_bias=True, r=1024)
     found = errors(bad)
     assert len(found) == 4 and all("lora_adapter_path" in e and "lora_sync" in e for e in found)

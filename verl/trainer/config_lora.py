@@ -70,8 +70,8 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
             errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} has no {' / '.join(missing)}: give a "
                           "folder a LoRA run exported (global_step_N/hf) or PeftModel.save_pretrained wrote")
         else:
-            errors.extend(_check_saved_adapter(cfg, str(adapter_path)))
-    errors.extend(_check_lora_sync(cfg, rank))
+            errors.extend(_check_saved_adapter(cfg, str(adapter_path), has_gpu))
+    errors.extend(_check_lora_sync(cfg, rank, has_gpu))
     if run.pools.pipelined and adapter_path:
         errors.append(f"{LORA_KEY}.lora_adapter_path={adapter_path!r} with trainer.pipeline={cfg.trainer.pipeline}: "
                       "the rollout pool's first rollout would use the base model (it loads model.path; the "
@@ -85,13 +85,15 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
 SYNC_KEY = "actor_rollout_ref.rollout.lora_sync"
 
 
-def _serves_adapter(cfg: DictConfig) -> bool:
-    """Whether a vLLM engine serves the adapter itself (rollout.name=vllm, lora_sync=adapter)."""
+def _serves_adapter(cfg: DictConfig, has_gpu: bool | None = None) -> bool:
+    """Whether a vLLM engine serves the adapter itself (lora_sync=adapter with rollout.name=vllm, or auto
+    where it means vLLM: on GPUs, or not known; auto on CPU workers is the HF loop)."""
     rollout = cfg.actor_rollout_ref.rollout
-    return rollout.get("lora_sync", "adapter") == "adapter" and rollout.get("name", "hf") != "hf"
+    name = rollout.get("name", "hf")
+    return rollout.get("lora_sync", "adapter") == "adapter" and (name == "vllm" or (name == "auto" and has_gpu is not False))
 
 
-def _check_saved_adapter(cfg: DictConfig, adapter_path: str) -> list[str]:
+def _check_saved_adapter(cfg: DictConfig, adapter_path: str, has_gpu: bool | None = None) -> list[str]:
     """The continued adapter's own adapter_config.json (what the engine will load) under the adapter-mode
     rules: vLLM refuses these only at its first add_lora, after every rank has built its engine."""
     from verl.utils.lora import ADAPTER_CONFIG
@@ -109,7 +111,7 @@ def _check_saved_adapter(cfg: DictConfig, adapter_path: str) -> list[str]:
                 "(global_step_N/hf) or PeftModel.save_pretrained wrote"]
     if str(saved.get("peft_type", "LORA")).upper() != "LORA":
         return [f"{key}={adapter_path!r}: {path} has peft_type={saved.get('peft_type')!r}, not a LoRA adapter"]
-    if not _serves_adapter(cfg):
+    if not _serves_adapter(cfg, has_gpu):
         return []
     fix = f"set {SYNC_KEY}=merged (full merged weights after each update) or continue from another adapter"
     where = f"{key}={adapter_path!r} ({path}) with {SYNC_KEY}=adapter"
@@ -131,7 +133,7 @@ def _check_saved_adapter(cfg: DictConfig, adapter_path: str) -> list[str]:
     return errors
 
 
-def _check_lora_sync(cfg: DictConfig, rank: int) -> list[str]:
+def _check_lora_sync(cfg: DictConfig, rank: int, has_gpu: bool | None = None) -> list[str]:
     """actor_rollout_ref.rollout.lora_sync: its value, and what the adapter path's vLLM cannot serve."""
     from verl.workers.rollout.vllm_lora import LORA_SYNC_MODES, VLLM_LORA_RANKS, VLLM_UNSERVED_MODULES
 
@@ -140,7 +142,7 @@ def _check_lora_sync(cfg: DictConfig, rank: int) -> list[str]:
     if mode not in LORA_SYNC_MODES:
         return [f"{key}={mode!r} must be one of {list(LORA_SYNC_MODES)} (adapter: vLLM serves the adapter over the "
                 "base it loaded; merged: full merged weights after each update)"]
-    if not _serves_adapter(cfg) or cfg.actor_rollout_ref.model.get("lora_adapter_path"):
+    if not _serves_adapter(cfg, has_gpu) or cfg.actor_rollout_ref.model.get("lora_adapter_path"):
         return []   # a continued adapter's own r / target_modules are what the engine loads (_check_saved_adapter)
     errors = []
     if rank > VLLM_LORA_RANKS[-1]:
