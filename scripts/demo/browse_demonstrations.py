@@ -33,8 +33,9 @@ PAGE_SIZE = 1000
 # answer (max_turns=2: the answer is the final turn). Its retrieval server shows snippets
 # (--snippet_chars demo.browse_snippet_chars), so only an opened page holds the answer. The open
 # tag's invalid-action notice is 143 tokens in the demo's tokenizer: max_obs_length must hold it.
+# Twice the tag demo's lr, as the tool demo: few sampled rollouts open at first, so the signal is thin.
 BROWSE_RL_OVERRIDES = ("open_tag.enable=true", "open_tag.max_opens=1", f"open_tag.page_size={PAGE_SIZE}", "max_turns=2",
-                       "data.max_obs_length=160")
+                       "data.max_obs_length=160", "actor_rollout_ref.actor.optim.lr=2e-4")
 
 
 class SnippetSearch(WorldSearch):

@@ -81,13 +81,14 @@ class World:
         return [{"id": str(i), "contents": t} for i, t in enumerate(texts)]
 
     def browse_passages(self) -> list[dict]:
-        """The browse world's pages (same ids and facts as `passages()`): a one-line summary that
-        does not hold the answer, then the fact."""
+        """The browse world's pages (the facts of `passages()`): a one-line summary that does not
+        hold the answer, then the fact. A page's id is its title (names are unique in a world), so
+        `<open> id </open>` copies a name, as a search does, not a number the model cannot copy."""
         texts = [f'"{p}"\n{p} is a person.\n{p} was born in {self.birthplace[p]} and works at {self.employer[p]}.'
                  for p in self.people]
         texts += [f'"{c}"\n{c} is a city.\n{c} is a city in {self.country_of[c]}.' for c in self.cities]
         texts += [f'"{c}"\n{c} is a company.\n{c} was founded by {self.founder_of[c]}.' for c in self.companies]
-        return [{"id": str(i), "contents": t} for i, t in enumerate(texts)]
+        return [{"id": t.split("\n", 1)[0].strip('"'), "contents": t} for t in texts]
 
     def pages(self, world: str) -> list[dict]:
         """The corpus of `world` ("facts": passages(); "browse": browse_passages())."""

@@ -65,7 +65,9 @@ def test_snippet_keeps_the_title_and_the_first_line_cut_to_max_chars() -> None:
 def test_browse_pages_hold_the_facts_and_their_snippets_never_the_answer() -> None:
     world = make_world(0)
     facts, pages = world.passages(), world.browse_passages()
-    assert [p["id"] for p in pages] == [p["id"] for p in facts]
+    assert [p["contents"].split("\n", 1)[0] for p in pages] == [p["contents"].split("\n", 1)[0] for p in facts]
+    assert [p["id"] for p in pages] == [p["contents"].split("\n", 1)[0].strip('"') for p in pages]   # ids: titles
+    assert len({p["id"] for p in pages}) == len(pages)
     assert world.pages("facts") == facts and world.pages("browse") == pages
     by_title = {p["contents"].split("\n")[0].strip('"'): p["contents"] for p in pages}
     for kind in ONE_HOP_KINDS:
@@ -84,12 +86,12 @@ def test_the_server_shows_snippets_only_when_told_and_open_returns_the_whole_pag
     name = page.split("\n")[0].strip('"')
     with retrieval_server(None, index, corpus, 2, tmp_path / "a.log", ["--snippet_chars", "60"]) as url:
         hit = requests.post(url, json={"queries": [name], "topk": 1}, timeout=10).json()["result"][0][0]
-        assert hit == {"id": "0", "contents": snippet(page, 60)}
-        opened = requests.post(url.replace("/retrieve", "/open"), json={"doc_id": "0"}, timeout=10).json()
+        assert hit == {"id": name, "contents": snippet(page, 60)}
+        opened = requests.post(url.replace("/retrieve", "/open"), json={"doc_id": name}, timeout=10).json()
         assert opened["text"] == page.split("\n", 1)[1]
     with retrieval_server(None, index, corpus, 2, tmp_path / "b.log") as url:   # default: whole passages
         hit = requests.post(url, json={"queries": [name], "topk": 1}, timeout=10).json()["result"][0][0]
-        assert hit == {"id": "0", "contents": page}
+        assert hit == {"id": name, "contents": page}
     with pytest.raises(ValueError, match="snippet_chars"):
         ServerConfig(snippet_chars=-1)
 
