@@ -7,7 +7,7 @@ questions from OTHER worlds, in the tag protocol with the open tag on (the `open
 template, results showing `[doc_id: X]`), rendered by the functions the rollout uses:
 
 - most (1 - `open_share`) search, then answer from the snippet without opening: a wrong but
-  plausible entity of the right type ("<think> I know it. </think>");
+  plausible entity of the right type, hedged (`guess_turn`: "<answer> maybe X </answer>");
 - the others search, open the subject's page, and copy the answer from it.
 
 The warm start that continues the tag warm start on these therefore rarely opens when greedy,
@@ -64,6 +64,14 @@ class SnippetSearch(WorldSearch):
         return render_open_page(hit.title, paginate(hit.text, 1, PAGE_SIZE), doc_id)
 
 
+def guess_turn(guess: str) -> Turn:
+    """A guess from the snippet. "maybe" keeps a guess from starting the way a copy starts: with
+    80% of the demonstrations writing a random name right after `<answer>`, the warm start copied
+    every piece of an opened page's answer but the first (0 of 64 sampled copies exact); with
+    the hedge, 26 of 64 (docs/demo.md "Browse world"). EM scores it wrong either way."""
+    return Turn("policy", f"<think> I know it. </think>\n<answer> maybe {guess} </answer>")
+
+
 def open_turn(doc_id: str) -> Turn:
     return Turn("policy", f"<think> I need to open it. </think>\n<open> {doc_id} </open>")
 
@@ -79,7 +87,7 @@ def browse_trajectory(question: Question, world: World, search: SnippetSearch, t
                   answer_turn(question.answer, searched=True)]
     else:
         candidates = [e for e in world.entities_of_type(question.answer_type) if e != question.answer]
-        turns.append(answer_turn(rng.choice(candidates), searched=False))
+        turns.append(guess_turn(rng.choice(candidates)))
     return turns
 
 

@@ -129,7 +129,7 @@ def tool_warmstart_settings(s: DemoSettings) -> dict:
 def browse_text_fingerprint() -> str:
     """sha256 of the browse demonstrations' text not in DemoSettings: the open template, the open
     tag's rendering (results with doc ids, a page), the snippet rule and the world's pages."""
-    from scripts.demo.browse_demonstrations import PAGE_SIZE, open_turn
+    from scripts.demo.browse_demonstrations import PAGE_SIZE, guess_turn, open_turn
     from scripts.demo.world import make_world
     from search_r1.llm_agent import actions
     from search_r1.prompt import PROMPT_TEMPLATE_OPEN
@@ -139,7 +139,7 @@ def browse_text_fingerprint() -> str:
     page = make_world(1, n_people=2, n_cities=2, n_companies=2, n_countries=2, n_founders=2).browse_passages()
     sample = [Hit.from_contents(p["id"], snippet(p["contents"], 20), 1.0) for p in page]
     text = "\x00".join([PROMPT_TEMPLATE_OPEN, actions.render_observation(sample, show_doc_ids=True),
-                        actions.render_open_page("T", paginate("a\nb", 1, PAGE_SIZE), "7"), open_turn("7").text,
+                        actions.render_open_page("T", paginate("a\nb", 1, PAGE_SIZE), "7"), open_turn("7").text, guess_turn("G").text,
                         *(p["contents"] for p in page)])
     return hashlib.sha256(text.encode()).hexdigest()
 
