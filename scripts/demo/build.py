@@ -30,10 +30,12 @@ import pandas as pd
 
 from scripts.data_process.common import build_merged, write_flashrag_jsonl, write_parquet
 from scripts.demo import tool_demonstrations
+from scripts.demo.browse_demonstrations import make_browse_demonstrations
 from scripts.demo.demonstrations import make_demonstrations
 from scripts.demo.world import (
     ONE_HOP_KINDS,
     TWO_HOP_KINDS,
+    WORLDS,
     Question,
     all_questions,
     make_world,
@@ -86,6 +88,17 @@ class DemoSettings:
     tool_sft_lr: float = 2e-3
     tool_sft_batch_size: int = 16
     tool_warmstart_dir: str = "example/demo_warmstart_tool"
+    # demo.world=browse (docs/demo.md "Browse world"): search shows snippets without the answer,
+    # which sits in the page `<open> doc_id </open>` returns (one-hop questions only). Its warm
+    # start continues the tag warm start's SFT on browse demonstrations, a share of which open.
+    world: str = "facts"              # facts | browse
+    browse_n_demos: int = 1600
+    browse_open_share: float = 0.2    # demonstrations that open the page; the others guess from the snippet
+    browse_snippet_chars: int = 60    # the retrieval server's --snippet_chars in the browse world
+    browse_sft_steps: tuple[int, ...] = (200,)
+    browse_sft_lr: float = 2e-3
+    browse_sft_batch_size: int = 16
+    browse_warmstart_dir: str = "example/demo_warmstart_browse"
 
     @property
     def root(self) -> Path:
@@ -99,11 +112,21 @@ class DemoSettings:
     def tool_warmstart_path(self) -> Path:
         return REPO_ROOT / self.tool_warmstart_dir
 
+    @property
+    def browse_warmstart_path(self) -> Path:
+        return REPO_ROOT / self.browse_warmstart_dir
+
+    @property
+    def variant(self) -> str:
+        """Which demo: "tags", "tool" (demo.protocol) or "browse" (demo.world=browse)."""
+        return "browse" if self.world == "browse" else self.protocol
+
 
 PROTOCOLS = ("tags", "tool")
 # Where each protocol's demo keeps its data and outputs unless demo.data_dir / demo.output_dir
 # are given: the two demos never read each other's cached parquet or checkpoints.
-PROTOCOL_DIRS = {"tags": ("data/demo", "outputs/demo"), "tool": ("data/demo_tool", "outputs/demo_tool")}
+PROTOCOL_DIRS = {"tags": ("data/demo", "outputs/demo"), "tool": ("data/demo_tool", "outputs/demo_tool"),
+                 "browse": ("data/demo_browse", "outputs/demo_browse")}
 
 
 def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
@@ -133,7 +156,12 @@ def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
             overrides.append(arg)
     if settings.protocol not in PROTOCOLS:
         raise SystemExit(f"demo.protocol takes {' or '.join(PROTOCOLS)}, got {settings.protocol!r}")
-    data_dir, output_dir = PROTOCOL_DIRS[settings.protocol]
+    if settings.world not in WORLDS:
+        raise SystemExit(f"demo.world takes {' or '.join(WORLDS)}, got {settings.world!r}")
+    if settings.world == "browse" and settings.protocol != "tags":
+        raise SystemExit("demo.world=browse runs in the tag protocol (its open tag); drop demo.protocol="
+                         f"{settings.protocol}")
+    data_dir, output_dir = PROTOCOL_DIRS[settings.variant]
     if "data_dir" not in given:
         settings.data_dir = data_dir
     if "output_dir" not in given:
@@ -162,7 +190,9 @@ def build_questions(s: DemoSettings) -> tuple[Path, Path]:
     world = make_world(s.world_seed)
     rng = random.Random(s.world_seed)
     flashrag = s.root / "flashrag"
-    for source, kinds in ((ONEHOP_SOURCE, ONE_HOP_KINDS), (TWOHOP_SOURCE, TWO_HOP_KINDS)):
+    # The browse world asks one-hop questions only (search, open, answer).
+    sources = [ONEHOP_SOURCE] if s.world == "browse" else [ONEHOP_SOURCE, TWOHOP_SOURCE]
+    for source, kinds in ((ONEHOP_SOURCE, ONE_HOP_KINDS), (TWOHOP_SOURCE, TWO_HOP_KINDS))[: len(sources)]:
         train_q, test_q = [], []
         for kind in kinds:
             tr, te = split_by_subject(all_questions(world, [kind]), held_out_fraction=0.3, seed=s.world_seed)
@@ -171,19 +201,20 @@ def build_questions(s: DemoSettings) -> tuple[Path, Path]:
         rng.shuffle(train_q)
         write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(train_q)], flashrag / source / "train.jsonl")
         write_flashrag_jsonl([_question_row(q, i) for i, q in enumerate(test_q)], flashrag / source / "test.jsonl")
-    sources = [ONEHOP_SOURCE, TWOHOP_SOURCE]
     # demo.protocol=tool: the rows of veRL's preprocess_search_r1_dataset.py (scripts/data_process
     # --format tool): system + user prompt, data_source searchR1_demo_onehop / searchR1_demo_twohop.
-    train_rows = build_merged(sources, ("train",), "train", flashrag, fmt=s.protocol)
+    # demo.world=browse: the tag template with the open tag's sentence (--template_type open).
+    template = "open" if s.world == "browse" else "base"
+    train_rows = build_merged(sources, ("train",), "train", flashrag, fmt=s.protocol, template_type=template)
     random.Random(s.world_seed + 1).shuffle(train_rows)
     write_parquet(train_rows[: s.n_train], train_pq)
-    write_parquet(build_merged(sources, ("test",), "test", flashrag, fmt=s.protocol), test_pq)
+    write_parquet(build_merged(sources, ("test",), "test", flashrag, fmt=s.protocol, template_type=template), test_pq)
     return train_pq, test_pq
 
 
 def claim_data_dir(s: DemoSettings) -> None:
-    """Mark `demo.data_dir` as holding `demo.protocol`'s data; refuse a folder of the other one
-    (its cached parquet and warm start are in the other protocol's text)."""
+    """Mark `demo.data_dir` as holding this demo's data (`s.variant`: tags, tool or browse); refuse
+    a folder of another one (its cached parquet and warm start are in another text or world)."""
     marker = s.root / "PROTOCOL"
     if marker.exists():
         found: str | None = marker.read_text().strip()
@@ -191,18 +222,19 @@ def claim_data_dir(s: DemoSettings) -> None:
         found = "tags"   # built before the marker existed
     else:
         found = None
-    if found is not None and found != s.protocol:
+    if found is not None and found != s.variant:
+        given = "demo.world=browse" if s.variant == "browse" else f"demo.protocol={s.protocol}"
         raise SystemExit(f"demo.data_dir={s.data_dir} holds the {found!r} protocol's demo data; give "
-                         f"demo.protocol={s.protocol} its own folder (default {PROTOCOL_DIRS[s.protocol][0]})")
+                         f"{given} its own folder (default {PROTOCOL_DIRS[s.variant][0]})")
     s.root.mkdir(parents=True, exist_ok=True)
-    marker.write_text(s.protocol + "\n")
+    marker.write_text(s.variant + "\n")
 
 
 def build_corpus_and_index(s: DemoSettings) -> tuple[Path, Path]:
     corpus = s.root / "corpus.jsonl"
     index_dir = s.root / "bm25"
     if not corpus.exists():
-        write_flashrag_jsonl(make_world(s.world_seed).passages(), corpus)
+        write_flashrag_jsonl(make_world(s.world_seed).pages(s.world), corpus)
     if not index_dir.exists():
         from search_r1.search.index_builder import build_index
 
@@ -277,17 +309,19 @@ def build_tool_sft_data(s: DemoSettings, tokenizer) -> Path:
 
 
 def sft_overrides(s: DemoSettings, sft_data: Path, model_init: Path, steps: int, phase: int,
-                  tool: bool = False) -> list[str]:
+                  tool: bool = False, browse: bool = False) -> list[str]:
     w = s.sft_context_weight
     lr, batch = (s.tool_sft_lr, s.tool_sft_batch_size) if tool else (s.sft_lr, s.sft_batch_size)
-    out_dir = s.root / (f"tool_sft_phase{phase}" if tool else f"sft_phase{phase}")
+    if browse:
+        lr, batch = s.browse_sft_lr, s.browse_sft_batch_size
+    out_dir = s.root / (f"tool_sft_phase{phase}" if tool else f"browse_sft_phase{phase}" if browse else f"sft_phase{phase}")
     return [
         f"data.train_files={sft_data}", "data.max_length=1024", "data.truncation=skip",
         f"data.train_batch_size={batch}", f"data.micro_batch_size_per_gpu={batch}",
         f"data.loss_weights.prompt={w}", "data.loss_weights.policy=1.0", f"data.loss_weights.observation={w}",
         f"model.partial_pretrain={model_init}", f"optim.lr={lr}",
         f"optim.warmup_steps_ratio={0.05 if phase == 0 else 0.02}", "optim.weight_decay=0.0",
-        f"trainer.total_training_steps={steps}", f"trainer.seed={1 + phase + (100 if tool else 0)}",
+        f"trainer.total_training_steps={steps}", f"trainer.seed={1 + phase + (100 if tool else 200 if browse else 0)}",
         f"trainer.default_local_dir={out_dir}", "trainer.logger=[jsonl]",
         "trainer.progress_bar=true", "trainer.log_freq=25", f"trainer.device={s.sft_device}", f"trainer.num_threads={s.num_threads}",
     ]
@@ -345,3 +379,44 @@ def build_tool_warm_start(s: DemoSettings, base: Path) -> Path:
         model = hf_dir
     return model
 
+
+
+def browse_sft_data_path(s: DemoSettings) -> Path:
+    return s.root / "sft_browse" / "train.parquet"
+
+
+def build_browse_sft_data(s: DemoSettings) -> Path:
+    """Browse demonstrations from the SFT worlds (scripts/demo/browse_demonstrations.py) in the
+    `open` prompt template; the fingerprint of the rows goes beside them (…/train.fingerprint)."""
+    out = browse_sft_data_path(s)
+    if out.exists():
+        return out
+    worlds = [make_world(seed) for seed in s.sft_world_seeds]
+    demos = make_browse_demonstrations(worlds, s.browse_n_demos, s.topk, seed=s.world_seed + 11,
+                                       open_share=s.browse_open_share, snippet_chars=s.browse_snippet_chars)
+    rows = [{"prompt": [{"role": "user", "content": make_prefix(q.text, "open")}],
+             "turns": [asdict(t) for t in turns], "kind": q.kind} for q, turns in demos]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (out.parent / "train.fingerprint").write_text(fingerprint(rows) + "\n")
+    pd.DataFrame(rows).to_parquet(out, index=False)
+    return out
+
+
+def build_browse_warm_start(s: DemoSettings, base: Path) -> Path:
+    """The browse world's warm start: the tag warm start `base` (weights, tokenizer, chat template)
+    continued by the project's SFT trainer on browse demonstrations, one phase per entry of
+    `browse_sft_steps` (each from the previous one; skipped when done)."""
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+
+    if not s.browse_sft_steps:
+        raise ValueError("demo.browse_sft_steps is empty: at least one SFT phase is needed")
+    sft_data = build_browse_sft_data(s)
+    model = base
+    for phase, steps in enumerate(s.browse_sft_steps):
+        hf_dir = s.root / f"browse_sft_phase{phase}" / "huggingface"
+        if not (hf_dir / "config.json").exists():
+            result = run_sft(compose_sft_config(sft_overrides(s, sft_data, model, steps, phase, browse=True)))
+            (hf_dir.parent / "sft_result.json").write_text(json.dumps(
+                {"steps": result.steps, "final_loss": result.final_loss, "wall_seconds": result.wall_seconds}))
+        model = hf_dir
+    return model

@@ -5,6 +5,7 @@
     bash train_grpo.sh                                               # same, on a machine with no GPU
     python -m scripts.demo.run_demo demo.algorithm=ppo               # PPO (GAE + critic) instead of GRPO
     python -m scripts.demo.run_demo demo.recipe=dapo                 # dapo|gspo|drgrpo|reinforce_plus_plus_baseline|rloo
+    python -m scripts.demo.run_demo demo.world=browse                # snippets only: learn to <open> a page
     bash train_ppo.sh                                                # same, on a machine with no GPU
 
 Steps (each cached under demo.data_dir, so a second run goes straight to RL). It prints
@@ -33,16 +34,15 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
 
+from scripts.demo.browse_demonstrations import BROWSE_RL_OVERRIDES
 from scripts.demo.build import (
     REPO_ROOT,
     TWOHOP_SOURCE,
@@ -53,6 +53,7 @@ from scripts.demo.build import (
     split_args,
 )
 from scripts.demo.recipes import RECIPES, with_recipe
+from scripts.demo.server import retrieval_server
 from scripts.demo.tool_demonstrations import MAX_TOOL_RESPONSE_LENGTH, write_tool_config
 from scripts.demo.warmstart import MANIFEST, read_manifest, resolve_warmstart, settings_for, shipped_path
 from scripts.demo.world import ONE_HOP_KINDS, TWO_HOP_KINDS
@@ -133,6 +134,7 @@ TOOL_RL_OVERRIDES = (
 TOOL_CONFIG_FILE = "search_tool_config.yaml"   # under demo.output_dir
 
 
+
 # Measured on an idle 2-core CPU (docs/demo.md), for the start line's estimate only.
 SECONDS_PER_RL_STEP = 30.0
 # PPO's step adds the critic's forward and update: 1.4x GRPO's step time, measured side by side.
@@ -163,6 +165,10 @@ class DemoSummary:
     data_dir: str = "data/demo"
     try_command: str = ""
     protocol: str = "tags"
+    world: str = "facts"
+    # Validation's opens per question (val/env/number_of_valid_open; the browse world only).
+    opens_before: float | None = None
+    opens_after: float | None = None
 
 
 def build_all(s: DemoSettings) -> dict[str, Path]:
@@ -184,60 +190,6 @@ def _given(overrides: list[str], key: str) -> str | None:
         if k == key:
             return v.strip("\"'")
     return None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    from search_r1.search.client import RetrievalClient
-
-    return RetrievalClient(url, timeout=2.0).health()
-
-
-@contextmanager
-def retrieval_server(url: str | None, index_dir: Path, corpus: Path, topk: int, log_path: Path,
-                     extra_args: list[str] | tuple[str, ...] = ()):
-    """Yield a /retrieve URL: `url` if a server answers there, else one started here (and stopped
-    after) with `extra_args` (more retrieval_server flags, e.g. --simulate_latency_ms)."""
-    if url is not None and _healthy(url):
-        yield url
-        return
-    if url is None:
-        host, port = "127.0.0.1", _free_port()
-        url = f"http://{host}:{port}/retrieve"
-    else:
-        from urllib.parse import urlparse
-
-        parsed = urlparse(url)
-        host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    cmd = [sys.executable, "-m", "search_r1.search.retrieval_server", "--index_path", str(index_dir),
-           "--corpus_path", str(corpus), "--topk", str(topk), "--retriever_name", "bm25",
-           "--host", host, "--port", str(port), *extra_args]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.time() + 180
-        while not _healthy(url):
-            if proc.poll() is not None:
-                raise RuntimeError(f"retrieval server exited with code {proc.returncode}; see {log_path}")
-            if time.time() > deadline:
-                raise TimeoutError(f"retrieval server did not answer at {url} within 180 s; see {log_path}")
-            time.sleep(0.5)
-        print(f"[demo] retrieval server (pid {proc.pid}) at {url}", flush=True)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def overall_em(metrics: dict, source_counts: dict[str, int]) -> tuple[float, dict[str, float]]:
@@ -299,6 +251,10 @@ def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: 
         overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in tool_keys]
         overrides += [*TOOL_RL_OVERRIDES, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config_path(s)}",
                       f"trainer.experiment_name=demo-{algorithm}-tool"]
+    if s.world == "browse":
+        browse_keys = {o.partition("=")[0] for o in BROWSE_RL_OVERRIDES}
+        overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in browse_keys]
+        overrides += [*BROWSE_RL_OVERRIDES, f"trainer.experiment_name=demo-{algorithm}-browse"]
     # Later overrides win in Hydra, but a "+key" given twice is an error: drop ours.
     user_keys = {a.lstrip("+").partition("=")[0] for a in user}
     overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in user_keys]
@@ -328,9 +284,10 @@ def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int, algorith
     shipped_dir = shipped_path(s)
     shipped = (shipped_dir / MANIFEST).exists() and not s.rebuild_warmstart and \
         read_manifest(shipped_dir).settings == settings_for(s)
-    last = f"tool_sft_phase{len(s.tool_sft_steps) - 1}" if tool else f"sft_phase{len(s.sft_steps) - 1}"
-    cached = (s.root / last / "huggingface" / "config.json").exists()
-    sft_steps = sum(s.tool_sft_steps) if tool else sum(s.sft_steps)
+    steps_of = {"tool": ("tool_sft_phase", s.tool_sft_steps), "browse": ("browse_sft_phase", s.browse_sft_steps)}
+    prefix, phases = steps_of.get(s.variant, ("sft_phase", s.sft_steps))
+    cached = (s.root / f"{prefix}{len(phases) - 1}" / "huggingface" / "config.json").exists()
+    sft_steps = sum(phases)
     n_checks = validations(steps, test_freq)
     per_step, per_val = (TOOL_SECONDS_PER_RL_STEP, TOOL_SECONDS_PER_VALIDATION) if tool else \
         (SECONDS_PER_RL_STEP, SECONDS_PER_VALIDATION)
@@ -347,7 +304,7 @@ def start_line(s: DemoSettings, steps: int, test_freq: int, n_val: int, algorith
         seconds += sft_steps * SECONDS_PER_SFT_STEP
     minutes = max(1, round(seconds / 60))
     return (f"[demo] This will build a small fictional world and its BM25 search server, {warm}, then run "
-            f"{steps} {algorithm.upper()} steps with search{' (tool calls)' if tool else ''} on CPU, validating on {n_val} held-out questions {n_checks} times: "
+            f"{steps} {algorithm.upper()} steps with search{' (tool calls)' if tool else ''}{' and open' if s.variant == 'browse' else ''} on CPU, validating on {n_val} held-out questions {n_checks} times: "
             f"about {minutes} min on an idle 2-core machine (up to {2 * minutes} on a slower or busy one).")
 
 
@@ -358,7 +315,7 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
     algorithm, rest = split_algorithm(list(sys.argv[1:] if argv is None else argv))
     settings, user_overrides = split_args(rest)
     planned = planned_config(algorithm, settings, user_overrides)
-    n_val = settings.n_val_per_kind * len(ONE_HOP_KINDS + TWO_HOP_KINDS)
+    n_val = settings.n_val_per_kind * len(ONE_HOP_KINDS if settings.world == "browse" else ONE_HOP_KINDS + TWO_HOP_KINDS)
     print(start_line(settings, int(planned.trainer.total_training_steps), int(planned.trainer.test_freq), n_val,
                      algorithm), flush=True)
     paths = build_all(settings)
@@ -372,8 +329,9 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
         # A fresh run: old checkpoints and an appended-to metrics log would mix two runs.
         shutil.rmtree(ckpt_root)
 
+    snippets = ["--snippet_chars", str(settings.browse_snippet_chars)] if settings.world == "browse" else []
     with retrieval_server(_given(user_overrides, "retriever.url"), paths["index"], paths["corpus"],
-                          settings.topk, out_dir / "retrieval_server.log") as url:
+                          settings.topk, out_dir / "retrieval_server.log", snippets) as url:
         if settings.protocol == "tool":
             write_tool_config(tool_config_path(settings), url, settings.topk)
         config = compose_config(rl_overrides(settings, paths, user_overrides, url, algorithm))
@@ -391,7 +349,7 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
     from scripts.plot_metrics import PANELS, plot_metrics
 
     panels = PANELS + CRITIC_PANELS if algorithm == "ppo" else PANELS
-    shown = f"{algorithm.upper()}, tool calls" if settings.protocol == "tool" else algorithm.upper()
+    shown = _shown(algorithm, settings.protocol, settings.world)
     plot_path = plot_metrics(metrics_path, out_dir / "training_curves.png",
                              title=f"Search-R1 offline demo ({shown})", panels=panels)
     hf_model_dir = str(ckpt_root / f"global_step_{step}" / "hf")
@@ -400,12 +358,26 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
         val_em_after_by_source=by_after, rl_steps=step, wall_seconds=time.time() - start, rl_seconds=rl_seconds,
         checkpoint_dir=str(ckpt_root / f"global_step_{step}"),
         hf_model_dir=hf_model_dir, metrics_path=str(metrics_path), plot_path=str(plot_path),
-        data_dir=str(settings.root), protocol=settings.protocol,
-        # infer.py --demo asks in the tag protocol; the tool model is shown by its validation.
-        try_command=try_command(paths["test"], out_dir) if settings.protocol == "tags" else "")
+        data_dir=str(settings.root), protocol=settings.protocol, world=settings.world,
+        opens_before=_opens(val_records[0]), opens_after=_opens(val_records[-1]),
+        # infer.py --demo asks a two-hop question in the tag protocol; the tool and browse models
+        # are shown by their validation.
+        try_command=try_command(paths["test"], out_dir) if settings.variant == "tags" else "")
     (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     print_summary(summary, out_dir / "summary.json")
     return summary
+
+
+def _opens(metrics: dict) -> float | None:
+    """Opens per validation question (None without the open tag)."""
+    value = metrics.get("val/env/number_of_valid_open")
+    return None if value is None else float(value)
+
+
+def _shown(algorithm: str, protocol: str, world: str) -> str:
+    if world == "browse":
+        return f"{algorithm.upper()}, browse world"
+    return f"{algorithm.upper()}, tool calls" if protocol == "tool" else algorithm.upper()
 
 
 def planned_config(algorithm: str, settings: DemoSettings, user_overrides: list[str]):
@@ -458,10 +430,12 @@ CRITIC_PANELS = (
 
 
 def print_summary(s: DemoSummary, path: Path) -> None:
-    shown = f"{s.algorithm.upper()}, tool calls" if s.protocol == "tool" else s.algorithm.upper()
+    shown = _shown(s.algorithm, s.protocol, s.world)
     print(f"\n========== Search-R1 offline demo ({shown}) ==========")
     print(f"validation EM before RL: {s.val_em_before:.3f}  {s.val_em_before_by_source}")
     print(f"validation EM after RL:  {s.val_em_after:.3f}  {s.val_em_after_by_source}")
+    if s.opens_before is not None and s.opens_after is not None:
+        print(f"opens per question:      {s.opens_before:.3f} before RL -> {s.opens_after:.3f} after")
     print(f"RL steps: {s.rl_steps}   RL time: {s.rl_seconds:.0f}s   total: {s.wall_seconds:.0f}s")
     print(f"checkpoint: {s.checkpoint_dir}\nHF model:   {s.hf_model_dir}")
     print(f"metrics:    {s.metrics_path}\nplot:       {s.plot_path}\nsummary:    {path}")

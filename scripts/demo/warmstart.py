@@ -3,6 +3,7 @@
     python -m scripts.demo.warmstart                     # rebuild example/demo_warmstart/ from scratch
     python -m scripts.demo.warmstart --check             # do the shipped files match their manifest?
     python -m scripts.demo.warmstart demo.protocol=tool  # rebuild example/demo_warmstart_tool/ (tool protocol)
+    python -m scripts.demo.warmstart demo.world=browse   # rebuild example/demo_warmstart_browse/ (browse world)
     python -m scripts.demo.warmstart --out /tmp/ws demo.sft_steps=300,200   # any DemoSettings field
 
 The warm start is a means, not what the demo shows: building it costs ~1,060 SFT steps
@@ -37,6 +38,8 @@ import torch
 from scripts.demo.build import (
     REPO_ROOT,
     DemoSettings,
+    browse_sft_data_path,
+    build_browse_warm_start,
     build_tool_warm_start,
     build_warm_start,
     fingerprint,
@@ -58,6 +61,9 @@ WARMSTART_FIELDS = (
 )
 # demo.protocol=tool: its warm start continues the tag warm start (WARMSTART_FIELDS) with these.
 TOOL_WARMSTART_FIELDS = ("tool_n_demos", "tool_sft_steps", "tool_sft_lr", "tool_sft_batch_size")
+# demo.world=browse: its warm start continues the tag warm start with these.
+BROWSE_WARMSTART_FIELDS = ("browse_n_demos", "browse_open_share", "browse_snippet_chars", "browse_sft_steps",
+                           "browse_sft_lr", "browse_sft_batch_size")
 # The libraries whose version can change the files: the tokenizer's BPE trainer and its
 # serialisation, the model code and kernels, the weights' format, and the demonstrations'
 # BM25 search (its stemmer, and numpy's top-k, which breaks score ties).
@@ -120,14 +126,42 @@ def tool_warmstart_settings(s: DemoSettings) -> dict:
     return json.loads(json.dumps(settings))
 
 
+def browse_text_fingerprint() -> str:
+    """sha256 of the browse demonstrations' text not in DemoSettings: the open template, the open
+    tag's rendering (results with doc ids, a page), the snippet rule and the world's pages."""
+    from scripts.demo.browse_demonstrations import PAGE_SIZE, guess_turn, open_turn
+    from scripts.demo.world import make_world
+    from search_r1.llm_agent import actions
+    from search_r1.prompt import PROMPT_TEMPLATE_OPEN
+    from search_r1.search.documents import paginate, snippet
+    from search_r1.search.schema import Hit
+
+    page = make_world(1, n_people=2, n_cities=2, n_companies=2, n_countries=2, n_founders=2).browse_passages()
+    sample = [Hit.from_contents(p["id"], snippet(p["contents"], 20), 1.0) for p in page]
+    text = "\x00".join([PROMPT_TEMPLATE_OPEN, actions.render_observation(sample, show_doc_ids=True),
+                        actions.render_open_page("T", paginate("a\nb", 1, PAGE_SIZE), "7"), open_turn("7").text, guess_turn("G").text,
+                        *(p["contents"] for p in page)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def browse_warmstart_settings(s: DemoSettings) -> dict:
+    """What determines the browse world's warm start: the tag warm start it continues, the browse
+    SFT's fields, and the browse text's fingerprint."""
+    settings = warmstart_settings(s)
+    settings.update({name: getattr(s, name) for name in BROWSE_WARMSTART_FIELDS})
+    settings["world"] = "browse"
+    settings["browse_text_protocol"] = browse_text_fingerprint()
+    return json.loads(json.dumps(settings))
+
+
 def settings_for(s: DemoSettings) -> dict:
-    """The manifest settings of `s.protocol`'s warm start."""
-    return tool_warmstart_settings(s) if s.protocol == "tool" else warmstart_settings(s)
+    """The manifest settings of this demo's warm start (`s.variant`)."""
+    return {"tool": tool_warmstart_settings, "browse": browse_warmstart_settings}.get(s.variant, warmstart_settings)(s)
 
 
 def shipped_path(s: DemoSettings) -> Path:
-    """The shipped warm start of `s.protocol` (demo.warmstart_dir / demo.tool_warmstart_dir)."""
-    return s.tool_warmstart_path if s.protocol == "tool" else s.warmstart_path
+    """The shipped warm start of this demo (demo.warmstart_dir / tool_warmstart_dir / browse_warmstart_dir)."""
+    return {"tool": s.tool_warmstart_path, "browse": s.browse_warmstart_path}.get(s.variant, s.warmstart_path)
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
@@ -160,16 +194,20 @@ def _sft_phases(s: DemoSettings) -> list[dict]:
     if s.protocol == "tool":
         return [json.loads((s.root / f"tool_sft_phase{i}" / "sft_result.json").read_text())
                 for i in range(len(s.tool_sft_steps))]
+    if s.variant == "browse":
+        return [json.loads((s.root / f"browse_sft_phase{i}" / "sft_result.json").read_text())
+                for i in range(len(s.browse_sft_steps))]
     return [json.loads((s.root / f"sft_phase{i}" / "sft_result.json").read_text()) for i in range(len(s.sft_steps))]
 
 
 def _inputs(s: DemoSettings, base: Path | None) -> dict:
-    if s.protocol == "tool":
-        # The tag warm start the tool SFT continued from (its weights' sha256) and the tool demonstrations.
+    if s.variant in ("tool", "browse"):
+        # The tag warm start the SFT continued from (its weights' sha256) and the demonstrations.
         where = base.resolve()
         shown = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else where
+        data = tool_sft_data_path(s) if s.variant == "tool" else browse_sft_data_path(s)
         return {"base_warmstart": str(shown), "base_model_sha256": file_hashes(base)["model.safetensors"],
-                "sft_data": (tool_sft_data_path(s).parent / "train.fingerprint").read_text().strip()}
+                "sft_data": (data.parent / "train.fingerprint").read_text().strip()}
     return {"tokenizer_texts": fingerprint(tokenizer_texts(s)),
             "sft_data": sft_data_fingerprint_path(s).read_text().strip()}
 
@@ -198,10 +236,11 @@ def rebuild(s: DemoSettings, out: Path, command: str = REBUILD_COMMAND) -> WarmS
     """Build the warm start from nothing (a fresh temporary data folder) and export it to `out`."""
     with tempfile.TemporaryDirectory(prefix="demo_warmstart_") as tmp:
         fresh = replace(s, data_dir=tmp)
-        if s.protocol == "tool":
+        if s.variant in ("tool", "browse"):
             # The tag warm start it continues: the shipped one when it matches the settings.
-            base = resolve_warmstart(replace(fresh, protocol="tags"))
-            return export_warmstart(fresh, build_tool_warm_start(fresh, base), out, command, base=base)
+            base = resolve_warmstart(replace(fresh, protocol="tags", world="facts"))
+            build = build_tool_warm_start if s.variant == "tool" else build_browse_warm_start
+            return export_warmstart(fresh, build(fresh, base), out, command, base=base)
         return export_warmstart(fresh, build_warm_start(fresh), out, command)
 
 
@@ -217,11 +256,11 @@ def resolve_warmstart(s: DemoSettings) -> Path:
         changed = sorted(k for k in {*manifest.settings, *wanted} if manifest.settings.get(k) != wanted.get(k))
         print(f"[demo] settings {changed} differ from the shipped warm start's ({shipped}): building one under "
               f"{s.data_dir}", flush=True)
-    if s.protocol == "tool":
-        # demo.rebuild_warmstart=true rebuilds the tool SFT; the tag warm start under it is the
-        # shipped one whenever the tag settings match it.
-        base = resolve_warmstart(replace(s, protocol="tags", rebuild_warmstart=False))
-        return build_tool_warm_start(s, base)
+    if s.variant in ("tool", "browse"):
+        # demo.rebuild_warmstart=true rebuilds the tool (browse) SFT; the tag warm start under it is
+        # the shipped one whenever the tag settings match it.
+        base = resolve_warmstart(replace(s, protocol="tags", world="facts", rebuild_warmstart=False))
+        return (build_tool_warm_start if s.variant == "tool" else build_browse_warm_start)(s, base)
     return build_warm_start(s)
 
 

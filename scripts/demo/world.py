@@ -11,6 +11,11 @@ Passages:
     "Name"     Name was born in City and works at Company.
     "City"     City is a city in Country.
     "Company"  Company was founded by Founder.
+
+The browse world (`demo.world=browse`, `world.browse_passages()`) holds the same facts in pages
+whose text's first line only says what the page is about ("Name is a person."); the fact is on
+the next line. Its search server shows snippets (the title and that first line, retrieval
+server `--snippet_chars`), so an agent must open a result (`<open> doc_id </open>`) to answer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ COMPANY_SUFFIXES = ("Labs", "Works", "Systems", "Group", "Foods", "Motors", "Med
 # One-hop kinds need one search; two-hop kinds need two (the second on the first's answer).
 ONE_HOP_KINDS = ("birthplace", "employer", "country", "founder")
 TWO_HOP_KINDS = ("birth_country", "employer_founder")
+# demo.world: "facts" (search results hold the answer) or "browse" (they are snippets without it:
+# the agent must open a page). The browse world asks one-hop questions only (search, open, answer).
+WORLDS = ("facts", "browse")
 QUESTION_TEMPLATES = {
     "birthplace": "Where was {x} born?",
     "employer": "Which company does {x} work at?",
@@ -71,6 +79,22 @@ class World:
         texts += [f'"{c}"\n{c} is a city in {self.country_of[c]}.' for c in self.cities]
         texts += [f'"{c}"\n{c} was founded by {self.founder_of[c]}.' for c in self.companies]
         return [{"id": str(i), "contents": t} for i, t in enumerate(texts)]
+
+    def browse_passages(self) -> list[dict]:
+        """The browse world's pages (the facts of `passages()`): a one-line summary that does not
+        hold the answer, then the fact. A page's id is its title (names are unique in a world), so
+        `<open> id </open>` copies a name, as a search does, not a number the model cannot copy."""
+        texts = [f'"{p}"\n{p} is a person.\n{p} was born in {self.birthplace[p]} and works at {self.employer[p]}.'
+                 for p in self.people]
+        texts += [f'"{c}"\n{c} is a city.\n{c} is a city in {self.country_of[c]}.' for c in self.cities]
+        texts += [f'"{c}"\n{c} is a company.\n{c} was founded by {self.founder_of[c]}.' for c in self.companies]
+        return [{"id": t.split("\n", 1)[0].strip('"'), "contents": t} for t in texts]
+
+    def pages(self, world: str) -> list[dict]:
+        """The corpus of `world` ("facts": passages(); "browse": browse_passages())."""
+        if world not in WORLDS:
+            raise ValueError(f"demo.world takes one of {', '.join(WORLDS)}, got {world!r}")
+        return self.browse_passages() if world == "browse" else self.passages()
 
     def entities_of_type(self, answer_type: str) -> Sequence[str]:
         return {"city": self.cities, "company": self.companies, "country": self.countries,

@@ -10,6 +10,9 @@ cleaned text cut into pages of characters.
   to a private, loopback, link-local (cloud metadata), reserved or multicast address is refused,
   at every redirect too, unless `allow_private=True` (an operator's choice: a local test server).
 - `paginate` cuts a text into pages of `page_size` characters; pages count from 1.
+- `snippet` shortens a passage for search results (the retrieval server's `--snippet_chars`):
+  its title line and the first line of its text, cut to a number of characters; /open still
+  returns the whole passage, so an agent must open a result to read the rest.
 """
 
 from __future__ import annotations
@@ -61,6 +64,21 @@ def render_page(title: str, page: Page, source: str) -> str:
     head = f"{title}\n" if title else ""
     more = f" (open page {page.page + 1} for more)" if page.page < page.num_pages else ""
     return f"{head}[{source}, page {page.page} of {page.num_pages}{more}]\n{page.text}"
+
+
+def snippet(contents: str, max_chars: int) -> str:
+    """`contents` ("\"Title\"\nbody", the corpus layout) as a search result's snippet: the title
+    line as stored, then the body's first line cut to `max_chars` characters, with " ..." when
+    anything was left out. A one-line passage (no title line) is that line, cut the same way."""
+    if not isinstance(max_chars, int) or isinstance(max_chars, bool) or max_chars < 1:
+        raise ValueError(f"snippet max_chars must be an integer >= 1, got {max_chars!r}")
+    first, sep, rest = contents.partition("\n")
+    body = rest if sep else contents
+    line, more, _ = body.partition("\n")
+    cut = line[:max_chars].rstrip()
+    if more or len(line) > max_chars:
+        cut += " ..."
+    return f"{first}\n{cut}" if sep else cut
 
 
 class DocStore:

@@ -51,7 +51,7 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 
 from search_r1.search.coalescer import Coalescer  # noqa: E402
-from search_r1.search.documents import DocStore, paginate  # noqa: E402
+from search_r1.search.documents import DocStore, paginate, snippet  # noqa: E402
 from search_r1.search.retrievers import BaseRetriever, build_retriever  # noqa: E402
 from search_r1.search.schema import Hit, OpenRequest, RetrieveRequest, ServerLimits, validate_request  # noqa: E402
 from search_r1.search.serving import configure_logging, install_request_errors, read_json_body  # noqa: E402
@@ -75,6 +75,10 @@ class ServerConfig:
     # a fixed delay plus a uniform random one in [0, jitter).
     simulate_latency_ms: float = 0.0
     simulate_latency_jitter_ms: float = 0.0
+    # Search results as snippets (0: off, the whole passage, byte for byte): each hit's `contents`
+    # is its title line and the first line of its text cut to this many characters
+    # (documents.snippet); POST /open still returns the whole passage. The browse demo's setting.
+    snippet_chars: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_topk <= self.limits.max_topk:
@@ -86,6 +90,8 @@ class ServerConfig:
         if self.simulate_latency_ms < 0 or self.simulate_latency_jitter_ms < 0:
             raise ValueError("simulate_latency_ms and simulate_latency_jitter_ms must be >= 0, got "
                              f"{self.simulate_latency_ms} and {self.simulate_latency_jitter_ms}")
+        if not isinstance(self.snippet_chars, int) or self.snippet_chars < 0:
+            raise ValueError(f"snippet_chars must be an integer >= 0 (0: whole passages), got {self.snippet_chars!r}")
 
 
 class ServerOverloaded(Exception):
@@ -222,6 +228,10 @@ class RetrievalService:
             results = await self.search(valid.queries, valid.topk)
         finally:
             self.requests_in_flight -= 1
+        if self.config.snippet_chars:
+            n = self.config.snippet_chars
+            results = [[Hit.from_contents(hit.doc_id, snippet(hit.contents, n), hit.score) for hit in hits]
+                       for hits in results]
         return {"result": [[hit.to_wire(valid.return_scores) for hit in hits] for hits in results]}
 
     @contextmanager
@@ -393,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks: delay every /retrieve answer this long, to emulate a web-search API (default: off)",
     )
     p.add_argument(
+        "--snippet_chars", type=int, default=0,
+        help="search results as snippets: each passage's title line and the first line of its text cut to "
+             "this many characters (POST /open returns the whole passage); 0: whole passages (default)",
+    )
+    p.add_argument(
         "--simulate_latency_jitter_ms", type=float, default=0.0,
         help="benchmarks: plus a uniform random delay in [0, this) per request",
     )
@@ -425,6 +440,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_pending_queries=args.max_pending_queries,
         simulate_latency_ms=args.simulate_latency_ms,
         simulate_latency_jitter_ms=args.simulate_latency_jitter_ms,
+        snippet_chars=args.snippet_chars,
     )
 
 
