@@ -300,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --open_tag: characters of one page of an opened document (training's open_tag.page_size)")
     p.add_argument("--demo", action="store_true",
                    help="the offline demo's trained model with the demo's BM25 server, started here on a free "
-                        "127.0.0.1 port and stopped at exit; without --question, a held-out two-hop question")
+                        "127.0.0.1 port and stopped at exit; without --question, a held-out two-hop question (one-hop in the browse world)")
     p.add_argument("--demo_output_dir", default=DEMO_OUTPUT_DIR,
                    help="with --demo: the demo's output folder (its summary.json names the model and data)")
     return p.parse_args(argv)
@@ -318,6 +318,7 @@ class DemoRun:
     open_tag: bool = False     # the run was trained with open_tag.enable=true (the browse world)
     open_page_size: int = 1000
     max_opens: int = 2
+    snippet_chars: int = 0     # the demo's server showed snippets (retrieval_server --snippet_chars)
 
 
 def _existing(path: str | Path) -> Path:
@@ -349,10 +350,11 @@ def demo_run(output_dir: str | Path = DEMO_OUTPUT_DIR) -> DemoRun:
                          "asks in the tag protocol (<search>/<answer>): point --demo_output_dir at a tags run")
     # Summaries written before the data folder was recorded: the demo's default one.
     data_dir = _existing(summary.get("data_dir", "data/demo"))
-    opens = summary.get("open_tag") or {}   # {"enable", "max_opens", "page_size"}: a run trained with the open tag
+    # {"enable", "max_opens", "page_size", "snippet_chars"}: a run trained with the open tag (the browse world)
+    opens = summary.get("open_tag") or {}
     run = DemoRun(model_path, data_dir / "bm25", data_dir / "corpus.jsonl", data_dir / "test.parquet",
                   open_tag=bool(opens.get("enable", False)), open_page_size=int(opens.get("page_size", 1000)),
-                  max_opens=int(opens.get("max_opens", 2)))
+                  max_opens=int(opens.get("max_opens", 2)), snippet_chars=int(opens.get("snippet_chars", 0)))
     for what, path in (("trained model (summary's hf_model_dir)", run.model_path / "config.json"),
                        ("BM25 index", run.index_dir), ("corpus", run.corpus), ("validation questions", run.test_parquet)):
         if not path.exists():
@@ -390,7 +392,8 @@ def main(argv: list[str] | None = None) -> list[Episode]:
     with ExitStack() as stack:
         # The demo's own server code: a free 127.0.0.1 port, stopped when this block exits.
         args.retriever_url = stack.enter_context(retrieval_server(
-            None, run.index_dir, run.corpus, run.topk, Path(args.demo_output_dir) / "infer_retrieval_server.log"))
+            None, run.index_dir, run.corpus, run.topk, Path(args.demo_output_dir) / "infer_retrieval_server.log",
+            ("--snippet_chars", str(run.snippet_chars)) if run.snippet_chars else ()))
         episodes = _ask(args, golden)
     return episodes
 

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from scripts.demo.browse_demonstrations import BROWSE_RL_OVERRIDES
 from scripts.demo.build import (
+    ONEHOP_SOURCE,
     REPO_ROOT,
     TWOHOP_SOURCE,
     DemoSettings,
@@ -169,6 +170,9 @@ class DemoSummary:
     # Validation's opens per question (val/env/number_of_valid_open; the browse world only).
     opens_before: float | None = None
     opens_after: float | None = None
+    # How the model was trained to open pages (the browse world): open_tag.{enable, max_opens, page_size}
+    # and the server's snippet_chars, so `infer.py --demo` asks and serves as training did.
+    open_tag: dict | None = None
 
 
 def build_all(s: DemoSettings) -> dict[str, Path]:
@@ -360,9 +364,12 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
         hf_model_dir=hf_model_dir, metrics_path=str(metrics_path), plot_path=str(plot_path),
         data_dir=str(settings.root), protocol=settings.protocol, world=settings.world,
         opens_before=_opens(val_records[0]), opens_after=_opens(val_records[-1]),
-        # infer.py --demo asks a two-hop question in the tag protocol; the tool and browse models
-        # are shown by their validation.
-        try_command=try_command(paths["test"], out_dir) if settings.variant == "tags" else "")
+        open_tag=({"enable": True, "max_opens": int(config.open_tag.max_opens),
+                   "page_size": int(config.open_tag.page_size), "snippet_chars": int(settings.browse_snippet_chars)}
+                  if settings.world == "browse" else None),
+        # infer.py --demo asks a held-out question in the tag protocol (with the open tag in the browse
+        # world); the tool-protocol model is shown by its validation.
+        try_command=try_command(paths["test"], out_dir) if settings.variant in ("tags", "browse") else "")
     (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     print_summary(summary, out_dir / "summary.json")
     return summary
@@ -390,24 +397,27 @@ def planned_config(algorithm: str, settings: DemoSettings, user_overrides: list[
 
 def held_out_questions(test_parquet: str | Path, source: str = TWOHOP_SOURCE) -> list[tuple[str, list[str]]]:
     """(question, golden answers) of one source's rows in the demo's validation parquet, in file order."""
-    from search_r1.prompt import PROMPT_TEMPLATE
+    from search_r1.prompt import TEMPLATES
 
     frame = pd.read_parquet(test_parquet)
-    head = PROMPT_TEMPLATE.split("{question}")[0]
+    heads = [template.split("{question}")[0] for template in TEMPLATES.values()]   # base, open (browse world)
     out = []
     for i, row in frame[frame["data_source"] == source].iterrows():
         content = row["prompt"][0]["content"]
-        if not content.startswith(head):
+        head = next((h for h in heads if content.startswith(h)), None)
+        if head is None:
             raise ValueError(f"{test_parquet}: row {i} ({source}) does not use the Search-R1 prompt template")
         out.append((content[len(head):].strip(), [str(a) for a in row["reward_model"]["ground_truth"]["target"]]))
     return out
 
 
 def demo_question(test_parquet: str | Path) -> str:
-    """The first held-out two-hop question of the demo's validation parquet (what `infer.py --demo` asks)."""
-    questions = held_out_questions(test_parquet)
+    """The first held-out two-hop question of the demo's validation parquet (what `infer.py --demo` asks);
+    one-hop where it has none (the browse world)."""
+    questions = held_out_questions(test_parquet) or held_out_questions(test_parquet, ONEHOP_SOURCE)
     if not questions:
-        raise ValueError(f"{test_parquet}: no {TWOHOP_SOURCE} rows; delete the demo's data folder to rebuild it")
+        raise ValueError(f"{test_parquet}: no {TWOHOP_SOURCE} or {ONEHOP_SOURCE} rows; delete the demo's data "
+                         "folder to rebuild it")
     return questions[0][0]
 
 

@@ -5,7 +5,12 @@ trainer keys and folders, and its shipped warm start."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import shlex
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +24,7 @@ from scripts.bench.rollout import ScriptedRollout
 from scripts.demo import browse_demonstrations as bd
 from scripts.demo.build import (
     ONEHOP_SOURCE,
+    REPO_ROOT,
     DemoSettings,
     build_browse_sft_data,
     build_corpus_and_index,
@@ -266,3 +272,13 @@ def test_tiny_browse_demo_runs_end_to_end(tmp_path: Path) -> None:
     train = [r for r in records if "env/number_of_valid_open" in r and "critic/score/mean" in r]
     assert train and train[0]["env/number_of_valid_open"] > 0, "no sampled rollout opened a page"
     assert train[0].get("env/open_not_found", 0) < train[0]["env/number_of_valid_open"] * 32
+    # infer.py --demo asks as the run trained: the summary's open_tag (snippets, the open template and tag)
+    assert written["open_tag"] == {"enable": True, "max_opens": 1, "page_size": 1000, "snippet_chars": 60}
+    assert summary.try_command.startswith("python infer.py --demo --question ") and "--demo_output_dir" in summary.try_command
+    asked = subprocess.run([sys.executable, *shlex.split(summary.try_command)[1:], "--max_new_tokens", "40"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert asked.returncode == 0, asked.stderr[-2000:]
+    # results show their ids (the open tag's rendering) and a snippet (the server started with --snippet_chars)
+    assert re.search(r"\[doc_id: [^\]]+\] [^\n<]* \.\.\.", asked.stdout), asked.stdout[-1500:]
+    assert re.search(r"# Answer: .*\(\w+, \d+ searches, \d+ opens\)", asked.stdout), asked.stdout[-1500:]
