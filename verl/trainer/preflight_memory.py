@@ -197,26 +197,13 @@ def on_a_gpu_node() -> bool:
 
 
 def node_memory_gib(cfg: DictConfig) -> tuple[float | None, str]:
-    """(GiB, where from) of a node's memory when trainer.host_memory_gib is null: the smallest alive GPU
-    node's of a Ray cluster this process has joined (`ray.nodes()`, its "memory" resource: what Ray gives
-    tasks of the node, the object store left out as the plan leaves it out; a CPU-only head node is not a
-    node the workers run on), else this machine's memory where it is a node of the run (it has a GPU: the
-    launcher's job runs preflight on its first node): the least of MemTotal (psutil), the cgroup's limit
-    and Slurm's SLURM_MEM_PER_NODE, since a job is killed at its limit, not at the node's size; (None, why)
-    otherwise: a machine without a GPU checks configs for GPU nodes elsewhere."""
+    """(GiB, where from) of a node's memory when trainer.host_memory_gib is null: this machine's where it is
+    a node of the run (it has a GPU: the launcher's job runs preflight on its first node; preflight starts
+    no Ray, so a Ray session this process may hold is not asked): the least of MemTotal (psutil), the
+    cgroup's limit and Slurm's SLURM_MEM_PER_NODE, since a job is killed at its limit, not at the node's
+    size; (None, why) otherwise: a machine without a GPU checks configs for GPU nodes elsewhere."""
     from verl.utils.memory_plan import GIB
-    try:
-        import ray
 
-        if ray.is_initialized():
-            alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-            gpu_nodes = [r for r in alive if r.get("GPU", 0) > 0] or alive
-            sizes = [r.get("memory", 0) for r in gpu_nodes]
-            if sizes and min(sizes) > 0:
-                return min(sizes) / GIB, (f"ray.nodes(): the smallest GPU node's memory resource (object store "
-                                          f"left out), {min(sizes) / GIB:.1f} GiB")
-    except ImportError:
-        pass
     if not on_a_gpu_node():
         return None, (f"{HOST_KEY}=null and this machine has no GPU, so it is not taken for a node of the run: "
                       f"give {HOST_KEY} (GiB per node) for a verdict")
