@@ -10,7 +10,8 @@ import os
 import random
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """`app` (an ASGI app, e.g. a scripted FastAPI server) served by uvicorn in a thread on a free
+    127.0.0.1 port while the block runs; yields its base URL, http://127.0.0.1:<port>."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def start_ranks(target: Callable[..., None], args_of: Callable[[int], tuple], world: int = 2) -> list[Any]:

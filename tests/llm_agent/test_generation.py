@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +12,7 @@ from scripts.bench.rollout import ScriptedRollout
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManager
 from search_r1.search.client import RetrievalClient
-from tests.conftest import free_port
+from tests.conftest import free_port, serving
 from tests.llm_agent.helpers import encode, make_gen_batch, prompt_ids
 from verl.utils import batch_keys as K
 
@@ -211,7 +209,6 @@ def test_no_think_rl_is_rejected_by_config(retrieval_url):
 @contextlib.contextmanager
 def failing_server() -> Iterator[str]:
     """A /retrieve endpoint that always answers HTTP 500."""
-    import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -221,17 +218,8 @@ def failing_server() -> Iterator[str]:
     async def retrieve() -> JSONResponse:
         return JSONResponse(status_code=500, content={"detail": "index exploded"})
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/retrieve"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serving(app) as base:
+        yield f"{base}/retrieve"
 
 
 @pytest.mark.parametrize("where", ["server_down", "server_500"])

@@ -5,13 +5,10 @@ scripted engine and the project's BM25 server over HTTP (its POST /open)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 from collections import Counter
 
 import pytest
 import requests
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -20,7 +17,7 @@ from search_r1.llm_agent.generation import GenerationConfig, LLMGenerationManage
 from search_r1.search.client import RetrievalClient
 from search_r1.search.documents import Page, paginate, render_page
 from search_r1.search.schema import Hit
-from tests.conftest import free_port
+from tests.conftest import free_port, serving
 from tests.llm_agent.helpers import CORPUS, encode
 from tests.llm_agent.test_generation import make_config, response_of, run
 from tests.llm_agent.test_rollout_behaviours import run_async
@@ -333,15 +330,8 @@ def flaky_open_server(retrieval_url):
         answer = requests.post(real, json=body, timeout=5)
         return JSONResponse(status_code=answer.status_code, content=answer.json())
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/retrieve", seen
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield f"{base}/retrieve", seen
 
 
 def test_an_open_is_retried_as_a_search_is(tokenizer, flaky_open_server):

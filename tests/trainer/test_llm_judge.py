@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.conftest import free_port
+from tests.conftest import serving
 from tests.trainer.test_reward import _batch, _row
 from verl.trainer.main_ppo import compose_config
 from verl.utils.reward_score.llm_judge import (
@@ -83,17 +80,8 @@ def judge_server() -> Iterator[tuple[str, Script]]:
         finally:
             script.in_flight -= counted
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/v1", script
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serving(app) as base:
+        yield f"{base}/v1", script
 
 
 def _judge(url: str, **kwargs) -> LLMJudge:
