@@ -68,7 +68,6 @@ def taught_model(tmp_path_factory: pytest.TempPathFactory, server_url: str) -> s
 
     from infer import retrieval_search_fn
     from search_r1.prompt import make_prefix
-    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
     from verl.utils.tiny_model import DEFAULT_TEXTS, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("taught")
@@ -81,14 +80,20 @@ def taught_model(tmp_path_factory: pytest.TempPathFactory, server_url: str) -> s
            "turns": [{"role": "policy", "text": "<think> search Kalo Miven </think>\n<search> Kalo Miven </search>"},
                      {"role": "observation", "text": observation},
                      {"role": "policy", "text": "<think> found </think>\n<answer> Dorsil </answer>"}]}
+    return _teach(root, init, row, "trainer.total_training_steps=80", "trainer.log_freq=20")
+
+
+def _teach(root: Path, init: str, row: dict, *overrides: str) -> str:
+    """A checkpoint of `init` SFT-trained on `row` (8 copies), policy turns only, with the project's trainer."""
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+
     data = root / "sft.parquet"
     pd.DataFrame([row] * 8).to_parquet(data)
     cfg = compose_sft_config([
         f"data.train_files={data}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8",
         f"model.partial_pretrain={init}", "optim.lr=1e-2", "optim.warmup_steps_ratio=0.05",
         "data.loss_weights.observation=0.0", "data.loss_weights.prompt=0.0",
-        "trainer.total_training_steps=80", f"trainer.default_local_dir={root / 'sft'}",
-        "trainer.log_freq=20", "trainer.device=cpu", "trainer.num_threads=1"])
+        f"trainer.default_local_dir={root / 'sft'}", "trainer.device=cpu", "trainer.num_threads=1", *overrides])
     return str(run_sft(cfg).checkpoint_dir)
 
 
@@ -164,7 +169,6 @@ def taught_opener(tmp_path_factory: pytest.TempPathFactory, server_url: str) -> 
     """A tiny model SFT-trained on an open-tag trajectory: search, open the result, answer from the page."""
     from infer import retrieval_open_fn, retrieval_search_fn
     from search_r1.prompt import make_prefix
-    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
     from verl.utils.tiny_model import DEFAULT_TEXTS, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("opener")
@@ -180,15 +184,7 @@ def taught_opener(tmp_path_factory: pytest.TempPathFactory, server_url: str) -> 
                      {"role": "policy", "text": "<think> read it </think>\n<open> 0 </open>"},
                      {"role": "observation", "text": page},
                      {"role": "policy", "text": "<think> found </think>\n<answer> Dorsil </answer>"}]}
-    data = root / "sft.parquet"
-    pd.DataFrame([row] * 8).to_parquet(data)
-    cfg = compose_sft_config([
-        f"data.train_files={data}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8",
-        f"model.partial_pretrain={init}", "optim.lr=1e-2", "optim.warmup_steps_ratio=0.05",
-        "data.loss_weights.observation=0.0", "data.loss_weights.prompt=0.0", "data.max_length=1024",
-        "trainer.total_training_steps=100", f"trainer.default_local_dir={root / 'sft'}",
-        "trainer.log_freq=50", "trainer.device=cpu", "trainer.num_threads=1"])
-    return str(run_sft(cfg).checkpoint_dir)
+    return _teach(root, init, row, "data.max_length=1024", "trainer.total_training_steps=100", "trainer.log_freq=50")
 
 
 def test_with_the_open_tag_the_model_opens_the_result_and_answers_from_the_page(
