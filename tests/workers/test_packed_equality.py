@@ -157,3 +157,35 @@ def test_packing_check_passes_through_the_registered_attention(tiny_model_dir, r
                                                  attn_implementation=attn_implementation("cpu", True))
     check_packing_isolates_sequences(model, model.config.vocab_size)
     assert reference_calls and all(n == 2 for n in reference_calls)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_packed_forward_derives_its_boundaries_once_for_every_layer_and_the_recompute(
+        tiny_model_dir, reference_calls, monkeypatch, role):
+    """cu_seqlens cost two host syncs (nonzero, max): the actor and critic derive them once per packed
+    micro-batch (`boundary_kwargs`) and every layer's attention, gradient checkpointing's recompute
+    included, reuses them. The old code derived them in each layer: layers x (forward + recompute)."""
+    worker = actor(tiny_model_dir, True) if role == "actor" else critic(tiny_model_dir, True)
+    module = worker.actor_module if role == "actor" else worker.critic_module
+    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.train()
+    data = meta(protocol_batch(module.config.vocab_size, "tools", seed=5), dynamic=False)
+    forward = worker.compute_log_prob if role == "actor" else worker.compute_values
+    forward(copy.copy(data))               # the first call also runs the one-time packing check
+    derived: list[int] = []
+    real = packed_attention.cu_seqlens_from_position_ids
+    monkeypatch.setattr(packed_attention, "cu_seqlens_from_position_ids",
+                        lambda p: derived.append(1) or real(p))
+    reference_calls.clear()
+    out = forward(copy.copy(data))
+    if role == "actor":
+        data.batch[K.OLD_LOG_PROBS] = out[0]
+        worker.update_policy(copy.copy(data))
+    else:
+        data.batch[K.VALUES] = out
+        worker.update_critic(copy.copy(data))
+    layers, micro_batches = module.config.num_hidden_layers, ROWS // 3
+    assert layers >= 2
+    # Two passes (no-grad forward; update forward + its recompute), two micro-batches each.
+    assert len(derived) == 2 * micro_batches
+    assert len(reference_calls) == 3 * micro_batches * layers and min(reference_calls) >= 2

@@ -48,6 +48,15 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     return cu_seqlens, max_len
 
 
+def boundary_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The packed row's boundaries as transformers' flash-attention keywords, for the model's forward:
+    `model(input_ids=..., position_ids=..., **boundary_kwargs(position_ids))` hands them to every
+    layer's attention (and gradient checkpointing's recompute), so the two host syncs of deriving them
+    run once per forward, not twice per layer. transformers' own flash_attention_2 reads the same keys."""
+    cu_seqlens, max_len = cu_seqlens_from_position_ids(position_ids)
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
+
+
 # ---------------------------------------------------------------------------- kernels
 # Each takes q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S+1,), the longest sequence and
 # the softmax scale, and returns (T, Hq, D): causal attention within each sequence.
@@ -150,7 +159,10 @@ def _packed_attention_forward(name: str) -> Callable[..., tuple[torch.Tensor, No
         if padded_or_cached or position_ids is None or not getattr(module, "is_causal", True):
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)
-        return _packed(name, module, query, key, value, position_ids, scaling, dropout, kwargs), None
+        given = kwargs.get("cu_seq_lens_q")    # boundary_kwargs: derived once for the whole forward
+        boundaries = None if given is None else (given, int(kwargs["max_length_q"]))
+        return _packed(name, module, query, key, value, position_ids, scaling, dropout, kwargs,
+                       boundaries=boundaries, shortcut=True), None
 
     forward.__name__ = f"{name}_attention_forward"
     return forward
@@ -158,16 +170,17 @@ def _packed_attention_forward(name: str) -> Callable[..., tuple[torch.Tensor, No
 
 def _packed(name: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             position_ids: torch.Tensor, scaling: float | None, dropout: float, kwargs: dict[str, Any],
-            boundaries: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+            boundaries: tuple[torch.Tensor, int] | None = None, shortcut: bool = False) -> torch.Tensor:
     """Causal attention within each sequence of the packed rows -> (B, N, Hq, D). `boundaries`: the
-    rows' (cu_seqlens, max length) when known (Ulysses: one packed row, derived once for all layers);
-    then the varlen kernel always runs (the one-sequence sdpa shortcut would repeat key/value heads by
-    the model's global ratio, not the SP share's)."""
+    rows' (cu_seqlens, max length) when known (derived once for all layers: `boundary_kwargs`, or
+    Ulysses' state); else derived here. `shortcut`: one sequence per row runs plain causal sdpa (not
+    under Ulysses, where sdpa would repeat key/value heads by the model's global ratio, not the SP
+    share's)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, n, head_dim = query.shape
     cu_seqlens, max_len = boundaries or cu_seqlens_from_position_ids(position_ids.expand(batch, -1))
-    if boundaries is None and cu_seqlens.numel() - 1 == batch:   # one sequence per row: plain causal attention
+    if shortcut and cu_seqlens.numel() - 1 == batch:   # one sequence per row: plain causal attention
         kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
                                       **kwargs)[0]

@@ -26,6 +26,7 @@ from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
 from verl.utils import ulysses
 from verl.utils.logprob_head import lm_head_computes_log_probs
+from verl.utils.packed_attention import boundary_kwargs
 from verl.utils.remove_padding import (
     check_packing_isolates_sequences,
     pack_batch,
@@ -135,7 +136,8 @@ class DataParallelPPOActor(BasePPOActor):
                                                      calculate_entropy, calculate_sum_pi_squared)
             else:
                 out_M = self._head(packed.input_ids, packed.position_ids, None, slots_BR[kept], responses[kept][None],
-                                   temperature, calculate_entropy, calculate_sum_pi_squared)
+                                   temperature, calculate_entropy, calculate_sum_pi_squared,
+                                   boundary_kwargs(packed.position_ids))
 
             def unpack(values_1M: torch.Tensor | None) -> torch.Tensor | None:
                 if values_1M is None:
@@ -150,17 +152,18 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _head(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
               keep: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool,
-              calculate_sum_pi_squared: bool = False) -> HeadOutputs:
+              calculate_sum_pi_squared: bool = False, model_kwargs: dict[str, Any] | None = None) -> HeadOutputs:
         """Log-probs (and entropy, sum_v pi_v^2 when asked) of `labels` at the kept positions `keep`
         (1-D index into the sequence axis, passed as transformers' `logits_to_keep`, so the head
         runs on those positions alone); each shaped like `labels`. The model's own lm_head call
         computes them (`lm_head_computes_log_probs`), inside the model's forward where FSDP2 has
-        unsharded the head's weight."""
+        unsharded the head's weight. `model_kwargs`: more keywords for the model (a packed row's
+        `boundary_kwargs`)."""
         head = self.actor_module.get_output_embeddings()
         with lm_head_computes_log_probs(head, labels, temperature, calculate_entropy,
                                         calculate_sum_pi_squared=calculate_sum_pi_squared) as fused:
             out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False, logits_to_keep=keep)
+                                    use_cache=False, logits_to_keep=keep, **(model_kwargs or {}))
         log_probs, entropy = fused.read(out.logits)
         return HeadOutputs(log_probs, entropy,
                            fused.sum_pi_squared(out.logits) if calculate_sum_pi_squared else None)

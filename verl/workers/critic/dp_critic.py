@@ -22,6 +22,7 @@ from verl.trainer.ppo import core_algos
 from verl.utils import batch_keys as K
 from verl.utils import torch_functional as tf
 from verl.utils import ulysses
+from verl.utils.packed_attention import boundary_kwargs
 from verl.utils.remove_padding import check_packing_isolates_sequences, pack_batch, unpack_to_padded
 from verl.utils.seqlen_balancing import get_reverse_idx, split_micro_batches
 from verl.workers.actor.dp_actor import clip_and_check_grad, shuffle_seed
@@ -58,7 +59,8 @@ class DataParallelPPOCritic:
                 out_N = self._packed_values_sequence_parallel(packed)
             else:
                 out_N = self.critic_module(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                           attention_mask=None, use_cache=False).logits.squeeze(0)
+                                           attention_mask=None, use_cache=False,
+                                           **boundary_kwargs(packed.position_ids)).logits.squeeze(0)
             values_BT = unpack_to_padded(out_N.squeeze(-1).float(), packed)
         else:
             values_BT = self.critic_module(input_ids=input_ids, attention_mask=attention_mask,
