@@ -97,14 +97,17 @@ def _memory_figures(out: Path, log: str) -> dict[str, Any]:
     return figures
 
 
-def _throughput_figures(out: Path, log: str) -> dict[str, Any]:
+def _packing_figures(out: Path, log: str) -> dict[str, Any]:
+    """Per shape: packed / padded speedups, each mode's tokens/s and MFU per pass, the results' agreement."""
     report = _json(out / "report.json")
-    if report is None:
+    if not report:
         return {}
-    figures = {k: report.get(k) for k in ("device", "params", "max_allocated_gib", "build_s")}
-    for kind in ("update", "log_prob"):
-        if kind in report:
-            figures[kind] = {k: report[kind][k] for k in ("tokens_per_s", "mfu", "s")}
+    figures: dict[str, Any] = {"device": next(iter(report.values())).get("device")}
+    for shape, run in report.items():
+        figures[shape] = {"speedup": run.get("speedup"),
+                          "max_abs_log_prob_diff": run.get("equal_results", {}).get("max_abs_log_prob_diff"),
+                          **{mode: {kind: {k: run[mode][kind][k] for k in ("tokens_per_s", "mfu")}
+                                    for kind in ("log_prob", "update")} for mode in ("padded", "packed")}}
     return figures
 
 
@@ -147,8 +150,6 @@ def _measure(name: str, module: str, what: str, big: bool, expected_s: int, figu
     out = ("--out", "{out}/report.json")
     gpu = (*BIG_3B, *out) if big else out
     cpu = (*TINY, *out, *(("actor_rollout_ref.model.enable_gradient_checkpointing=true",) if big else ()))
-    if module.endswith("actor_throughput"):
-        cpu = (*cpu, "--repeats", "1")
     return Check(name, what, module, gpu, cpu, "measure", expected_s, max(240, 3 * expected_s), 300, figures)
 
 
@@ -180,10 +181,13 @@ CHECKS: tuple[Check, ...] = (
           "scripts.gpu_checks.memory_plan_vs_allocated",
           ("--model-config", QWEN_7B, *BIG_3B[2:], "--rows", "8", "--lora-rank", "64", "--out", "{out}/report.json"),
           (*TINY, "--lora-rank", "8", "--out", "{out}/report.json"), "measure", 35, 240, 300, _memory_figures),
-    _measure("actor_throughput_0.5b", "scripts.gpu_checks.actor_throughput",
-             "update and log-prob tokens/s and MFU, Qwen2.5-0.5B shape", False, 35, _throughput_figures),
-    _measure("actor_throughput_3b_gc", "scripts.gpu_checks.actor_throughput",
-             "the same, Qwen2.5-3B shape with gradient checkpointing", True, 55, _throughput_figures),
+    # Issue 35: supersedes actor_throughput (its padded half is that measurement, on search-agent lengths)
+    Check("packing_throughput", "padded vs packed actor tokens/s and MFU, packed through torch's varlen_attn (no "
+          "flash-attn), Qwen2.5-0.5B and 3B (gradient checkpointing) shapes on the demo's lengths x 4 (issue 35 wants "
+          "packed >= 1.5x padded, the 3B packed update >= 45 % MFU) and the first pass's max |log-prob difference|",
+          "scripts.gpu_checks.packing_throughput", ("--repeats", "2", "--out", "{out}/report.json"),
+          ("--device", "cpu", "--tiny", "--repeats", "1", "--out", "{out}/report.json"), "script", 90, 300, 300,
+          _packing_figures),
     Check("async_rollout_counters", "the demo's rollout in one process, sync vs async HF engine on CUDA: wall "
           "times (speedup = sync / async, issue 32 item 11 wants >= 1) and the forward / host-sync counters",
           "scripts.bench.async_rollout", ("--counters", "--device", "cuda", "--repeats", "3"),

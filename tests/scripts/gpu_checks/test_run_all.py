@@ -20,8 +20,7 @@ from scripts.gpu_checks import run_all
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "scripts" / "gpu_checks" / "run_all.sh"
 NAMES = ["pytest_gpu", "issue13", "sharded_init", "memory_plan_0.5b", "memory_plan_3b_gc", "memory_plan_7b_lora64",
-         "actor_throughput_0.5b",
-         "actor_throughput_3b_gc", "async_rollout_counters", "demo_grpo_sync", "demo_grpo_async", "demo_ppo", "demo_tool"]
+         "packing_throughput", "async_rollout_counters", "demo_grpo_sync", "demo_grpo_async", "demo_ppo", "demo_tool"]
 # The device budget is 15 minutes a call, machine start included: the kit is planned for 12 on one H100.
 BUDGET_S = 12 * 60
 
@@ -96,7 +95,7 @@ def test_the_cpu_mode_runs_one_check_of_each_kind_end_to_end(tmp_path: Path) -> 
     # the whole --cpu run takes ~15 minutes on 2 busy cores; one check of each kind but the demo (whose run
     # is the same bounded subprocess; its figures: test_the_figures_read_what_the_demo_and_the_bench_write, and
     # the demo itself runs in tests/scripts/demo) runs the same code paths
-    names = ["pytest_gpu", "issue13", "memory_plan_3b_gc", "actor_throughput_0.5b"]
+    names = ["pytest_gpu", "issue13", "memory_plan_3b_gc", "packing_throughput"]
     done = _shell("--cpu", "--only", ",".join(names), "--out", str(tmp_path), timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads(done.stdout)
@@ -108,8 +107,11 @@ def test_the_cpu_mode_runs_one_check_of_each_kind_end_to_end(tmp_path: Path) -> 
     memory = checks["memory_plan_3b_gc"]["figures"]
     assert set(memory) == {"device", "actor_update_first", "actor_update", "actor_log_prob"}
     assert memory["actor_update"]["plan_gib"] > 0 and memory["actor_update"]["measured_gib"] is None
-    assert checks["actor_throughput_0.5b"]["figures"]["update"]["tokens_per_s"] > 0
-    assert Path(checks["actor_throughput_0.5b"]["log"]).is_file()
+    packing = checks["packing_throughput"]["figures"]
+    assert set(packing) == {"device", "0.5b", "3b_gc"} and packing["device"] == "cpu"
+    assert packing["3b_gc"]["packed"]["update"]["tokens_per_s"] > 0 and packing["0.5b"]["speedup"]["log_prob"] > 0
+    assert packing["0.5b"]["max_abs_log_prob_diff"] < 1e-3     # packed == padded, fp32 on CPU
+    assert Path(checks["packing_throughput"]["log"]).is_file()
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
@@ -131,3 +133,14 @@ def test_the_figures_read_what_the_demo_and_the_bench_write(tmp_path: Path) -> N
     log = "[rank0] loading...\n" + json.dumps(report, indent=2) + "\n"
     assert run_all._sharded_init_figures(tmp_path, log) == {"ok": True, "checks": report["checks"]}
     assert run_all._sharded_init_figures(tmp_path, "RuntimeError: NCCL error") == {}
+    # scripts/gpu_checks/packing_throughput.py's report: {shape: scripts.bench.packing's report}
+    passes = {"log_prob": {"s": 0.5, "tokens_per_s": 2000.0, "mfu": 0.3}, "update": {"s": 1.0, "tokens_per_s": 900.0,
+                                                                                     "mfu": 0.4}}
+    one = {"device": "cuda", "padded": passes, "packed": passes, "speedup": {"log_prob": 1.6, "update": 1.5},
+           "equal_results": {"max_abs_log_prob_diff": 0.01, "grad_norm_rel_diff": 0.001}}
+    (tmp_path / "report.json").write_text(json.dumps({"0.5b": one, "3b_gc": one}))
+    shape = {"speedup": {"log_prob": 1.6, "update": 1.5}, "max_abs_log_prob_diff": 0.01,
+             "padded": {k: {"tokens_per_s": v["tokens_per_s"], "mfu": v["mfu"]} for k, v in passes.items()}}
+    shape["packed"] = shape["padded"]
+    assert run_all._packing_figures(tmp_path, "") == {"device": "cuda", "0.5b": shape, "3b_gc": shape}
+    assert run_all._packing_figures(tmp_path / "missing", "") == {}
