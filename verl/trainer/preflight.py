@@ -6,7 +6,8 @@
 The same entry point and overrides as the run, so the config is composed exactly as the run
 would compose it. Every check runs and every failure is collected (each `{key, message}`):
 - the cluster settings and every `validate_config` rule (keys, batch sizes, TP, lengths, the
-  optional packages the run imports: loggers, vllm, flash-attn), and the per-worker batch sizes
+  optional packages the run imports: loggers, vllm, flash-attn only under model.packing_kernel=flash_attn;
+  packing itself needs torch's varlen_attn on CUDA), and the per-worker batch sizes
   the workers will compute (`normalize_actor_batch_sizes` / `normalize_critic_batch_sizes`, on copies);
 - the data files: readable, their columns, a scorer for every `data_source`, and (when the
   tokenizer is on this machine) how many prompts exceed the prompt bound;
