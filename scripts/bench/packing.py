@@ -1,14 +1,17 @@
 """Padded vs packed (model.use_remove_padding) actor throughput on the demo's length distribution.
 
-Builds the actor twice through the project's own worker code (scripts/gpu_checks/memory_plan_vs_allocated.py's
-build_actor: FSDP2 on one rank, AdamW; bf16 mixed precision on CUDA), once padded (sdpa over the padded
-rows) and once packed (the registered packed attention, verl/utils/packed_attention.py: per-sequence sdpa
-on CPU, torch's varlen_attn on CUDA), from the same seed. Both run the same batch: rows whose prompt and
+Builds the actor three times through the project's own worker code (scripts/gpu_checks/memory_plan_vs_allocated.py's
+build_actor: FSDP2 on one rank, AdamW; bf16 mixed precision on CUDA), from the same seed: padded (sdpa over
+the padded rows), packed (the registered packed attention, verl/utils/packed_attention.py: per-sequence sdpa
+on CPU, torch's varlen_attn on CUDA) in the same micro-batches of rows, and packed_by_tokens (packed, with
+use_dynamic_bsz filling each micro-batch up to the tokens a padded one holds: the same activation memory in
+fewer micro-batches, as packing is run in practice). All run the same batch: rows whose prompt and
 response lengths follow the demo's measured distribution (`DEMO_LENGTHS`), left-padded prompts and
 right-padded responses as the rollout makes them, one masked observation span per response (the tag
 protocol's <information> block). Prints ONE JSON object: per mode and pass (log_prob, update) the best
-seconds, tokens/s over the real tokens (the same count in both modes) and MFU; packed / padded speedups;
-and the equality of the results (max |log-prob difference| of the first pass, the first update's grad norm).
+seconds, tokens/s over the real tokens (the same count in every mode) and MFU; packed / padded speedups
+(`speedup`, `speedup_by_tokens`); and the equality of the results (max |log-prob difference| of the first
+pass, the first update's grad norm; the worse of the two packed modes).
 
 FLOPs: per real token 2N (log-prob pass) or 6N (update) plus attention 4 L h (pass) or 12 L h (update)
 per token pair within a sequence, i.e. the useful work; the same count for both modes, so MFU compares
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from scripts.gpu_checks import memory_plan_vs_allocated as check
 from scripts.gpu_checks.actor_throughput import best_time, peak_tflops
 from verl.utils import batch_keys as K
+from verl.utils.seqlen_balancing import num_micro_batches_for
 from verl.workers.fsdp_workers import normalize_actor_batch_sizes
 
 # The demo's measured lengths (tag protocol, GRPO on the demo's data: response_length/* and
@@ -165,24 +169,39 @@ def run_bench(model_config: dict[str, Any], rows: int, micro: int, device: str, 
                   "length_scale": scale},
         "overrides": extra,
     }
+    # packed_by_tokens: packed micro-batches filled up to the tokens a padded micro-batch holds (the same
+    # activation memory), as veRL users run packing (use_dynamic_bsz): fewer, fuller micro-batches.
+    budget = micro * int(mask.shape[1])
+    report["batch"]["by_tokens_budget"] = budget
+    report["batch"]["micro_batches"] = {"fixed": -(-rows // micro),
+                                        "by_tokens": num_micro_batches_for(lengths.tolist(), budget)}
+    modes = {"padded": ["actor_rollout_ref.model.use_remove_padding=false"],
+             "packed": ["actor_rollout_ref.model.use_remove_padding=true"],
+             "packed_by_tokens": ["actor_rollout_ref.model.use_remove_padding=true",
+                                  "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                  f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}"]}
+    results: dict[str, dict[str, Any]] = {}
+    log_probs: dict[str, torch.Tensor] = {}
     mesh = check.init_single_rank(device)
     try:
-        padded, lp_padded = _measure_mode(model_config, shape, device,
-                                          [*extra, "actor_rollout_ref.model.use_remove_padding=false"],
-                                          tensors, None, repeats, lengths, peak, mesh)
-        packed, lp_packed = _measure_mode(model_config, shape, device,
-                                          [*extra, "actor_rollout_ref.model.use_remove_padding=true"],
-                                          tensors, lp_padded, repeats, lengths, peak, mesh)
+        for mode, settings in modes.items():
+            results[mode], log_probs[mode] = _measure_mode(model_config, shape, device, [*extra, *settings], tensors,
+                                                           log_probs.get("padded"), repeats, lengths, peak, mesh)
     finally:
         dist.destroy_process_group()
     real = mask[:, -r_max:].bool()
-    report.update(padded=padded, packed=packed)
-    report["speedup"] = {kind: round(packed[kind]["tokens_per_s"] / padded[kind]["tokens_per_s"], 3)
+    padded = results["padded"]
+    report.update(results)
+    report["speedup"] = {kind: round(results["packed"][kind]["tokens_per_s"] / padded[kind]["tokens_per_s"], 3)
                          for kind in PASS_FLOPS}
+    report["speedup_by_tokens"] = {
+        kind: round(results["packed_by_tokens"][kind]["tokens_per_s"] / padded[kind]["tokens_per_s"], 3)
+        for kind in PASS_FLOPS}
     report["equal_results"] = {
-        "max_abs_log_prob_diff": float((lp_packed[real] - lp_padded[real]).abs().max()),
-        "grad_norm_rel_diff": abs(packed["first_update_grad_norm"] - padded["first_update_grad_norm"])
-        / max(padded["first_update_grad_norm"], 1e-12),
+        "max_abs_log_prob_diff": max(float((log_probs[m][real] - log_probs["padded"][real]).abs().max())
+                                     for m in ("packed", "packed_by_tokens")),
+        "grad_norm_rel_diff": max(abs(results[m]["first_update_grad_norm"] - padded["first_update_grad_norm"])
+                                  for m in ("packed", "packed_by_tokens")) / max(padded["first_update_grad_norm"], 1e-12),
     }
     return report
 

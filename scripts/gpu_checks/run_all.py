@@ -104,10 +104,11 @@ def _packing_figures(out: Path, log: str) -> dict[str, Any]:
         return {}
     figures: dict[str, Any] = {"device": next(iter(report.values())).get("device")}
     for shape, run in report.items():
-        figures[shape] = {"speedup": run.get("speedup"),
+        figures[shape] = {"speedup": run.get("speedup"), "speedup_by_tokens": run.get("speedup_by_tokens"),
                           "max_abs_log_prob_diff": run.get("equal_results", {}).get("max_abs_log_prob_diff"),
                           **{mode: {kind: {k: run[mode][kind][k] for k in ("tokens_per_s", "mfu")}
-                                    for kind in ("log_prob", "update")} for mode in ("padded", "packed")}}
+                                    for kind in ("log_prob", "update")}
+                             for mode in ("padded", "packed", "packed_by_tokens") if mode in run}}
     return figures
 
 

@@ -49,7 +49,12 @@ def test_gpu_check_runs_padded_and_packed_with_equal_results_on_cpu(tmp_path):
     run = report["0.5b"]
     assert run["padded"]["attn_implementation"] == "sdpa"
     assert run["packed"]["attn_implementation"] == "search_r1_varlen"
-    for mode in ("padded", "packed"):
+    assert run["packed_by_tokens"]["attn_implementation"] == "search_r1_varlen"
+    # by tokens: micro-batches filled up to a padded micro-batch's tokens, so fewer of them
+    micro = run["batch"]["micro_batches"]
+    assert run["batch"]["by_tokens_budget"] == 2 * run["batch"]["padded_row_length"]
+    assert 1 <= micro["by_tokens"] <= micro["fixed"] == 2
+    for mode in ("padded", "packed", "packed_by_tokens"):
         for kind in ("log_prob", "update"):
             assert run[mode][kind]["tokens_per_s"] > 0 and run[mode][kind]["mfu"] > 0
     # fp32 on CPU: the same forward up to summation order (~1e-6 on log-probs of size < 10)

@@ -110,6 +110,7 @@ def test_the_cpu_mode_runs_one_check_of_each_kind_end_to_end(tmp_path: Path) -> 
     packing = checks["packing_throughput"]["figures"]
     assert set(packing) == {"device", "0.5b", "3b_gc"} and packing["device"] == "cpu"
     assert packing["3b_gc"]["packed"]["update"]["tokens_per_s"] > 0 and packing["0.5b"]["speedup"]["log_prob"] > 0
+    assert packing["0.5b"]["packed_by_tokens"]["update"]["mfu"] > 0 and packing["3b_gc"]["speedup_by_tokens"]["update"] > 0
     assert packing["0.5b"]["max_abs_log_prob_diff"] < 1e-3     # packed == padded, fp32 on CPU
     assert Path(checks["packing_throughput"]["log"]).is_file()
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
@@ -136,11 +137,13 @@ def test_the_figures_read_what_the_demo_and_the_bench_write(tmp_path: Path) -> N
     # scripts/gpu_checks/packing_throughput.py's report: {shape: scripts.bench.packing's report}
     passes = {"log_prob": {"s": 0.5, "tokens_per_s": 2000.0, "mfu": 0.3}, "update": {"s": 1.0, "tokens_per_s": 900.0,
                                                                                      "mfu": 0.4}}
-    one = {"device": "cuda", "padded": passes, "packed": passes, "speedup": {"log_prob": 1.6, "update": 1.5},
+    one = {"device": "cuda", "padded": passes, "packed": passes, "packed_by_tokens": passes,
+           "speedup": {"log_prob": 1.6, "update": 1.5}, "speedup_by_tokens": {"log_prob": 1.9, "update": 1.8},
            "equal_results": {"max_abs_log_prob_diff": 0.01, "grad_norm_rel_diff": 0.001}}
     (tmp_path / "report.json").write_text(json.dumps({"0.5b": one, "3b_gc": one}))
-    shape = {"speedup": {"log_prob": 1.6, "update": 1.5}, "max_abs_log_prob_diff": 0.01,
+    shape = {"speedup": {"log_prob": 1.6, "update": 1.5}, "speedup_by_tokens": {"log_prob": 1.9, "update": 1.8},
+             "max_abs_log_prob_diff": 0.01,
              "padded": {k: {"tokens_per_s": v["tokens_per_s"], "mfu": v["mfu"]} for k, v in passes.items()}}
-    shape["packed"] = shape["padded"]
+    shape["packed"] = shape["packed_by_tokens"] = shape["padded"]
     assert run_all._packing_figures(tmp_path, "") == {"device": "cuda", "0.5b": shape, "3b_gc": shape}
     assert run_all._packing_figures(tmp_path / "missing", "") == {}
