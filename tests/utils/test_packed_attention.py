@@ -199,3 +199,26 @@ def test_has_varlen_attn_requires_the_arguments_the_packed_attention_passes(monk
     q, k, v = _qkv(9, seed=2)
     with pytest.raises(RuntimeError, match="has no torch.nn.attention.varlen.varlen_attn taking scale= and a causal"):
         pa.torch_varlen_attention(q, k, v, torch.tensor([0, 4, 9], dtype=torch.int32), 5, 0.5)
+
+
+def test_the_kernel_call_costs_no_per_layer_signature_read_nor_host_tensor(monkeypatch):
+    """Every layer calls torch_varlen_attention: varlen_attn's signature is read once per function, not
+    per call; and deriving the boundaries builds no host tensor (on CUDA each is a copy and a sync)."""
+    calls: list[dict] = []
+    fake = fake_varlen_attn(calls)
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", fake)
+    reads: list[object] = []
+    real_signature = pa.inspect.signature
+    monkeypatch.setattr(pa.inspect, "signature", lambda fn: reads.append(fn) or real_signature(fn))
+    q, k, v = _qkv(9)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    for _ in range(3):
+        pa.torch_varlen_attention(q, k, v, cu, 5, 0.3)
+    assert len(calls) == 3 and reads.count(fake) <= 2     # the causal switch and enable_gqa, once each
+
+    def no_host_tensors(*args, **kwargs):
+        raise AssertionError("cu_seqlens_from_position_ids built a tensor from host data")
+
+    monkeypatch.setattr(pa.torch, "tensor", no_host_tensors)
+    got, longest = pa.cu_seqlens_from_position_ids(torch.arange(7).remainder(4)[None])
+    assert got.tolist() == [0, 4, 7] and got.dtype == torch.int32 and longest == 4

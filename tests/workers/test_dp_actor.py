@@ -218,13 +218,35 @@ def test_packing_is_refused_for_a_model_that_mixes_packed_sequences(tiny_model_d
     check_packing_isolates_sequences(inner, inner.config.vocab_size)
 
     class IgnoresPositions(torch.nn.Module):
-        def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False):
+        def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
             return inner(input_ids=input_ids, use_cache=False)  # plain causal mask over the whole pack
 
     leaky = IgnoresPositions()
     leaky.register_parameter("p", torch.nn.Parameter(torch.zeros(1)))
     with pytest.raises(ValueError, match="use_remove_padding=False"):
         check_packing_isolates_sequences(leaky, inner.config.vocab_size)
+
+
+def test_the_packing_check_runs_the_boundaries_training_passes(tiny_model_dir, monkeypatch):
+    """The actor and critic hand each packed forward its boundaries (packed_attention.boundary_kwargs) and the
+    attention uses them rather than the position ids: the check must go through them too, so wrong ones
+    (here one sequence over the whole pack) are refused."""
+    from verl.utils import packed_attention
+    from verl.utils.attention import attn_implementation
+    from verl.utils.remove_padding import check_packing_isolates_sequences
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation("cpu", True))
+    check_packing_isolates_sequences(model, model.config.vocab_size)
+
+    def one_sequence(position_ids):
+        n = position_ids.shape[-1]
+        whole = torch.tensor([0, n], dtype=torch.int32)
+        return {"cu_seq_lens_q": whole, "cu_seq_lens_k": whole, "max_length_q": n, "max_length_k": n}
+
+    monkeypatch.setattr(packed_attention, "boundary_kwargs", one_sequence)
+    with pytest.raises(ValueError, match="attends across packed sequences"):
+        check_packing_isolates_sequences(model, model.config.vocab_size)
 
 
 @pytest.mark.parametrize("remove_padding", [True, False])
@@ -293,9 +315,9 @@ def test_packing_check_holds_in_bf16_and_when_kernels_depend_on_shape(tiny_model
             super().__init__()
             self.inner = model
 
-        def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False):
+        def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False, **kwargs):
             out = self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                             use_cache=use_cache)
+                             use_cache=use_cache, **kwargs)
             out.logits = out.logits + 0.05 * input_ids.shape[-1]   # rounding that depends on the shape
             return out
 

@@ -97,7 +97,8 @@ class _IgnoresPositions(torch.nn.Module):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.inner.get_output_embeddings()
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False, logits_to_keep=0):
+    def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False, logits_to_keep=0,
+                **boundaries):
         return self.inner(input_ids=input_ids, use_cache=False, logits_to_keep=logits_to_keep)
 
 

@@ -116,7 +116,7 @@ class _IgnoresPositions(torch.nn.Module):
         self.inner = inner
         self.config = inner.config
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False):
+    def forward(self, input_ids, position_ids=None, attention_mask=None, use_cache=False, **boundaries):
         return self.inner(input_ids=input_ids, use_cache=False)   # a plain causal mask over the whole pack
 
 

@@ -19,6 +19,7 @@ unchanged, so the same loaded model serves both.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -41,10 +42,10 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     rows, n = position_ids.shape
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    start_idx = torch.nonzero(starts.reshape(-1), as_tuple=False).squeeze(-1)
-    total = torch.tensor([rows * n], device=position_ids.device)
-    cu_seqlens = torch.cat([start_idx, total]).to(torch.int32)
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if rows * n else 0
+    start_idx = torch.nonzero(starts.reshape(-1), as_tuple=False).squeeze(-1)      # host sync 1
+    # the end appended on the device (a host tensor would be one more copy and sync on CUDA)
+    cu_seqlens = F.pad(start_idx, (0, 1), value=rows * n).to(torch.int32)
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if rows * n else 0   # host sync 2
     return cu_seqlens, max_len
 
 
@@ -82,7 +83,14 @@ def varlen_attn_causal_kwargs(varlen_attn: Callable[..., Any]) -> dict[str, Any]
     """The keyword that makes torch's `varlen_attn` causal, as packed_attention.torch_varlen_attention
     passes it: window_size=(-1, 0) where the signature takes window_size (torch 2.13, whose default
     (-1, -1) is NOT causal), else is_causal=True (earlier builds); None when it takes neither, or no
-    `scale` (the softmax scale is passed too): such a build cannot run the packed attention."""
+    `scale` (the softmax scale is passed too): such a build cannot run the packed attention.
+    The signature is read once per function (every layer's call asks)."""
+    found = _causal_keyword(varlen_attn)
+    return None if found is None else {found[0]: found[1]}
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_keyword(varlen_attn: Callable[..., Any]) -> tuple[str, Any] | None:
     try:
         params = inspect.signature(varlen_attn).parameters
     except (TypeError, ValueError):
@@ -90,10 +98,15 @@ def varlen_attn_causal_kwargs(varlen_attn: Callable[..., Any]) -> dict[str, Any]
     if "scale" not in params:
         return None
     if "window_size" in params:
-        return {"window_size": (-1, 0)}
+        return "window_size", (-1, 0)
     if "is_causal" in params:
-        return {"is_causal": True}
+        return "is_causal", True
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_enable_gqa(varlen_attn: Callable[..., Any]) -> bool:
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -108,10 +121,9 @@ def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     causal = varlen_attn_causal_kwargs(varlen_attn)
     if causal is None:
         raise RuntimeError(VARLEN_ATTN_MISSING)
-    params = inspect.signature(varlen_attn).parameters
     kwargs: dict[str, Any] = {"scale": scale, **causal}
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
+        if _takes_enable_gqa(varlen_attn):
             kwargs["enable_gqa"] = True
         else:
             rep = q.shape[1] // k.shape[1]

@@ -80,8 +80,11 @@ def check_packing_isolates_sequences(module: torch.nn.Module, vocab_size: int) -
     not depend on what precedes it, and since both forwards have the same shapes they run the
     same kernels in the same order, so S's logits agree to rounding in any dtype (bf16 mixed
     precision included). A leak moves them by a visible fraction of their scale. Two forwards,
-    the same on every rank, so FSDP's collectives line up.
+    the same on every rank, so FSDP's collectives line up. They pass the boundaries as the actor
+    and critic do (`packed_attention.boundary_kwargs`), so the check covers the path training runs.
     """
+    from verl.utils.packed_attention import boundary_kwargs
+
     device = next(module.parameters()).device
     ids = [i % vocab_size for i in (1, 2, 3, 7, 8, 9, 4, 5)]
     second = torch.tensor([ids[6:]], device=device)
@@ -89,7 +92,8 @@ def check_packing_isolates_sequences(module: torch.nn.Module, vocab_size: int) -
     logits = []
     for first in (ids[0:3], ids[3:6]):
         packed_ids = torch.cat([torch.tensor([first], device=device), second], dim=-1)
-        out = module(input_ids=packed_ids, position_ids=positions, attention_mask=None, use_cache=False).logits
+        out = module(input_ids=packed_ids, position_ids=positions, attention_mask=None, use_cache=False,
+                     **boundary_kwargs(positions)).logits
         logits.append(out[:, 3:].float())
     scale = float(logits[0].abs().max()) + 1e-6
     if not torch.allclose(logits[0], logits[1], atol=1e-3 * scale, rtol=0):
