@@ -18,9 +18,11 @@ from verl.utils.attention import attn_implementation
 from verl.utils.remove_padding import check_packing_isolates_sequences, pack_batch
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
+                                 reason="torch's varlen_attn (flash attention) needs sm80 or newer")]
 
-HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+HEADS, KV_HEADS = 4, 2
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, fraction: float) -> None:
@@ -32,14 +34,22 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, fraction: float) -> Non
 
 
 def test_varlen_attn_is_causal_within_each_sequence_with_gqa_and_its_backward() -> None:
-    cu = torch.tensor([0, 5, 6, 13, 40], dtype=torch.int32, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    shapes = ((40, HEADS, HEAD_DIM), (40, KV_HEADS, HEAD_DIM), (40, KV_HEADS, HEAD_DIM))
+    """At the production head sizes (64: Qwen2.5-0.5B, 128: 3B and up) and lengths that span several of
+    flash attention's tiles (a 1-token sequence, one of 194), against the fp32 per-sequence reference."""
+    for head_dim in (64, 128):
+        _kernel_matches_the_reference(head_dim, [0, 5, 6, 200, 333], 194)
+
+
+def _kernel_matches_the_reference(head_dim: int, bounds: list[int], longest: int) -> None:
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    total = bounds[-1]
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    shapes = ((total, HEADS, head_dim), (total, KV_HEADS, head_dim), (total, KV_HEADS, head_dim))
     q, k, v = (torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes)
-    out = pa.torch_varlen_attention(q, k, v, cu, 27, HEAD_DIM ** -0.5)
+    out = pa.torch_varlen_attention(q, k, v, cu, longest, head_dim ** -0.5)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = pa.reference_varlen_attention(q32, k32, v32, cu, 27, HEAD_DIM ** -0.5)
-    assert out.shape == (40, HEADS, HEAD_DIM) and out.dtype == torch.bfloat16
+    ref = pa.reference_varlen_attention(q32, k32, v32, cu, longest, head_dim ** -0.5)
+    assert out.shape == (total, HEADS, head_dim) and out.dtype == torch.bfloat16
     # a non-causal or cross-sequence kernel is off by a large fraction of the output's scale
     _close(out, ref, 0.03)
     weight = torch.randn(out.shape, generator=g, device="cuda")
@@ -78,12 +88,16 @@ def test_the_packed_model_equals_the_padded_one_and_derives_its_boundaries_once(
     derived: list[int] = []
     real = pa.cu_seqlens_from_position_ids
     monkeypatch.setattr(pa, "cu_seqlens_from_position_ids", lambda p: derived.append(1) or real(p))
+    kernel_calls: list[int] = []      # the packed rows went through varlen_attn, not a dense-mask sdpa
+    kernel = pa.torch_varlen_attention
+    monkeypatch.setattr(pa, "torch_varlen_attention", lambda *a: kernel_calls.append(1) or kernel(*a))
     packed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     packed.train()
     got = packed(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None, use_cache=False,
                  **kwargs).logits
     got.float().square().mean().backward()
     assert derived == []          # every layer and the recompute used the boundaries given
+    assert len(kernel_calls) == 2 * packed.config.num_hidden_layers     # forward and recompute
     _close(got[0].detach(), want.reshape(-1, want.shape[-1])[batch.indices], 0.05)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in packed.parameters())
 
