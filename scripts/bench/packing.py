@@ -29,13 +29,14 @@ import argparse
 import gc
 import sys
 import tempfile
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from scripts.gpu_checks import memory_plan_vs_allocated as check
-from scripts.gpu_checks.actor_throughput import best_time, peak_tflops
+from scripts.gpu_checks.actor_throughput import best_time, param_split, pass_flops, peak_tflops
 from verl.utils import batch_keys as K
 from verl.utils.seqlen_balancing import num_micro_batches_for
 from verl.workers.fsdp_workers import normalize_actor_batch_sizes
@@ -109,34 +110,65 @@ def _peak(device: str, given: float | None) -> float | None:
     return get_device_peak_flops("cpu")
 
 
+# A leftover actor (another mode's 46 GiB at 3B) would put the next build out of an H100's memory.
+LEFTOVER_LIMIT_GIB = 1.0
+
+
+def _timed_passes(actor: Any, batch: dict[str, torch.Tensor], lengths: torch.Tensor, head_positions: int,
+                  model_config: dict[str, Any], device: str, repeats: int, peak: float | None) -> dict[str, Any]:
+    """Best seconds, tokens/s over the real tokens and MFU of `repeats` log-prob passes and updates:
+    `mfu` every parameter at every real token (actor_throughput.model_flops' convention, the baseline's),
+    `mfu_useful` the output head only at the positions that predict a response token (`pass_flops`)."""
+    params = sum(p.numel() for p in actor.module.parameters())
+    body, head = param_split(actor.module)
+    layers, hidden = int(model_config["num_hidden_layers"]), int(model_config["hidden_size"])
+    out: dict[str, Any] = {}
+    for kind, fn in (("log_prob", lambda: check.compute_log_prob(actor, batch)),
+                     ("update", lambda: check.update_actor(actor, batch))):
+        times = best_time(fn, device, repeats)
+        best = min(times)
+        flops = useful_flops(kind, params, layers, hidden, lengths)
+        needed = pass_flops(kind, body, head, layers, hidden, lengths, head_positions)
+        out[kind] = {"s": round(best, 4), "times": [round(t, 4) for t in times],
+                     "tokens_per_s": round(int(lengths.sum()) / best, 1),
+                     "mfu": round(flops / best / peak, 5) if peak else None,
+                     "mfu_useful": round(needed / best / peak, 5) if peak else None}
+    return out
+
+
 def _measure_mode(model_config: dict[str, Any], shape: check.BatchShape, device: str, extra: list[str],
                   tensors: dict[str, torch.Tensor], old_log_probs: torch.Tensor | None, repeats: int,
-                  lengths: torch.Tensor, peak: float | None, mesh: Any) -> tuple[dict[str, Any], torch.Tensor]:
-    """One mode's actor (extra says padded or packed): first log-probs, first update, timed passes."""
+                  lengths: torch.Tensor, peak: float | None, mesh: Any,
+                  full_rows: check.BatchShape | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+    """One mode's actor (extra says padded or packed): first log-probs, first update, timed passes; with
+    `full_rows`, the same actor timed again on a batch of full rows of that shape (actor_throughput's
+    measurement, on the same device)."""
+    out: dict[str, Any] = {}
+    if device == "cuda":
+        leftover = torch.cuda.memory_allocated() / 2 ** 30
+        out["allocated_before_build_gib"] = round(leftover, 2)
+        if leftover > LEFTOVER_LIMIT_GIB:
+            raise RuntimeError(f"{leftover:.1f} GiB still allocated before building the next actor: the previous "
+                               "mode's actor was not freed")
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as folder:
         _, cfg, _ = check.compose(model_config, shape, device, extra, folder)
         arr = cfg.actor_rollout_ref
         normalize_actor_batch_sizes(arr, "actor_rollout_ref", world_size=1)
+        start = time.perf_counter()
         actor = check.build_actor(arr, device, mesh)
-        out: dict[str, Any] = {"attn_implementation": actor.module.config._attn_implementation}
+        out.update(attn_implementation=actor.module.config._attn_implementation,
+                   build_s=round(time.perf_counter() - start, 2))
         first = check.compute_log_prob(actor, tensors)
         batch = {**tensors, K.OLD_LOG_PROBS: first if old_log_probs is None else old_log_probs}
         metrics = check.update_actor(actor, batch)
         out["first_update_grad_norm"] = float(metrics["actor/grad_norm"][0])
         out["first_update_pg_loss"] = float(metrics["actor/pg_loss"][0])
-        params = sum(p.numel() for p in actor.module.parameters())
-        layers, hidden = int(model_config["num_hidden_layers"]), int(model_config["hidden_size"])
-        real_tokens = int(lengths.sum())
-        for kind, fn in (("log_prob", lambda: check.compute_log_prob(actor, batch)),
-                         ("update", lambda: check.update_actor(actor, batch))):
-            times = best_time(fn, device, repeats)
-            best = min(times)
-            flops = useful_flops(kind, params, layers, hidden, lengths)
-            out[kind] = {"s": round(best, 4), "times": [round(t, 4) for t in times],
-                         "tokens_per_s": round(real_tokens / best, 1),
-                         "mfu": round(flops / best / peak, 5) if peak else None}
+        head_positions = int(tensors[K.ATTENTION_MASK][:, -tensors[K.RESPONSES].shape[1]:].sum())
+        out.update(_timed_passes(actor, batch, lengths, head_positions, model_config, device, repeats, peak))
         if device == "cuda":
             out["max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        if full_rows is not None:
+            out["full_rows"] = _full_rows(actor, full_rows, model_config, device, repeats, peak)
         actor = None   # free its memory before the next mode builds its own
     gc.collect()
     if device == "cuda":
@@ -145,10 +177,27 @@ def _measure_mode(model_config: dict[str, Any], shape: check.BatchShape, device:
     return out, first
 
 
+def _full_rows(actor: Any, shape: check.BatchShape, model_config: dict[str, Any], device: str, repeats: int,
+               peak: float | None) -> dict[str, Any]:
+    """actor_throughput's measurement with this actor: a warm-up, then timed passes over full rows."""
+    batch = check.random_batch(int(model_config["vocab_size"]), shape)
+    batch[K.OLD_LOG_PROBS] = check.compute_log_prob(actor, batch)
+    check.update_actor(actor, batch)
+    lengths = torch.full((shape.rows,), shape.prompt_length + shape.response_length)
+    out: dict[str, Any] = {"rows": shape.rows, "micro": shape.micro, "prompt_length": shape.prompt_length,
+                           "response_length": shape.response_length}
+    out.update(_timed_passes(actor, batch, lengths, shape.rows * shape.response_length, model_config, device,
+                             repeats, peak))
+    if device == "cuda":
+        out["max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+    return out
+
+
 def run_bench(model_config: dict[str, Any], rows: int, micro: int, device: str, extra: list[str],
               repeats: int = 3, peak_tflops_given: float | None = None, scale: float = 1.0,
-              seed: int = 0) -> dict[str, Any]:
-    """Padded, then packed; the report as a JSON-ready dict."""
+              seed: int = 0, full_rows: check.BatchShape | None = None) -> dict[str, Any]:
+    """Padded, packed, packed by tokens; the report as a JSON-ready dict. `full_rows`: the padded actor
+    is also timed on full rows of that shape (`padded.full_rows`)."""
     tensors = demo_batch(int(model_config["vocab_size"]), rows, seed, scale)
     mask = tensors[K.ATTENTION_MASK]
     lengths = mask.sum(-1)
@@ -185,8 +234,9 @@ def run_bench(model_config: dict[str, Any], rows: int, micro: int, device: str, 
     mesh = check.init_single_rank(device)
     try:
         for mode, settings in modes.items():
-            results[mode], log_probs[mode] = _measure_mode(model_config, shape, device, [*extra, *settings], tensors,
-                                                           log_probs.get("padded"), repeats, lengths, peak, mesh)
+            results[mode], log_probs[mode] = _measure_mode(
+                model_config, shape, device, [*extra, *settings], tensors, log_probs.get("padded"), repeats, lengths,
+                peak, mesh, full_rows if mode == "padded" else None)
     finally:
         dist.destroy_process_group()
     real = mask[:, -r_max:].bool()

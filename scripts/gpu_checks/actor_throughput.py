@@ -10,7 +10,9 @@ and MFU, with the device, the parameter count and the peak allocated memory.
 FLOPs (the usual model-FLOPs count; gradient checkpointing's recompute is not counted, so MFU is
 what the model needs, not what the GPU did): per token 6N for an update (forward + backward) and
 2N for a log-prob pass, plus attention 12 L h T (update) or 4 L h T (pass) with T the row length;
-over every token of the batch (rows x (prompt + response)). Peak: dense bf16 of the device
+over every token of the batch (rows x (prompt + response)): `mfu`, the convention of the figures
+below. `mfu_useful` counts the output head (V x h) only where the actor runs it, at the positions
+that predict a response token, and the input embedding (a lookup) not at all (`pass_flops`). Peak: dense bf16 of the device
 (`PEAK_BF16_TFLOPS`, by name: H100 / H200 SXM 989) or `--peak-tflops`; MFU is null for a device
 not in the table and on CPU.
 
@@ -57,10 +59,33 @@ def peak_tflops(device_name: str) -> float | None:
 
 
 def model_flops(kind: str, params: int, layers: int, hidden: int, rows: int, row_length: int) -> int:
-    """Model FLOPs of one `kind` pass ("update" or "log_prob") over rows x row_length tokens."""
+    """Model FLOPs of one `kind` pass ("update" or "log_prob") over rows x row_length tokens (the
+    convention of the 2026-11-26 figures: every parameter at every token)."""
     per_param, attention = PASS_FLOPS[kind]
     tokens = rows * row_length
     return per_param * params * tokens + attention * layers * hidden * row_length * tokens
+
+
+def param_split(module: torch.nn.Module) -> tuple[int, int]:
+    """(body, head) parameter counts of a causal LM: `head` the output projection (V x h), `body` every
+    other parameter a token's forward multiplies by, i.e. without the input embedding (a lookup, no FLOPs;
+    a tied embedding is the head's weight, counted once)."""
+    head = module.get_output_embeddings().weight
+    embedding = module.get_input_embeddings().weight
+    params = sum(p.numel() for p in module.parameters())
+    return params - head.numel() - (0 if embedding is head else embedding.numel()), head.numel()
+
+
+def pass_flops(kind: str, body_params: int, head_params: int, layers: int, hidden: int, lengths: torch.Tensor,
+               head_positions: int) -> float:
+    """The FLOPs one `kind` pass needs: the body at every real token, the output head only at the
+    `head_positions` where the actor runs it (those predicting a response token: `logits_to_keep`),
+    attention over each sequence's token pairs. model_flops' convention counts the head's work at the
+    other positions too: 7.7 % more for the 3B update at 2048 + 512, 19 % more for 0.5B at 1024 + 512."""
+    per_param, attention = PASS_FLOPS[kind]
+    lengths = lengths.double()
+    return float(per_param * (body_params * lengths.sum() + head_params * head_positions)
+                 + attention * layers * hidden * (lengths ** 2).sum())
 
 
 def _sync(device: str) -> None:
@@ -98,7 +123,8 @@ def run_throughput(model_config: dict[str, Any], shape: check.BatchShape, device
             _sync(device)
             out["build_s"] = round(time.perf_counter() - start, 2)
             params = sum(p.numel() for p in actor.module.parameters())
-            out["params"] = params
+            body, head = param_split(actor.module)
+            out.update(params=params, body_params=body, head_params=head)
             tensors = check.random_batch(int(model_config["vocab_size"]), shape)
             tensors[K.OLD_LOG_PROBS] = check.compute_log_prob(actor, tensors)     # warm-up pass
             check.update_actor(actor, tensors)                                      # warm-up update
@@ -109,10 +135,13 @@ def run_throughput(model_config: dict[str, Any], shape: check.BatchShape, device
                 times = best_time(fn, device, repeats)
                 best = min(times)
                 flops = model_flops(kind, params, layers, hidden, shape.rows, row_length)
+                needed = pass_flops(kind, body, head, layers, hidden, torch.full((shape.rows,), row_length),
+                                    shape.rows * shape.response_length)
                 out[kind] = {"s": round(best, 4), "times": [round(t, 4) for t in times],
                              "tokens_per_s": round(shape.rows * row_length / best),
                              "tflops": round(flops / best / 1e12, 2),
-                             "mfu": round(flops / best / (peak * 1e12), 4) if peak else None}
+                             "mfu": round(flops / best / (peak * 1e12), 4) if peak else None,
+                             "mfu_useful": round(needed / best / (peak * 1e12), 4) if peak else None}
             out.update(device=device_name, peak_bf16_tflops=peak, torch=torch.__version__)
             if device == "cuda":
                 out["max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)

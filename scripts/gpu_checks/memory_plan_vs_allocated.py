@@ -458,13 +458,14 @@ def composed_report(model_config: dict[str, Any], shape: BatchShape, device: str
                 "measured_phases": ["actor_update_first", *(n for n in MEASURED_PHASES if n in names)]}
 
 
-def write_report(report: dict[str, Any], out: str | None) -> None:
-    """Print the one JSON object (and write it to `out`)."""
+def write_report(report: dict[str, Any], out: str | None, echo: bool = True) -> None:
+    """Print the one JSON object (`echo`) and write it to `out`."""
     text = json.dumps(report, indent=1, allow_nan=True)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
-    print(text)
+    if echo:
+        print(text)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -3,7 +3,9 @@ at the Qwen2.5-0.5B and Qwen2.5-3B shapes (example/model_configs; random weights
 length distribution scaled to Search-R1's lengths (scripts/bench/packing.py does the work).
 
 Prints ONE JSON object {"0.5b": report, "3b_gc": report} (each report: tokens/s and MFU per mode and
-pass, packed / padded speedups, max |log-prob difference| of the first pass); --out writes it too.
+pass, packed / padded speedups, max |log-prob difference| of the first pass; at 3B also the padded
+actor on 16 full rows of 2048 + 512, `padded.full_rows`: actor_throughput's measurement behind the
+issue's 35 % baseline, on this device); --out writes it too, after each shape.
 
     python -m scripts.gpu_checks.packing_throughput                  # both shapes, ~2 minutes on an H100
     python -m scripts.gpu_checks.packing_throughput --only 0.5b --length-scale 4
@@ -27,12 +29,14 @@ from scripts.bench import packing
 from scripts.gpu_checks import memory_plan_vs_allocated as check
 
 REPO = Path(__file__).resolve().parents[2]
-# name -> (config.json, rows, micro, extra overrides)
-SHAPES: dict[str, tuple[str, int, int, tuple[str, ...]]] = {
-    "0.5b": ("", 32, 8, ()),    # "" = Qwen2.5-0.5B's config (memory_plan_vs_allocated.QWEN2_5_0_5B)
+# name -> (config.json, rows, micro, extra overrides, full rows (prompt, response) the padded actor is
+# also timed on: actor_throughput's shape of the issue's 35 % baseline, measured again on this device)
+SHAPES: dict[str, tuple[str, int, int, tuple[str, ...], tuple[int, int] | None]] = {
+    "0.5b": ("", 32, 8, (), None),    # "" = Qwen2.5-0.5B's config (memory_plan_vs_allocated.QWEN2_5_0_5B)
     "3b_gc": ("example/model_configs/qwen2.5-3b/config.json", 16, 4,
-              ("actor_rollout_ref.model.enable_gradient_checkpointing=true",)),
+              ("actor_rollout_ref.model.enable_gradient_checkpointing=true",), (2048, 512)),
 }
+TINY_FULL_ROWS = (16, 8)
 
 
 def model_config(path: str) -> dict[str, Any]:
@@ -62,11 +66,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--only {unknown}: not one of {list(SHAPES)}")
     report: dict[str, Any] = {}
     for name in names:
-        path, rows, micro, extra = SHAPES[name]
+        path, rows, micro, extra, full = SHAPES[name]
         config = check.TINY if args.tiny else model_config(path)
-        report[name] = packing.run_bench(config, rows if not args.tiny else 4, micro if not args.tiny else 2,
-                                         args.device, [*extra, *args.overrides], args.repeats,
-                                         scale=args.length_scale)
+        if args.tiny:
+            rows, micro, full = 4, 2, full and TINY_FULL_ROWS
+        full_rows = check.BatchShape(rows, micro, *full) if full else None
+        report[name] = packing.run_bench(config, rows, micro, args.device, [*extra, *args.overrides], args.repeats,
+                                         scale=args.length_scale, full_rows=full_rows)
+        check.write_report(report, args.out, echo=False)    # after each shape: a later failure keeps these
     check.write_report(report, args.out)
     return report
 

@@ -35,6 +35,16 @@ def test_demo_batch_is_a_left_and_right_padded_rollout_with_an_observation_maske
     assert torch.equal(t[K.RESPONSE_MASK][:, :8], mask[:, -r:][:, :8])
 
 
+def test_pass_flops_count_the_head_only_at_the_positions_it_runs():
+    from scripts.gpu_checks.actor_throughput import pass_flops
+
+    lengths = torch.tensor([3, 5])
+    # body at every real token, the head at 4 kept positions, attention as useful_flops
+    assert pass_flops("log_prob", 6, 4, 2, 4, lengths, 4) == 2 * (6 * 8 + 4 * 4) + 4 * 2 * 4 * (9 + 25)
+    assert packing.useful_flops("log_prob", 10, 2, 4, lengths) - pass_flops("log_prob", 6, 4, 2, 4, lengths, 4) \
+        == 2 * 4 * (8 - 4)
+
+
 def test_useful_flops_count_real_tokens_and_pairs_within_sequences():
     lengths = torch.tensor([3, 5])
     # 2N per token + 4 L h per token pair within a sequence (log-prob pass); 3x for an update
@@ -64,3 +74,34 @@ def test_gpu_check_runs_padded_and_packed_with_equal_results_on_cpu(tmp_path):
     assert out.is_file()
     with pytest.raises(SystemExit, match="not one of"):
         packing_throughput.main(["--device", "cpu", "--only", "7b"])
+
+
+def test_each_mode_frees_its_actor_before_the_next_builds_and_the_padded_one_also_times_full_rows(monkeypatch):
+    """At 3B an actor holds ~46 GiB: one left alive puts the next mode's build out of an H100's memory. The
+    padded actor is also timed on full rows (actor_throughput's measurement, the baseline's shape), and
+    each pass reports mfu_useful below mfu (the head counted only where it runs)."""
+    import gc
+    import weakref
+
+    from scripts.gpu_checks import memory_plan_vs_allocated as check
+
+    built: list[weakref.ref] = []
+    real_build = check.build_actor
+
+    def tracking_build(*args, **kwargs):
+        gc.collect()
+        assert all(ref() is None for ref in built), "an earlier mode's actor is still alive"
+        actor = real_build(*args, **kwargs)
+        built.append(weakref.ref(actor.module))
+        return actor
+
+    monkeypatch.setattr(check, "build_actor", tracking_build)
+    full = check.BatchShape(4, 2, 16, 8)
+    run = packing.run_bench(check.TINY, 4, 2, "cpu", [], repeats=1, scale=0.25, full_rows=full)
+    assert len(built) == 3
+    rows = run["padded"]["full_rows"]
+    assert (rows["rows"], rows["prompt_length"], rows["response_length"]) == (4, 16, 8)
+    assert rows["update"]["tokens_per_s"] > 0 and "full_rows" not in run["packed"]
+    for mode in ("padded", "packed", "packed_by_tokens"):
+        for kind in ("log_prob", "update"):
+            assert 0 < run[mode][kind]["mfu_useful"] < run[mode][kind]["mfu"], (mode, kind)

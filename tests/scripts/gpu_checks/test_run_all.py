@@ -90,6 +90,24 @@ def test_a_budget_leaves_out_checks_that_would_end_past_it_and_cpu_mode_skips_cu
     assert summary["failed"] == []
 
 
+def test_a_failed_check_shows_only_its_own_figures_and_a_malformed_report_costs_only_its_own(tmp_path: Path) -> None:
+    """A rerun into the same --out: the failed check's folder still holds the last run's report, which must
+    not pass as this run's; a report the figures cannot read is named, and the checks after it still run."""
+    fails = run_all.Check("fails", "exits 1 without a report", "json.tool", ("--no-such-flag",), ("--no-such-flag",),
+                          "script", 1, 60, 60, run_all._packing_figures)
+    bad = run_all.Check("bad_report", "writes a report the figures cannot read", "json.tool",
+                        ("{out}/report.json",), ("{out}/report.json",), "script", 1, 60, 60,
+                        lambda out, log: {"keys": sorted(json.loads((out / "report.json").read_text())["x"])})
+    (tmp_path / "fails").mkdir()
+    (tmp_path / "fails" / "report.json").write_text(json.dumps({"0.5b": {"device": "old", "speedup": 9.9}}))
+    (tmp_path / "bad_report").mkdir()
+    summary = run_all.run_checks([fails, bad], tmp_path, "cpu")
+    results = {c["name"]: c for c in summary["checks"]}
+    assert results["fails"]["rc"] != 0 and results["fails"]["figures"] == {}     # not the old 9.9
+    assert summary["failed"] == ["fails", "bad_report"]     # json.tool found no report.json: it was removed
+    assert results["bad_report"]["figures"] == {} and "figures_error" in results["bad_report"]
+
+
 @pytest.mark.slow
 def test_the_cpu_mode_runs_one_check_of_each_kind_end_to_end(tmp_path: Path) -> None:
     # the whole --cpu run takes ~15 minutes on 2 busy cores; one check of each kind but the demo (whose run
@@ -112,6 +130,7 @@ def test_the_cpu_mode_runs_one_check_of_each_kind_end_to_end(tmp_path: Path) -> 
     assert packing["3b_gc"]["packed"]["update"]["tokens_per_s"] > 0 and packing["0.5b"]["speedup"]["log_prob"] > 0
     assert packing["0.5b"]["packed_by_tokens"]["update"]["mfu"] > 0 and packing["3b_gc"]["speedup_by_tokens"]["update"] > 0
     assert packing["0.5b"]["max_abs_log_prob_diff"] < 1e-3     # packed == padded, fp32 on CPU
+    assert packing["3b_gc"]["padded"]["full_rows"]["update"]["tokens_per_s"] > 0
     assert Path(checks["packing_throughput"]["log"]).is_file()
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
@@ -137,13 +156,22 @@ def test_the_figures_read_what_the_demo_and_the_bench_write(tmp_path: Path) -> N
     # scripts/gpu_checks/packing_throughput.py's report: {shape: scripts.bench.packing's report}
     passes = {"log_prob": {"s": 0.5, "tokens_per_s": 2000.0, "mfu": 0.3}, "update": {"s": 1.0, "tokens_per_s": 900.0,
                                                                                      "mfu": 0.4}}
-    one = {"device": "cuda", "padded": passes, "packed": passes, "packed_by_tokens": passes,
+    passes = {kind: {**v, "mfu_useful": v["mfu"] - 0.01, "times": [v["s"]]} for kind, v in passes.items()}
+    mode = {"attn_implementation": "search_r1_varlen", "build_s": 12.0, "max_allocated_gib": 50.1,
+            "allocated_before_build_gib": 0.0, "first_update_grad_norm": 1.0, **passes}
+    full = {"rows": 16, "micro": 4, "prompt_length": 2048, "response_length": 512, **passes}
+    one = {"device": "cuda", "batch": {"real_fraction": 0.6, "micro_batches": {"fixed": 4, "by_tokens": 3}},
+           "padded": {**mode, "attn_implementation": "sdpa", "full_rows": full}, "packed": mode, "packed_by_tokens": mode,
            "speedup": {"log_prob": 1.6, "update": 1.5}, "speedup_by_tokens": {"log_prob": 1.9, "update": 1.8},
            "equal_results": {"max_abs_log_prob_diff": 0.01, "grad_norm_rel_diff": 0.001}}
-    (tmp_path / "report.json").write_text(json.dumps({"0.5b": one, "3b_gc": one}))
-    shape = {"speedup": {"log_prob": 1.6, "update": 1.5}, "speedup_by_tokens": {"log_prob": 1.9, "update": 1.8},
-             "max_abs_log_prob_diff": 0.01,
-             "padded": {k: {"tokens_per_s": v["tokens_per_s"], "mfu": v["mfu"]} for k, v in passes.items()}}
-    shape["packed"] = shape["packed_by_tokens"] = shape["padded"]
-    assert run_all._packing_figures(tmp_path, "") == {"device": "cuda", "0.5b": shape, "3b_gc": shape}
+    (tmp_path / "report.json").write_text(json.dumps({"0.5b": one}))    # the 3B shape never finished
+    figures = run_all._packing_figures(tmp_path, "")
+    assert set(figures) == {"device", "0.5b"} and figures["device"] == "cuda"
+    got = figures["0.5b"]
+    assert got["speedup_by_tokens"] == {"log_prob": 1.9, "update": 1.8} and got["grad_norm_rel_diff"] == 0.001
+    assert got["real_fraction"] == 0.6 and got["micro_batches"] == {"fixed": 4, "by_tokens": 3}
+    assert got["packed"]["update"] == {"tokens_per_s": 900.0, "mfu": 0.4, "mfu_useful": pytest.approx(0.39)}
+    assert got["packed_by_tokens"]["max_allocated_gib"] == 50.1 and got["padded"]["attn_implementation"] == "sdpa"
+    assert got["padded"]["full_rows"]["shape"] == [16, 2048, 512]
+    assert got["padded"]["full_rows"]["update"]["mfu"] == 0.4 and "full_rows" not in got["packed"]
     assert run_all._packing_figures(tmp_path / "missing", "") == {}
