@@ -46,6 +46,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from scripts.demo.server import stop_process  # noqa: E402
 from search_r1.search.client import RetrievalError  # noqa: E402
 from search_r1.search.serve_client import open_async_retrieval_client  # noqa: E402
 
@@ -153,11 +154,7 @@ def run_standalone(args: argparse.Namespace) -> tuple[list[float], list[str], fl
         rss_after = rss_mib(proc.pid)
         health = httpx.get(base + "/health", timeout=10).json()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, grace_s=30)
     return latencies, failures, wall, health, rss_before, rss_after, {"server": "retrieval_launch.sh"}
 
 

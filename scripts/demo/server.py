@@ -57,8 +57,14 @@ def retrieval_server(url: str | None, index_dir: Path, corpus: Path, topk: int, 
         print(f"[demo] retrieval server (pid {proc.pid}) at {url}", flush=True)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, grace_s=20)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited within `grace_s` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
