@@ -330,15 +330,23 @@ def sft_overrides(s: DemoSettings, sft_data: Path, model_init: Path, steps: int,
 def build_warm_start(s: DemoSettings) -> Path:
     """Run the project's SFT trainer on the demonstrations, one phase per entry of
     `sft_steps`, each starting from the previous one's HF checkpoint (skipped when done)."""
-    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
-
     if not s.sft_steps:
         raise ValueError("demo.sft_steps is empty: at least one SFT phase is needed")
-    sft_data, model = build_sft_data(s), build_model_init(s)
-    for phase, steps in enumerate(s.sft_steps):
-        hf_dir = s.root / f"sft_phase{phase}" / "huggingface"
+    return _sft_phases(s, build_sft_data(s), build_model_init(s), s.sft_steps, "tag")
+
+
+def _sft_phases(s: DemoSettings, sft_data: Path, model: Path, phase_steps: tuple[int, ...], kind: str) -> Path:
+    """The project's SFT trainer on `sft_data`, one phase per entry of `phase_steps`, each from the
+    previous one's HF checkpoint (the first from `model`; a phase already done is skipped); kind: tag,
+    tool or browse (its folders, learning rate and seeds: sft_overrides). The last phase's HF folder."""
+    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
+
+    prefix = {"tag": "sft_phase", "tool": "tool_sft_phase", "browse": "browse_sft_phase"}[kind]
+    for phase, steps in enumerate(phase_steps):
+        hf_dir = s.root / f"{prefix}{phase}" / "huggingface"
         if not (hf_dir / "config.json").exists():
-            result = run_sft(compose_sft_config(sft_overrides(s, sft_data, model, steps, phase)))
+            overrides = sft_overrides(s, sft_data, model, steps, phase, tool=kind == "tool", browse=kind == "browse")
+            result = run_sft(compose_sft_config(overrides))
             (hf_dir.parent / "sft_result.json").write_text(json.dumps(
                 {"steps": result.steps, "final_loss": result.final_loss, "wall_seconds": result.wall_seconds}))
         model = hf_dir
@@ -353,8 +361,6 @@ def build_tool_warm_start(s: DemoSettings, base: Path) -> Path:
 
     from transformers import AutoTokenizer
 
-    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
-
     if not s.tool_sft_steps:
         raise ValueError("demo.tool_sft_steps is empty: at least one SFT phase is needed")
     init = s.root / "tool_model_init"
@@ -367,17 +373,8 @@ def build_tool_warm_start(s: DemoSettings, base: Path) -> Path:
         (tmp / "chat_template.jinja").unlink(missing_ok=True)
         tok.save_pretrained(tmp)
         tmp.rename(init)
-    tokenizer = AutoTokenizer.from_pretrained(init)
-    sft_data = build_tool_sft_data(s, tokenizer)
-    model = init
-    for phase, steps in enumerate(s.tool_sft_steps):
-        hf_dir = s.root / f"tool_sft_phase{phase}" / "huggingface"
-        if not (hf_dir / "config.json").exists():
-            result = run_sft(compose_sft_config(sft_overrides(s, sft_data, model, steps, phase, tool=True)))
-            (hf_dir.parent / "sft_result.json").write_text(json.dumps(
-                {"steps": result.steps, "final_loss": result.final_loss, "wall_seconds": result.wall_seconds}))
-        model = hf_dir
-    return model
+    sft_data = build_tool_sft_data(s, AutoTokenizer.from_pretrained(init))
+    return _sft_phases(s, sft_data, init, s.tool_sft_steps, "tool")
 
 
 
@@ -406,17 +403,6 @@ def build_browse_warm_start(s: DemoSettings, base: Path) -> Path:
     """The browse world's warm start: the tag warm start `base` (weights, tokenizer, chat template)
     continued by the project's SFT trainer on browse demonstrations, one phase per entry of
     `browse_sft_steps` (each from the previous one; skipped when done)."""
-    from verl.trainer.fsdp_sft_trainer import compose_sft_config, run_sft
-
     if not s.browse_sft_steps:
         raise ValueError("demo.browse_sft_steps is empty: at least one SFT phase is needed")
-    sft_data = build_browse_sft_data(s)
-    model = base
-    for phase, steps in enumerate(s.browse_sft_steps):
-        hf_dir = s.root / f"browse_sft_phase{phase}" / "huggingface"
-        if not (hf_dir / "config.json").exists():
-            result = run_sft(compose_sft_config(sft_overrides(s, sft_data, model, steps, phase, browse=True)))
-            (hf_dir.parent / "sft_result.json").write_text(json.dumps(
-                {"steps": result.steps, "final_loss": result.final_loss, "wall_seconds": result.wall_seconds}))
-        model = hf_dir
-    return model
+    return _sft_phases(s, build_browse_sft_data(s), base, s.browse_sft_steps, "browse")

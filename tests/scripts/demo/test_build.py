@@ -70,3 +70,40 @@ def test_validation_count_is_before_every_test_freq_and_at_the_end() -> None:
     assert validations(12, 4) == 4      # before, 4, 8, 12
     assert validations(10, 3) == 5      # before, 3, 6, 9, 10
     assert validations(5, -1) == 1      # only before
+
+
+def test_each_warm_start_chains_its_sft_phases_into_its_own_folders(tmp_path: Path, monkeypatch) -> None:
+    """The tag and browse warm starts (the tool one too, through the same _sft_phases): one SFT run per
+    phase, each from the previous phase's HF folder, in the kind's folders with its learning rate and
+    seeds; a phase already done is not run again. The SFT trainer is replaced by a recorder that writes
+    the HF folder as it would."""
+    import verl.trainer.fsdp_sft_trainer as sft
+    from scripts.demo import build
+
+    runs: list[dict[str, str]] = []
+
+    def fake_run_sft(config: dict[str, str]):
+        runs.append(config)
+        hf = Path(config["trainer.default_local_dir"]) / "huggingface"
+        hf.mkdir(parents=True)
+        (hf / "config.json").write_text("{}")
+        return type("Result", (), {"steps": 1, "final_loss": 0.5, "wall_seconds": 0.1})()
+
+    monkeypatch.setattr(sft, "compose_sft_config", lambda overrides: dict(o.split("=", 1) for o in overrides))
+    monkeypatch.setattr(sft, "run_sft", fake_run_sft)
+    monkeypatch.setattr(build, "build_sft_data", lambda s: tmp_path / "tag.parquet")
+    monkeypatch.setattr(build, "build_browse_sft_data", lambda s: tmp_path / "browse.parquet")
+    monkeypatch.setattr(build, "build_model_init", lambda s: tmp_path / "init")
+    s = DemoSettings(data_dir=str(tmp_path), sft_steps=(3, 4), browse_sft_steps=(5,), sft_lr=1e-3, browse_sft_lr=2e-4)
+    tag = build.build_warm_start(s)
+    assert tag == s.root / "sft_phase1" / "huggingface"
+    assert [(r["model.partial_pretrain"], r["trainer.total_training_steps"], r["optim.lr"], r["trainer.seed"])
+            for r in runs] == [(str(tmp_path / "init"), "3", "0.001", "1"),
+                               (str(s.root / "sft_phase0" / "huggingface"), "4", "0.001", "2")]
+    assert all(r["data.train_files"] == str(tmp_path / "tag.parquet") for r in runs)
+    assert (s.root / "sft_phase1" / "sft_result.json").is_file()
+    browse = build.build_browse_warm_start(s, tag)
+    assert browse == s.root / "browse_sft_phase0" / "huggingface" and len(runs) == 3
+    assert (runs[2]["model.partial_pretrain"], runs[2]["optim.lr"], runs[2]["trainer.seed"],
+            runs[2]["data.train_files"]) == (str(tag), "0.0002", "201", str(tmp_path / "browse.parquet"))
+    assert build.build_warm_start(s) == tag and len(runs) == 3      # done phases are skipped
