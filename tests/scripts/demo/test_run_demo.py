@@ -53,9 +53,8 @@ def test_the_server_started_for_the_demo_is_stopped_afterwards(tmp_path: Path) -
         requests.get(url.replace("/retrieve", "/health"), timeout=2)
 
 
-@pytest.mark.slow
-def test_tiny_demo_runs_end_to_end_and_evaluate_sh_reads_its_checkpoint(tmp_path: Path) -> None:
-    summary = run_demo(tiny_args(tmp_path))
+def _check_outputs_and_evaluate_sh(summary, tmp_path: Path) -> None:
+    """The demo's summary, plot, HF export and metrics; then evaluate.sh reads its checkpoint."""
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     for key in ("val_em_before", "val_em_after", "wall_seconds", "checkpoint_dir", "hf_model_dir",
                 "metrics_path", "plot_path"):
@@ -156,10 +155,14 @@ _LOAD_DEPENDENT = ("timing", "perf/", "throughput")
 
 
 @pytest.mark.slow
-def test_two_tiny_demo_runs_with_the_same_seed_give_identical_numbers_idle_or_busy(tmp_path: Path) -> None:
+def test_two_tiny_demo_runs_with_the_same_seed_give_identical_numbers_idle_or_busy_and_evaluate_sh_reads_them(
+        tmp_path: Path) -> None:
+    """The tiny demo end to end (its outputs, and evaluate.sh on its checkpoint), then the same run again
+    beside a busy loop: every number but the timings identical. One test: each demo run is minutes."""
     args = [*tiny_args(tmp_path), "trainer.total_training_steps=2"]
     first = run_demo(args)
     first_records = Path(first.metrics_path).read_text().splitlines()
+    _check_outputs_and_evaluate_sh(first, tmp_path)
     # The second run shares the machine with a busy loop (one core of two): load must not matter.
     busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
     try:
