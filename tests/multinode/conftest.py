@@ -20,6 +20,17 @@ def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) 
         yield world
 
 
+@pytest.fixture(scope="package")
+def one_node_step(search_world: SearchWorld, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The reference step, run once for the package: one GRPO step with search against the HTTP server,
+    both workers on one local node the driver starts (test_two_ray_nodes.py and test_serve_retrieval.py
+    compare their steps with it; each ran it itself before, ~40 s of the slow suite each)."""
+    from tests.multinode.test_two_ray_nodes import _driver, _overrides, _step
+
+    out = tmp_path_factory.mktemp("one_node")
+    return _step(out, _driver(_overrides(search_world, out, nnodes=1, workers_per_node=2)))
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
     """A head and a second node, 2 CPUs each, one cluster per module (test_two_ray_nodes.py,

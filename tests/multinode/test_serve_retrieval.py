@@ -142,14 +142,13 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_every_search_is_answered(
 
 
 def test_a_sync_step_with_the_retriever_on_serve_equals_the_step_against_the_http_server(
-        search_world: SearchWorld, tmp_path: Path) -> None:
+        search_world: SearchWorld, one_node_step: dict, tmp_path: Path) -> None:
     # One node, a local Ray the driver starts; sync rollout: the driver's generation manager searches
     # (through a handle to the replica on its node). Same seed and data: the same rollouts, searches,
-    # rewards and update as against the standalone HTTP server.
+    # rewards and update as against the standalone HTTP server (one_node_step).
     from tests.multinode.test_two_ray_nodes import MACHINE_METRICS
 
-    http, serve = tmp_path / "http", tmp_path / "serve"
-    http_step = _step(http, _driver(_overrides(search_world, http, nnodes=1, workers_per_node=2)))
+    http_step, serve = one_node_step, tmp_path / "serve"
     serve_overrides = [o for o in _serve_overrides(search_world, serve, None)
                        if not o.startswith(("trainer.ray_address=", "trainer.nnodes=", "trainer.n_gpus_per_node=",
                                             "actor_rollout_ref.rollout.mode="))]

@@ -61,11 +61,9 @@ def _step(out: Path, proc: subprocess.CompletedProcess) -> dict:
 
 
 def test_grpo_step_with_search_on_two_ray_nodes_matches_one_node(
-        two_nodes: LocalRayCluster, search_world: SearchWorld, tmp_path: Path) -> None:
-    # The reference: both workers on one node, a local Ray the driver starts itself.
-    one = tmp_path / "one_node"
-    one_step = _step(one, _driver(_overrides(search_world, one, nnodes=1, workers_per_node=2)))
-
+        two_nodes: LocalRayCluster, search_world: SearchWorld, one_node_step: dict, tmp_path: Path) -> None:
+    # The reference (one_node_step): both workers on one node, a local Ray the driver starts itself.
+    one_step = one_node_step
     two = tmp_path / "two_nodes"
     before = _queries_answered(search_world.server_url)
     two_proc = _driver(_overrides(search_world, two, nnodes=2, workers_per_node=1)

@@ -206,14 +206,16 @@ def _resetting_server(resets: int) -> Iterator[tuple[_ResettingServer, str]]:
 
 
 @pytest.mark.slow
-# the plain server at the default bound, Serve's proxy at a bound of 8 (the two others of the grid add
-# two minutes of the slow suite and no code path: the bound and the server are independent settings)
-@pytest.mark.parametrize(("bound", "serve"), [(None, "none"), (8, "ray")])
+# the plain server at a bound of 8, Serve's proxy at the default bound (the two others of the grid add
+# no code path: the bound and the server are independent settings; Serve's 503s at a small bound are
+# test_ray_serve.py's. Serve's proxy at a bound of 8 took 84 to 227 s here, its p99 ~70 s, where
+# the plain server's takes ~30 s.)
+@pytest.mark.parametrize(("bound", "serve"), [(8, "none"), (None, "ray")])
 def test_a_thousand_concurrent_clients_are_all_answered(bound: int | None, serve: str, tmp_path: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # scripts/bench/retrieval_load.py as documented: `bash retrieval_launch.sh` (example BM25), or the
     # same index as a Ray Serve application (--serve ray: a local Ray in a subprocess, the clients on
-    # Serve's HTTP proxy); 1,000 clients x 4 distinct single-query requests, default bound and 8.
+    # Serve's HTTP proxy); 1,000 clients x 4 distinct single-query requests.
     import json
     import subprocess
     import sys
@@ -222,9 +224,9 @@ def test_a_thousand_concurrent_clients_are_all_answered(bound: int | None, serve
 
     monkeypatch.setenv("SEARCH_R1_CACHE", str(tmp_path / "cache"))
     args = ["--clients", "1000", "--queries", "4"] + ([] if bound is None else ["--max_pending_queries", str(bound)])
-    if serve == "ray" and bound is not None:
-        # Behind Serve's proxy a bound of 8 answers slowly (p99 ~70 s here): with the default budget of
-        # 8 retries a CI run left 64 of the 4,000 requests unanswered; the test gives them 16.
+    if bound is not None:
+        # A bound of 8 turns away ~2,300 requests; on a loaded CI machine the default budget of 8
+        # retries once left some unanswered behind Serve's proxy: the test gives them 16.
         args += ["--max_retries", "16"]
     if serve == "none":
         result = main(args)

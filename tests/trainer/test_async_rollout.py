@@ -31,6 +31,7 @@ def rollout_workers(model_dir: str, engine: str):
     """Two real FSDP actor/rollout workers in Ray with the given engine."""
     return actor_rollout_workers(model_dir, **{
         "actor_rollout_ref.rollout.name": engine, "data.max_prompt_length": 512,
+        "actor_rollout_ref.rollout.enforce_eager": True,    # vLLM: see tests/conftest.py, VLLM_ENGINES_IN_TESTS
         "data.max_response_length": RESPONSE_LENGTH, "actor_rollout_ref.rollout.micro_batch_size": 4})
 
 

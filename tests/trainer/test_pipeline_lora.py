@@ -101,7 +101,8 @@ def test_one_step_off_with_lora_and_vllm_pushes_the_adapter_only(ray_cluster, vl
                                                                   tmp_path: Path) -> None:
     # the tiny Qwen2 with head_dim 32 (vLLM's CPU attention refuses the default tiny model's 16)
     trainer = _trainer(vllm_model_dir, tmp_path, 3, ["actor_rollout_ref.rollout.name=vllm",
-                                                     "actor_rollout_ref.rollout.lora_sync=adapter"])
+                                                     "actor_rollout_ref.rollout.lora_sync=adapter",
+                                                     "actor_rollout_ref.rollout.enforce_eager=true"])
     try:
         trainer.init_workers()
         assert trainer.rollout_wg.rollout_push_mode() == ["adapter"]

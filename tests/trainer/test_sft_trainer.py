@@ -69,6 +69,31 @@ def test_loss_is_the_weighted_mean_over_trainable_tokens(tiny_model_dir: str, tm
     assert 0 < int((w > 0).sum()) < int(batch["attention_mask"][:, 1:].sum())
 
 
+def test_the_head_runs_only_where_some_row_has_a_weighted_target(tiny_model_dir: str, tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ds = SFTDataset(str(_write_sft_parquet(tmp_path / "d.parquet", 4)), tok, 1024, WEIGHTS)
+    batch = collate_right_padded([ds[i] for i in range(4)], tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    positions = []
+    model.lm_head.register_forward_hook(lambda module, args, out: positions.append(args[0].shape[1]))
+    weighted_lm_loss(model, batch, 1.0)
+    w = batch["loss_weight"][:, 1:]
+    assert positions == [int((w != 0).any(dim=0).sum())]
+    assert positions[0] < w.shape[1] - 1       # the prompt and observations (weight 0) are never scored
+
+    class WithoutLogitsToKeep(torch.nn.Module):   # a model class whose forward lacks the keyword
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=use_cache)
+
+    torch.testing.assert_close(weighted_lm_loss(WithoutLogitsToKeep(model), batch, 1.0),
+                               weighted_lm_loss(model, batch, 1.0), rtol=1e-5, atol=0.0)
+
+
 def _overrides(data: Path, model: str, out: Path, steps: int) -> list[str]:
     return [f"data.train_files={data}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
             f"model.partial_pretrain={model}", "optim.lr=1e-2", "optim.warmup_steps_ratio=0.1",

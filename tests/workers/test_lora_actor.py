@@ -33,6 +33,7 @@ torch.set_num_threads(1)
 def lora_config(model_dir: str, **extra: object):
     cfg = load_trainer_config(model_dir, **{
         "actor_rollout_ref.model.lora_rank": 4,
+        "actor_rollout_ref.rollout.enforce_eager": True,    # see tests/conftest.py, VLLM_ENGINES_IN_TESTS
         "actor_rollout_ref.model.lora_alpha": 8,
         "actor_rollout_ref.model.enable_gradient_checkpointing": True,
         "actor_rollout_ref.model.use_remove_padding": True,

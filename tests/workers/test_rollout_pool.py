@@ -29,6 +29,7 @@ SAME_WEIGHTS_GAP = 1e-3
 
 def _config(model_dir: str, **extra: object) -> Any:
     cfg = load_trainer_config(model_dir, **{
+        "actor_rollout_ref.rollout.enforce_eager": True,    # see tests/conftest.py, VLLM_ENGINES_IN_TESTS
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
         "actor_rollout_ref.actor.ppo_micro_batch_size": 4,
         "actor_rollout_ref.actor.entropy_coeff": 0.0,

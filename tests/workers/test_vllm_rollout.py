@@ -41,6 +41,7 @@ def _config(model_dir: str, name: str, tensor_model_parallel_size: int = 1):
     cfg = load_trainer_config(model_dir, **{
         "actor_rollout_ref.rollout.tensor_model_parallel_size": tensor_model_parallel_size,
         "actor_rollout_ref.rollout.name": name,
+        "actor_rollout_ref.rollout.enforce_eager": True,    # see tests/conftest.py, VLLM_ENGINES_IN_TESTS
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
         "actor_rollout_ref.actor.ppo_micro_batch_size": 4,
         "actor_rollout_ref.actor.entropy_coeff": 0.0,

@@ -15,6 +15,7 @@ tokenizer) that `from_pretrained`, the PPO trainer and infer.py load.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import time
@@ -108,13 +109,26 @@ def _full_state_dict(model: torch.nn.Module, world_size: int) -> dict[str, torch
 
 
 def weighted_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], weight_total: float) -> torch.Tensor:
-    """sum_t w_t * CE(token t | tokens < t) / weight_total (the global batch's weight sum)."""
-    logits_BLV = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False).logits
+    """sum_t w_t * CE(token t | tokens < t) / weight_total (the global batch's weight sum).
+
+    The output head and the cross-entropy run only at the positions that predict a weighted token
+    in some row (transformers' `logits_to_keep`, through the model's own forward, so FSDP gathers
+    the head as usual): with prompts and observations at weight 0, most positions of a multi-turn
+    row, and the vocabulary-sized softmax is most of a small model's step."""
     # Token t is predicted from position t-1; its weight is the weight of token t.
-    ce_BL = torch.nn.functional.cross_entropy(
-        logits_BLV[:, :-1].float().transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
-    return (ce_BL * batch["loss_weight"][:, 1:]).sum() / weight_total
+    weight_BT = batch["loss_weight"][:, 1:]
+    target_BT = batch["input_ids"][:, 1:]
+    keep_K = torch.nonzero((weight_BT != 0).any(dim=0)).flatten()
+    if keep_K.numel() == 0:     # nothing weighted in this micro-batch: one position keeps the graph whole
+        keep_K = torch.zeros(1, dtype=torch.long, device=weight_BT.device)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": batch["position_ids"], "use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        logits_BKV = model(**inputs, logits_to_keep=keep_K).logits
+    else:                       # a model class without it (remote code): every position, then the kept ones
+        logits_BKV = model(**inputs).logits[:, keep_K]
+    ce_BK = torch.nn.functional.cross_entropy(logits_BKV.float().transpose(1, 2), target_BT[:, keep_K], reduction="none")
+    return (ce_BK * weight_BT[:, keep_K]).sum() / weight_total
 
 
 def _total_steps(cfg: DictConfig, batches_per_epoch: int) -> int:
