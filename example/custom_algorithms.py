@@ -5,7 +5,7 @@
         algorithm.adv_estimator=group_mean_baseline
 
 The driver imports this file before its start-up checks and every actor worker imports it before
-it looks its loss up (docs/training.md, "Policy losses"). Each decorator registers its function
+it looks its loss up (docs/algorithms.md, "Policy losses"). Each decorator registers its function
 under the name that the config keys then accept.
 """
 

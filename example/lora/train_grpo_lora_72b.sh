@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO with LoRA (rank 64, alpha 32, all linear layers) on Qwen2.5-72B-Instruct on ONE node of 8 x 80 GB GPUs:
-# train_grpo.sh's recipe with the adapter as the only trained weights (docs/training.md "LoRA"). The
+# train_grpo.sh's recipe with the adapter as the only trained weights (docs/lora.md). The
 # frozen base is sharded in bf16 over the 8 GPUs, the adapter and its AdamW state are small, and the
 # reference log-probs come from the actor with the adapter off (no reference weights); vLLM runs with
 # tensor parallel 8 on the merged weights. `+trainer.preflight=true` prints the per-phase memory plan.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO with LoRA (rank 64, alpha 32, all linear layers) on Qwen2.5-7B-Instruct on ONE 80 GB GPU:
-# train_grpo.sh's recipe with the adapter as the only trained weights (docs/training.md "LoRA"). The
+# train_grpo.sh's recipe with the adapter as the only trained weights (docs/lora.md). The
 # frozen base stays in bf16 (15 GB), the adapter and its AdamW state are ~0.6 GB, and the reference
 # log-probs come from the actor with the adapter off, so nothing is offloaded. Micro-batches of 8 rows,
 # vLLM at gpu_memory_utilization 0.4. `+trainer.preflight=true` prints the per-phase memory plan.

@@ -1,4 +1,4 @@
-"""The demo once per policy loss, advantage estimator and recipe: the table in docs/training.md.
+"""The demo once per policy loss, advantage estimator and recipe: the table in docs/algorithms.md.
 
 Each row is one `python -m scripts.demo.run_demo` (GRPO's demo settings: the shipped warm start, 12
 steps, 32 prompts x 5 rollouts) with the row's overrides, run one after another in a subprocess, its
@@ -11,7 +11,7 @@ do), and the error tail when the run failed.
     python -m scripts.bench.demo_algorithms                     # every row (~2 h on an idle 2-core CPU)
     python -m scripts.bench.demo_algorithms --rows dapo,gspo    # some rows
     python -m scripts.bench.demo_algorithms --list
-    python -m scripts.bench.demo_algorithms --markdown          # the table of <out>/table.jsonl (docs/training.md)
+    python -m scripts.bench.demo_algorithms --markdown          # the table of <out>/table.jsonl (docs/algorithms.md)
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ issue's 35 % baseline, on this device); --out writes it too, after each shape.
     python -m scripts.gpu_checks.packing_throughput --only 0.5b --length-scale 4
     python -m scripts.gpu_checks.packing_throughput --device cpu --tiny   # the same path on CPU (tests)
 
-Not run on a GPU yet (issue 35): the figures of the next GPU run go in docs/training.md,
-'Packing and sequence parallelism'.
+Not run on a GPU yet (issue 35): the figures of the next GPU run go in docs/packing.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """scripts/bench/packing.py and scripts/gpu_checks/packing_throughput.py (issue 35 item 4): the demo's
 length distribution, the useful-FLOPs count, and one tiny CPU run of the GPU check's path whose padded
-and packed results agree (timings are not asserted: the figures are in docs/training.md)."""
+and packed results agree (timings are not asserted: the figures are in docs/packing.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The vLLM engine's wake/sleep cost per step (docs/training.md "LoRA"): timing_s/rollout_wake,
+"""The vLLM engine's wake/sleep cost per step (docs/lora.md): timing_s/rollout_wake,
 timing_s/rollout_sleep and rollout/sleep_host_bytes come out of the rollout's wake/sleep path, through
 the worker's rollout_sleep and the trainer's phase, into compute_rollout_metrics. A stand-in engine
 whose sleep / wake_up take 10 ms and whose sleep fills a stand-in of vLLM's sleep-mode allocator."""

@@ -1,4 +1,4 @@
-"""Config rules for LoRA (`actor_rollout_ref.model.lora_*`, veRL's keys; docs/training.md "LoRA")."""
+"""Config rules for LoRA (`actor_rollout_ref.model.lora_*`, veRL's keys; docs/lora.md)."""
 
 from __future__ import annotations
 

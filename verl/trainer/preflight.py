@@ -231,7 +231,7 @@ def check_data(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None
     for key in ("data.train_files", "data.val_files"):
         for path in _files(OmegaConf.select(cfg, key)):
             if not Path(path).is_file():
-                report.error(f"{key}: {path} does not exist: build it (docs/data.md) or point {key} at it", key)
+                report.error(f"{key}: {path} does not exist: build it (README.md, "Your own data and corpus") or point {key} at it", key)
                 continue
             try:
                 table = pq.read_table(path)

@@ -1,4 +1,4 @@
-"""LoRA's parameter counts for the memory plan (verl/utils/memory_plan.py; docs/training.md "LoRA").
+"""LoRA's parameter counts for the memory plan (verl/utils/memory_plan.py; docs/lora.md).
 
 PEFT's adapter on a linear layer (in -> out) of rank r is lora_A (r x in) and lora_B (out x r): r x
 (in + out) fp32 parameters in 2 tensors, trained with AdamW; the base stays frozen in bf16 on the GPU.

@@ -10,7 +10,7 @@
 #   bash example/recipes/dapo/train_dapo.sh ... +trainer.preflight=true   # check the config only
 #
 # Environment: that of train_grpo.sh (DATA_DIR, N_GPUS=8, RETRIEVER_URL, ...); BASE_MODEL defaults to
-# Qwen/Qwen2.5-3B here. Extra arguments are Hydra overrides and win. docs/training.md, "DAPO".
+# Qwen/Qwen2.5-3B here. Extra arguments are Hydra overrides and win. docs/algorithms.md, "DAPO".
 set -euo pipefail
 
 export BASE_MODEL=${BASE_MODEL:-Qwen/Qwen2.5-3B}

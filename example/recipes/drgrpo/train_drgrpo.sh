@@ -10,7 +10,7 @@
 #   bash example/recipes/drgrpo/train_drgrpo.sh ... +trainer.preflight=true   # check the config only
 #
 # Environment: that of train_grpo.sh; BASE_MODEL defaults to Qwen/Qwen2.5-3B here. Extra arguments
-# are Hydra overrides and win. docs/training.md, "Recipes".
+# are Hydra overrides and win. docs/algorithms.md, "Algorithm recipes".
 set -euo pipefail
 
 export BASE_MODEL=${BASE_MODEL:-Qwen/Qwen2.5-3B}

@@ -9,7 +9,7 @@
 #   bash example/recipes/gspo/train_gspo.sh ... +trainer.preflight=true   # check the config only
 #
 # Environment: that of train_grpo.sh; BASE_MODEL defaults to Qwen/Qwen2.5-3B here. Extra arguments
-# are Hydra overrides and win. docs/training.md, "Recipes".
+# are Hydra overrides and win. docs/algorithms.md, "Algorithm recipes".
 set -euo pipefail
 
 export BASE_MODEL=${BASE_MODEL:-Qwen/Qwen2.5-3B}

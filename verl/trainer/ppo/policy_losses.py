@@ -9,7 +9,7 @@ with `config` the actor config node (clip_ratio, clip_ratio_low / _high, clip_ra
 tau_neg, loss_scale_factor, policy_loss.*), tensors (B, R), `metrics` a dict of floats under
 veRL's names (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`).
 
-Where this differs from veRL on purpose (docs/training.md, "Policy losses"):
+Where this differs from veRL on purpose (docs/algorithms.md, "Policy losses"):
 - every loss reads its inputs through `response_mask` first: a NaN / inf log-prob, advantage or
   weight on a masked position (padding, a retrieved passage) reaches neither the loss, nor the
   metrics, nor the gradient of any other position;

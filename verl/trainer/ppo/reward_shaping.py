@@ -16,7 +16,7 @@ as a row nears the length at which it would be cut:
 - tag protocol (and single turn): the row's longest turn, i.e. the longest run of policy tokens
   (the bound is per generation turn; retrieved passages and the other turns do not count, so a row
   is not penalised for searching more). Single turn: the response's policy tokens.
-(docs/training.md, "DAPO").
+(docs/algorithms.md, "DAPO").
 """
 
 from __future__ import annotations

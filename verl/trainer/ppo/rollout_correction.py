@@ -154,7 +154,7 @@ def config_errors(node: Any) -> list[str]:
         # composed through Hydra the undeclared-key check names them too; the node also arrives
         # from other paths (a recipe's own tree, a test, bypass_mode(config) in the memory plan)
         return [f"{PREFIX}.{key} is not a rollout-correction key; the keys are {list(KNOWN_KEYS)} "
-                "(docs/training.md, 'Rollout correction')" for key in unknown]
+                "(docs/algorithms.md, 'Rollout correction')" for key in unknown]
     errors = []
     for key, allowed in (("rollout_is", IS_LEVELS), ("rollout_rs", RS_LEVELS)):
         value = node.get(key, "auto" if key == "rollout_is" else None)

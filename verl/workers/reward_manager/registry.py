@@ -14,7 +14,7 @@ REFUSED = {
              "(PRIME's recipe); the QA rewards here are string matches or judge calls, which `naive` runs "
              "(`batch` for a user's batched compute_score)",
     "dapo": "DAPO's manager is naive + overlong-length shaping; use reward_model.reward_manager=naive "
-            "and DAPO's overlong-buffer settings (docs/training.md, DAPO), which apply on top of the manager",
+            "and DAPO's overlong-buffer settings (docs/algorithms.md, DAPO), which apply on top of the manager",
 }
 
 

@@ -7,7 +7,7 @@ the worker gathers the adapter (PEFT's names and format, `verl.utils.lora.save_a
 into this rank's folder `<root>/actor-v<version>` and every later request carries
 `LoRARequest("actor-v<version>", version + 1, folder)`; the previous adapter leaves the engine and its
 folder is deleted. `lora_sync=merged` is the fallback: the engine has no LoRA, and each sync streams
-the full merged weights (W + scaling * B @ A) as without LoRA (docs/training.md "LoRA").
+the full merged weights (W + scaling * B @ A) as without LoRA (docs/lora.md).
 
     sync = AdapterSync(engine, rank=0)
     sent = sync.publish(adapter_tensors, spec, base_model_path, version)   # bytes written for the engine

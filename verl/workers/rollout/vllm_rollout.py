@@ -239,7 +239,7 @@ def _warn_if_pinned_alloc_unset() -> None:
             f"lora_sync=adapter sleeps at level 1, but this worker's PYTORCH_ALLOC_CONF lacks {missing}: torch's pinned "
             "allocator rounds each base-weight backup up to a power of two (up to 2x the host memory preflight "
             "planned). Export PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:16,pinned_max_cached_size_mb:16 "
-            "where the Ray workers start (docs/training.md, LoRA).", stacklevel=2)
+            "where the Ray workers start (docs/lora.md).", stacklevel=2)
 
 
 class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
@@ -395,7 +395,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
 
         - lora_sync=adapter: level 1. The base weights go to pinned host memory (they are never sent
           again) and come back at the next wake; the adapter stays loaded. That host copy, and its
-          round trip each step, is the price of never streaming the base (docs/training.md, "LoRA").
+          round trip each step, is the price of never streaming the base (docs/lora.md).
         - otherwise (no LoRA, or merged): level 2, weights and KV cache discarded. Level 1 would keep
           a pinned host copy of the weights on every rank (15 GB for a 7B model, 120 GB per 8-GPU
           node) only to copy it back before the actor's newer weights overwrite it; the next wake
