@@ -24,17 +24,11 @@ from typing import Any
 
 import requests
 
-from search_r1.llm_agent.tool_results import DocumentNotFound, ToolFailure
+from search_r1.llm_agent.tool_results import DocumentNotFound, ToolFailure, redact
 from search_r1.llm_agent.tool_results import tool_result as _result
 from search_r1.search import documents
 
 COMMON_KEYS = ("max_calls_per_row", "timeout")
-
-
-
-
-def _redact(text: str, secret: str | None) -> str:
-    return text.replace(secret, "***") if secret else text
 
 
 def _api_key(config: dict, default_env: str) -> str:
@@ -49,9 +43,11 @@ def _post_json(url: str, body: dict, headers: dict, timeout: float, secret: str 
     try:
         response = requests.post(url, json=body, headers=headers, timeout=timeout)
     except requests.RequestException as err:
-        raise ToolFailure(_redact(f"{type(err).__name__} from {url}", secret)) from None
+        raise ToolFailure(redact(f"{type(err).__name__} from {url}", [secret])) from None
     if response.status_code != 200:
-        raise ToolFailure(_redact(f"HTTP {response.status_code} from {url}: {response.text[:200]}", secret))
+        # redacted whole, then cut: a cut first can leave a key's prefix that no longer matches
+        raise ToolFailure(redact(f"HTTP {response.status_code} from {url}: {redact(response.text, [secret])[:200]}",
+                                 [secret]))
     try:
         return response.json()
     except ValueError:
@@ -67,14 +63,21 @@ def _queries(arguments: dict) -> list[str]:
     return [q.strip() for q in queries]
 
 
-def _render_web_hits(per_query: list[list[tuple[str, str, str]]]) -> str:
-    """(title, snippet, url) per hit, per query, in the search tool's layout (and the URL to `open`)."""
+def _hits(data: Any, field: str, topk: int) -> list[dict]:
+    """The first `topk` dict entries of `data[field]`; anything else a provider answers counts as none."""
+    entries = data.get(field) if isinstance(data, dict) else None
+    return [h for h in entries[:topk] if isinstance(h, dict)] if isinstance(entries, list) else []
+
+
+def _render_web_hits(per_query: list[list[tuple[str, str, str]]], key: str) -> str:
+    """(title, snippet, url) per hit, per query, in the search tool's layout (and the URL to `open`);
+    the API key redacted (a provider may echo the request)."""
     blocks = []
     for hits in per_query:
         text = "".join(f"Doc {i} (Title: {title})\n{snippet}\nURL: {url}\n\n" for i, (title, snippet, url)
                        in enumerate(hits, start=1))
         blocks.append(text.strip() or "No search results found.")
-    return _result("\n---\n".join(blocks))
+    return _result(redact("\n---\n".join(blocks), [key]))
 
 
 class SerperSearchTool:
@@ -96,10 +99,9 @@ class SerperSearchTool:
         for q in _queries(arguments):
             data = _post_json(f"{self.base_url}/search", {"q": q, "num": self.topk},
                               {"X-API-KEY": key}, self.timeout, key)
-            organic = data.get("organic", []) if isinstance(data, dict) else []
             per_query.append([(str(h.get("title", "")), str(h.get("snippet", "")), str(h.get("link", "")))
-                              for h in organic[: self.topk] if isinstance(h, dict)])
-        return _render_web_hits(per_query)
+                              for h in _hits(data, "organic", self.topk)])
+        return _render_web_hits(per_query, key)
 
 
 class TavilySearchTool:
@@ -123,17 +125,18 @@ class TavilySearchTool:
             data = _post_json(f"{self.base_url}/search", {"query": q, "max_results": self.topk,
                                                           "search_depth": self.depth},
                               {"Authorization": f"Bearer {key}"}, self.timeout, key)
-            results = data.get("results", []) if isinstance(data, dict) else []
             per_query.append([(str(h.get("title", "")), str(h.get("content", "")), str(h.get("url", "")))
-                              for h in results[: self.topk] if isinstance(h, dict)])
-        return _render_web_hits(per_query)
+                              for h in _hits(data, "results", self.topk)])
+        return _render_web_hits(per_query, key)
 
 
 class OpenTool:
     """`open`: `{"doc_id": ..., "page": 1}` reads a corpus passage from the retrieval server
     (POST /open); `{"url": ..., "page": 1}` fetches a web page (`fetcher: direct`, with
-    `max_bytes` and `timeout`; or `fetcher: jina`, a Jina-reader-style GET {reader_url}/{url} that
-    answers the page as text). Either way one page of `page_size` characters comes back."""
+    `max_bytes` and `timeout` for the whole fetch, search_r1.search.web_fetch; or `fetcher: jina`, a
+    Jina-reader-style GET {reader_url}/{url} that answers the page as text, the key sent to the
+    reader's origin only and redacted from the text). Either way one page of `page_size` characters
+    comes back."""
 
     KEYS = ("retrieval_service_url", "page_size", "fetcher", "reader_url", "api_key_env", "max_bytes",
             "allow_private_addresses", "max_retries", "backoff_factor")
@@ -195,10 +198,11 @@ class OpenTool:
                               f"({type(err).__name__})") from None
         if response.status_code in (400, 404):
             try:
-                detail = str(response.json().get("detail", response.text))
+                body = response.json()
             except ValueError:
-                detail = response.text[:200]
-            raise DocumentNotFound(detail)
+                body = None
+            detail = body.get("detail") if isinstance(body, dict) else None   # any JSON, or none
+            raise DocumentNotFound(str(detail if detail is not None else response.text)[:500])
         if response.status_code != 200:
             raise ToolFailure(f"the retrieval server answered HTTP {response.status_code}")
         try:
@@ -211,26 +215,24 @@ class OpenTool:
     def _open_url(self, url: str, page: int) -> str:
         if self.fetcher == "none":
             raise ToolFailure("this open tool reads documents by 'doc_id' only")
+        key = ""
         if self.fetcher == "jina":
             key = os.environ.get(self.config.get("api_key_env", "JINA_API_KEY"), "")
             headers = {"Authorization": f"Bearer {key}"} if key else {}
-            if not url.startswith(("http://", "https://")):
+            if not url.strip().lower().startswith(("http://", "https://")):
                 raise ToolFailure(f"only http:// and https:// URLs can be opened, got {url!r}")
-            try:
-                # the reader is the operator's endpoint (it fetches the page, not this process)
-                title, text = documents.fetch_url(f"{self.reader_url}/{url}", self.timeout, self.max_bytes, headers,
-                                                  allow_private=True)
-            except documents.FetchError as err:
-                raise ToolFailure(_redact(str(err), key)) from None
+            # the reader is the operator's endpoint (it fetches the page, not this process); the key goes
+            # to the reader's origin only, never to where it redirects
+            fetch = (f"{self.reader_url}/{url.strip()}", headers, True)
         else:
-            try:
-                title, text = documents.fetch_url(url, self.timeout, self.max_bytes, allow_private=self.allow_private)
-            except documents.FetchError as err:
-                raise ToolFailure(str(err)) from None
+            fetch = (url, {}, self.allow_private)
         try:
+            title, text = documents.fetch_url(fetch[0], self.timeout, self.max_bytes, fetch[1], allow_private=fetch[2])
+            # the whole text is redacted before it is cut into pages (a reader may echo the request headers)
+            title, text = redact(title, [key]), redact(text, [key])
             p = documents.paginate(text, page, self.page_size)
-        except ValueError as err:
-            raise ToolFailure(str(err)) from None
+        except (documents.FetchError, ValueError) as err:
+            raise ToolFailure(redact(str(err), [key])) from None
         return _result(documents.render_page(title, p, url))
 
 

@@ -3,12 +3,15 @@ cleaned text cut into pages of characters.
 
 - `DocStore` finds a corpus passage by its id (the `id` a /retrieve hit carries); the map from
   id to row is built on the first lookup (one pass over the ids column).
-- `fetch_url` gets a page with a time limit and a size limit (bytes read, not announced), keeps
-  text types only, and turns HTML into text with the standard library's parser (`html_to_text`:
-  scripts, styles and other non-content elements dropped, block elements on their own lines).
-  A URL the model wrote must not reach the training cluster's own services: a host that resolves
-  to a private, loopback, link-local (cloud metadata), reserved or multicast address is refused,
-  at every redirect too, unless `allow_private=True` (an operator's choice: a local test server).
+- `fetch_url` gets a page through `search_r1.search.web_fetch` (one wall-clock deadline for the
+  whole fetch and cleaning, a size limit on bytes read, text types only, redirects followed by hand)
+  and turns HTML into text with the standard library's parser (`html_to_text`: scripts, styles and
+  other non-content elements dropped, block elements on their own lines; at most `MAX_HTML_CHARS`
+  characters parsed, stopped at the deadline). A page's declared charset is used only when it is a
+  known text encoding (`decode_text`). A URL the model wrote must not reach the training cluster's
+  own services: a host resolving to a private, loopback, link-local (cloud metadata), reserved or
+  multicast address is refused, at every redirect too, and the connection goes to the address that
+  was checked, unless `allow_private=True` (an operator's choice: a local test server).
 - `paginate` cuts a text into pages of `page_size` characters; pages count from 1.
 - `snippet` shortens a passage for search results (the retrieval server's `--snippet_chars`):
   its title line and the first line of its text, cut to a number of characters; /open still
@@ -17,19 +20,28 @@ cleaned text cut into pages of characters.
 
 from __future__ import annotations
 
+import codecs
 import html.parser
-import ipaddress
 import re
-import socket
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from search_r1.search import web_fetch
+from search_r1.search.web_fetch import FetchError, blocked_address
+
 DEFAULT_PAGE_SIZE = 2000
 MAX_PAGE_SIZE = 20000
+# HTML past this many characters is not parsed (html.parser runs at ~1-3 MB/s; the default max_bytes)
+MAX_HTML_CHARS = 2_000_000
+# the charsets a page may declare (as codecs.lookup names them); any other is read as UTF-8
+TEXT_CHARSETS = frozenset(codecs.lookup(name).name for name in (
+    "utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "ascii", "latin-1", "iso-8859-2",
+    "iso-8859-3", "iso-8859-4", "iso-8859-5", "iso-8859-6", "iso-8859-7", "iso-8859-8", "iso-8859-9",
+    "iso-8859-10", "iso-8859-13", "iso-8859-14", "iso-8859-15", "iso-8859-16", "cp1250", "cp1251", "cp1252",
+    "cp1253", "cp1254", "cp1255", "cp1256", "cp1257", "cp1258", "cp874", "koi8-r", "koi8-u", "mac-roman",
+    "shift_jis", "cp932", "euc-jp", "iso-2022-jp", "gb2312", "gbk", "gb18030", "big5", "big5hkscs", "euc-kr",
+    "cp949", "tis-620"))
 
 _SKIP = {"script", "style", "noscript", "template", "svg", "head", "iframe", "object", "canvas"}
 _BLOCK = {"p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article", "header", "footer",
@@ -108,14 +120,22 @@ class DocStore:
 
 
 class _TextExtractor(html.parser.HTMLParser):
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None) -> None:
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
         self.skip = 0
         self.title = ""
         self._in_title = False
+        self.deadline = deadline
+
+    def _on_time(self) -> None:
+        # every token passes here, so the parser's slow paths (it rescans an unclosed "<a" to the end of
+        # the text once per "<a" when closing: quadratic) stop within one rescan of the deadline
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TimeoutError("cleaning the page took too long")
 
     def handle_starttag(self, tag: str, attrs: Any) -> None:
+        self._on_time()
         if tag in _SKIP:
             self.skip += 1
         if tag == "title":
@@ -124,6 +144,7 @@ class _TextExtractor(html.parser.HTMLParser):
             self.parts.append("\n")
 
     def handle_endtag(self, tag: str) -> None:
+        self._on_time()
         if tag in _SKIP and self.skip:
             self.skip -= 1
         if tag == "title":
@@ -132,103 +153,52 @@ class _TextExtractor(html.parser.HTMLParser):
             self.parts.append("\n")
 
     def handle_data(self, data: str) -> None:
+        self._on_time()
         if self._in_title and not self.title:
             self.title = data.strip()
         if not self.skip:
             self.parts.append(data)
 
 
-def html_to_text(markup: str) -> tuple[str, str]:
-    """(title, text) of an HTML page: visible text, one block a line, runs of blanks collapsed."""
-    parser = _TextExtractor()
-    parser.feed(markup)
+def html_to_text(markup: str, deadline: float | None = None) -> tuple[str, str]:
+    """(title, text) of an HTML page: visible text, one block a line, runs of blanks collapsed. Only the
+    first `MAX_HTML_CHARS` characters are parsed; past the monotonic `deadline` a TimeoutError."""
+    parser = _TextExtractor(deadline)
+    parser.feed(markup[:MAX_HTML_CHARS])
     parser.close()
+    parser._on_time()
     lines = [re.sub(r"[ \t\r\f\v]+", " ", line).strip() for line in "".join(parser.parts).split("\n")]
     return parser.title, "\n".join(line for line in lines if line)
 
 
-class FetchError(Exception):
-    """A page that could not be fetched; the message is what the model reads."""
-
-
-def blocked_address(url: str) -> str | None:
-    """The private, loopback, link-local, reserved, multicast or unspecified address `url`'s host
-    resolves to (the first such), or None when every address it resolves to is public."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
+def decode_text(body: bytes, charset: str | None) -> str:
+    """`body` as text in `charset` when it is a known text encoding (`TEXT_CHARSETS`), else as UTF-8;
+    bytes that do not decode become U+FFFD. A page cannot pick a codec that is not a text encoding
+    (punycode, idna, rot13, zlib: slow or not text at all)."""
     try:
-        infos = socket.getaddrinfo(host, parts.port or (443 if parts.scheme == "https" else 80),
-                                   proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError) as err:
-        raise FetchError(f"the host of {url} could not be resolved ({err})") from err
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
-        if not address.is_global or address.is_multicast:
-            return str(address)
-    return None
-
-
-def _check_address(url: str, allow_private: bool) -> None:
-    if allow_private:
-        return
-    address = blocked_address(url)
-    if address is not None:
-        raise FetchError(f"the page at {url} is on a private or local address ({address}); the open tool "
-                         "reaches public addresses only (config allow_private_addresses: true to change it)")
-
-
-class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to an http(s) URL whose host passes the address check."""
-
-    def __init__(self, allow_private: bool) -> None:
-        self.allow_private = allow_private
-
-    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
-        if not re.match(r"^https?://", newurl):
-            raise FetchError(f"the page at {req.full_url} redirects to {newurl!r}, not an http(s) URL")
-        _check_address(newurl, self.allow_private)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+        name = codecs.lookup(charset).name if charset else "utf-8"
+    except (LookupError, TypeError, ValueError):
+        name = "utf-8"
+    return body.decode(name if name in TEXT_CHARSETS else "utf-8", errors="replace")
 
 
 def fetch_url(url: str, timeout: float = 10.0, max_bytes: int = 2_000_000,
               headers: dict[str, str] | None = None, allow_private: bool = False) -> tuple[str, str]:
-    """(title, text) of the page at `url` (http/https only, a public address unless `allow_private`,
-    redirects included), read within `timeout` seconds and `max_bytes` bytes; HTML is cleaned,
-    other text types are kept as they are."""
-    if not re.match(r"^https?://", url or ""):
-        raise FetchError(f"only http:// and https:// URLs can be opened, got {url!r}")
-    _check_address(url, allow_private)
-    request = urllib.request.Request(url, headers={"User-Agent": "search-r1-open/1.0", **(headers or {})})
-    opener = urllib.request.build_opener(_CheckedRedirects(allow_private))
-    try:
-        with opener.open(request, timeout=timeout) as response:  # scheme and address checked above
-            kind = response.headers.get_content_type()
-            if not (kind.startswith("text/") or kind in ("application/xhtml+xml", "application/json")):
-                raise FetchError(f"the page at {url} is {kind}, not text")
-            body = b""
-            deadline = time.monotonic() + timeout
-            while len(body) <= max_bytes:
-                chunk = response.read(min(65536, max_bytes + 1 - len(body)))
-                if not chunk:
-                    break
-                body += chunk
-                if time.monotonic() > deadline:
-                    raise FetchError(f"the page at {url} took longer than {timeout} s to read")
-            charset = response.headers.get_content_charset() or "utf-8"
-    except FetchError:
-        raise
-    except urllib.error.HTTPError as err:
-        raise FetchError(f"the page at {url} answered HTTP {err.code}") from err
-    except (urllib.error.URLError, TimeoutError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        raise FetchError(f"the page at {url} could not be fetched ({type(reason).__name__}: {reason})") from err
-    if len(body) > max_bytes:
-        raise FetchError(f"the page at {url} is larger than the {max_bytes}-byte limit")
-    text = body.decode(charset, errors="replace")
-    if kind in ("text/html", "application/xhtml+xml"):
-        return html_to_text(text)
+    """(title, text) of the page at `url` (search_r1.search.web_fetch: http/https only, a public address
+    unless `allow_private`, redirects included, `headers` to the first origin only), fetched and cleaned
+    within `timeout` seconds all told and read within `max_bytes` bytes; HTML is cleaned, other text
+    types are kept as they are. Every failure is a FetchError."""
+    deadline = time.monotonic() + timeout
+    page = web_fetch.fetch(url, timeout, max_bytes, headers, allow_private, deadline=deadline)
+    text = decode_text(page.body, page.charset)
+    if page.content_type in ("text/html", "application/xhtml+xml"):
+        try:
+            return html_to_text(text, deadline)
+        except TimeoutError:
+            raise FetchError(f"the page at {url} could not be fetched: it took longer than {timeout} s to read "
+                             "and clean") from None
     return "", text.strip()
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "DocStore", "FetchError", "Page", "fetch_url", "html_to_text",
-           "paginate", "render_page"]
+__all__ = ["DEFAULT_PAGE_SIZE", "MAX_HTML_CHARS", "MAX_PAGE_SIZE", "TEXT_CHARSETS", "DocStore", "FetchError", "Page",
+           "blocked_address", "decode_text", "fetch_url", "html_to_text", "paginate", "render_page"]

@@ -118,9 +118,10 @@ def test_open_by_url_pages_the_cleaned_text_and_reports_limits():
     assert result(run_call(by_id_only, {"url": "http://x"})[0]) == "Error: this open tool reads documents by 'doc_id' only"
 
 
-def test_urls_on_private_or_local_addresses_are_refused_at_every_hop(monkeypatch):
+def test_urls_on_private_or_local_addresses_are_refused():
     """A URL the model wrote cannot reach the cluster's own services (a loopback port, the cloud metadata
-    address, a private network), neither directly nor through a redirect from a public page."""
+    address, a private network). Redirects, DNS rebinding and other address forms:
+    test_fetcher_hostile.py."""
     tool = OpenTool("open", {"fetcher": "direct", "timeout": 1})
     for url, address in (("http://127.0.0.1:9/x", "127.0.0.1"), ("http://localhost:9/", "127.0.0.1"),
                          ("http://169.254.169.254/latest/meta-data/", "169.254.169.254"),
@@ -128,33 +129,6 @@ def test_urls_on_private_or_local_addresses_are_refused_at_every_hop(monkeypatch
         text, ok = run_call(tool, {"url": url})
         assert not ok and f"is on a private or local address ({address})" in result(text), (url, text)
     assert documents.blocked_address("http://8.8.8.8/") is None
-
-    def redirect(method, path, headers, body):
-        return 200, "text/plain", b"internal secret", 0
-
-    with scripted_server(redirect) as (internal, internal_seen):
-        class Redirect(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                self.send_response(302)
-                self.send_header("Location", f"{internal}/secret")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        site = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
-        threading.Thread(target=site.serve_forever, daemon=True).start()
-        try:
-            # the redirecting server stands for a public site: only the internal server's port is private
-            internal_port = internal.rsplit(":", 1)[1]
-            monkeypatch.setattr(documents, "blocked_address",
-                                lambda url: "127.0.0.1" if url.split("/")[2].endswith(internal_port) else None)
-            with pytest.raises(documents.FetchError, match=r"/secret is on a private or local address"):
-                documents.fetch_url(f"http://127.0.0.1:{site.server_address[1]}/page", timeout=2)
-        finally:
-            site.shutdown()
-    assert internal_seen == []      # the internal server was never asked
 
 
 def test_slow_drip_page_is_cut_at_the_time_limit():
@@ -268,6 +242,64 @@ def test_api_keys_never_show_in_messages_errors_or_logs(monkeypatch, caplog):
     text, ok = run_call(dead, {"query_list": ["q"]})
     assert not ok and KEY not in text and "ConnectionError" in text
     assert KEY not in caplog.text and wrong not in caplog.text
+
+
+def test_a_key_echoed_past_the_cut_or_in_a_success_answer_never_shows(monkeypatch):
+    """An error body is redacted whole and then cut (cut first, a key straddling character 200 left its
+    prefix), and a 200 that echoes the request is redacted too, for every provider."""
+    monkeypatch.setenv("SERPER_API_KEY", KEY)
+    monkeypatch.setenv("TAVILY_API_KEY", KEY)
+    monkeypatch.setenv("JINA_API_KEY", KEY)
+
+    def echo(method, path, headers, body):
+        if path.startswith("/bad"):   # the key starts at character 190 of the body: a 200-cut splits it
+            return 401, "application/json", json.dumps({"error": "x" * 174 + f" key={KEY} rejected"}).encode(), 0
+        seen_key = headers.get("X-API-KEY") or headers.get("Authorization")
+        if path == "/search":
+            hit = {"title": f"echo {seen_key}", "snippet": f"you sent {seen_key}", "link": "https://e.com",
+                   "url": "https://e.com", "content": f"you sent {seen_key}"}
+            return 200, "application/json", json.dumps({"organic": [hit], "results": [hit]}).encode(), 0
+        # a reader that echoes its request headers: the key at characters 59-84, across the boundary of
+        # 60-character pages (redacted, the text is 62 characters: two pages still)
+        return 200, "text/plain", ("y" * 36 + f" Authorization: {seen_key}").encode(), 0
+
+    with scripted_server(echo) as (base, _):
+        for cls in (SerperSearchTool, TavilySearchTool):
+            text, ok = run_call(cls("web_search", {"base_url": f"{base}/bad"}), {"query_list": ["q"]})
+            assert not ok and "SECRET" not in text and "sk-test" not in text and "key=***" in text, text
+            text, ok = run_call(cls("web_search", {"base_url": base}), {"query_list": ["q"]})
+            assert ok and "SECRET" not in text and "you sent " in text, text
+        reader = OpenTool("open", {"fetcher": "jina", "reader_url": base, "page_size": 60})
+        pages = [result(reader.call({"url": "https://example.com/a", "page": n})) for n in (1, 2)]
+    assert all("SECRET" not in page and "sk-test" not in page for page in pages), pages
+    assert "".join(page.split("\n", 1)[1] for page in pages).endswith("Authorization: Bearer ***")
+
+
+def test_the_reader_key_does_not_follow_a_redirect_to_another_host(monkeypatch):
+    """urllib forwarded `Authorization` to wherever the reader redirected."""
+    monkeypatch.setenv("JINA_API_KEY", KEY)
+    with scripted_server(lambda m, p, h, b: (200, "text/plain", f"page {h.get('Authorization')}".encode(), 0)
+                         ) as (elsewhere, elsewhere_seen):
+        class Redirect(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(302)
+                self.send_header("Location", elsewhere.replace("127.0.0.1", "localhost") + "/landing")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        reader = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+        threading.Thread(target=reader.serve_forever, daemon=True).start()
+        try:
+            tool = OpenTool("open", {"fetcher": "jina", "reader_url": f"http://127.0.0.1:{reader.server_address[1]}"})
+            text = result(tool.call({"url": "https://example.com/a"}))
+        finally:
+            reader.shutdown()
+            reader.server_close()
+    assert elsewhere_seen[0]["path"] == "/landing" and "Authorization" not in elsewhere_seen[0]["headers"]
+    assert text.endswith("page None")
 
 
 def test_provider_config_keys_are_checked():
