@@ -352,7 +352,7 @@ def test_async_rollout_refuses_tensor_parallel_engines(monkeypatch: pytest.Monke
 
 def test_tensor_parallel_ranks_reseed_from_the_drivers_seed_and_check_they_agree(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from verl.workers import fsdp_workers
+    from verl.workers import rollout_role
 
     ranks = [_worker(monkeypatch, rank, 4, 2) for rank in range(4)]
     draws = []
@@ -376,7 +376,7 @@ def test_tensor_parallel_ranks_reseed_from_the_drivers_seed_and_check_they_agree
         weights = torch.arange(1, peer_ids.numel() + 1).reshape(peer_ids.shape)
         out[1].copy_(torch.tensor([int((peer_ids * weights).sum()), peer_ids.numel()]))
 
-    monkeypatch.setattr(fsdp_workers.dist, "all_gather", all_gather)
+    monkeypatch.setattr(rollout_role.dist, "all_gather", all_gather)
     agreeing = DataProto.from_dict(tensors={K.RESPONSES: peer_ids.clone()})
     worker._check_tensor_parallel_agreement(agreeing)
     with pytest.raises(RuntimeError, match="sampled different ids"):
@@ -384,9 +384,9 @@ def test_tensor_parallel_ranks_reseed_from_the_drivers_seed_and_check_they_agree
 
 
 def test_only_the_collecting_rank_of_an_engine_returns_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    from verl.workers import fsdp_workers
+    from verl.workers import rollout_role
 
-    monkeypatch.setattr(fsdp_workers.dist, "all_gather", lambda out, mine, group: [o.copy_(mine) for o in out])
+    monkeypatch.setattr(rollout_role.dist, "all_gather", lambda out, mine, group: [o.copy_(mine) for o in out])
     outs = []
     for rank in (0, 1):
         worker = _worker(monkeypatch, rank, 2, 2)

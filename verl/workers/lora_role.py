@@ -1,0 +1,71 @@
+"""LoRA in ActorRolloutRefWorker (verl/workers/fsdp_workers.py), `actor_rollout_ref.model.lora_rank > 0`:
+the actor trains PEFT-style adapters over a frozen base (verl/utils/lora.py); the reference is the
+same module with its adapters off (no second model); a colocated vLLM engine gets either the adapter
+alone (`rollout.lora_sync=adapter`, served over the base it loaded once) or the merged weights.
+A pipeline's push picks its tensors in verl/workers/lora_push.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl.protocol import DataProto
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils.lora import LoraSpec, adapter_disabled, adapter_state, merged_state
+
+
+class LoraRole:
+    """Mixin of ActorRolloutRefWorker: reads its config, role flags, actor (module, optimizer, policy)
+    and rollout; `lora` is the actor's LoraSpec (None without LoRA)."""
+
+    lora: LoraSpec | None = None
+
+    def _init_lora(self, model_cfg: Any) -> None:
+        """In init_model, before the actor is built: PEFT's adapters in the actor; none elsewhere."""
+        self.lora = LoraSpec.from_model_config(model_cfg) if self._is_actor else None
+
+    def _base_ref_log_prob(self, data: DataProto) -> torch.Tensor:
+        """The reference's log-probs of a LoRA actor: no reference weights, the actor's base model with
+        its adapter bypassed."""
+        self._onload(self.actor_module, None, self.config.actor.fsdp_config)
+        with adapter_disabled(self.actor_module):
+            log_probs, _ = self.actor.compute_log_prob(data)
+        self._offload(self.actor_module, None, self.config.actor.fsdp_config)
+        return log_probs
+
+    def _sync_lora_rollout(self) -> bool:
+        """A colocated engine's weight load with LoRA (the actor onloaded); False without LoRA (the caller
+        sends the actor's full weights)."""
+        if getattr(self.rollout, "lora_sync", None) == "adapter":
+            # LoRA, lora_sync=adapter: only the adapter travels (the engine keeps the frozen base it loaded)
+            self.rollout.sync_adapter(adapter_state(self.actor_module), version=self._weights_version)
+            return True
+        if self.lora is not None:
+            # LoRA, lora_sync=merged: vLLM loads the merged weights (W + scaling * B @ A)
+            self.rollout.sync_weights(merged_state(self.actor_module), version=self._weights_version)
+            return True
+        return False
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def lora_report(self) -> dict[str, Any]:
+        """What LoRA left in this rank's actor (tests, debugging; no collective): the names that require
+        grad, the optimizer's parameter count, the frozen ones' dtypes and whether any holds a grad,
+        and whether a reference model was built."""
+        from verl.utils.lora import is_adapter_param
+
+        self._require(self._is_actor, "lora_report")
+        named = list(self.actor_module.named_parameters())
+        optimized = {id(p) for group in self.actor_optimizer.param_groups for p in group["params"]}
+        return {
+            "trainable": sorted(n for n, p in named if p.requires_grad),
+            "optimizer_params": sorted(n for n, p in named if id(p) in optimized),
+            "optimizer_state_params": sorted(n for n, p in named if p in self.actor_optimizer.state),
+            "adapters": sorted(n for n, _ in named if is_adapter_param(n)),
+            "frozen_dtypes": sorted({str(p.dtype) for n, p in named if not is_adapter_param(n)}),
+            "frozen_with_grad": sorted(n for n, p in named if not is_adapter_param(n) and p.grad is not None),
+            "ref_module": self.ref_module is not None,
+            # the vLLM engine's side of it (lora_sync, adapters served, weight loads, bytes); None for HF
+            "rollout": self.rollout.lora_state() if hasattr(getattr(self, "rollout", None), "lora_state") else None,
+        }
