@@ -169,3 +169,26 @@ def test_rollout_correction_weights_multiply_each_tokens_clipped_loss() -> None:
     assert weighted.dtype == torch.float32
     # the weights scale the loss only: clip fraction and KL are the unweighted ones
     assert (float(w_clipfrac), float(w_kl)) == (float(clipfrac), float(kl))
+
+
+def test_low_var_kl_on_a_padding_token_far_below_the_reference_leaves_the_gradient_finite() -> None:
+    """The actor's KL loss (kl_penalty, then the masked aggregate) with ref - logp = 100 on a padding token:
+    in fp32 exp(100) is inf, and without a clamp before the exp the backward of the outer [-10, 10] clamp
+    gives 0 * inf = NaN there, which made the whole gradient NaN and the optimizer step skipped. The
+    log-ratio is clamped first (veRL's +-20): the loss and every gradient are finite, the policy tokens'
+    gradient is k3's own and the padding token's is 0."""
+    from verl.utils import torch_functional as tf
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.5, -0.5 + 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss = tf.agg_loss(core_algos.kl_penalty(logp, ref, "low_var_kl"), mask, "token-mean")
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(logp.grad).all(), logp.grad
+    # d/dlogp [e^(q - p) - (q - p) - 1] = 1 - e^(q - p), over the 2 policy tokens
+    kept = (1.0 - torch.exp(ref[0, :2] - logp.detach()[0, :2])) / 2
+    torch.testing.assert_close(logp.grad, torch.cat([kept, torch.zeros(1)]).unsqueeze(0))
+    # on a policy token the estimate itself is unchanged: capped at 10 as before
+    far = core_algos.kl_penalty(torch.tensor([[-1.0]]), torch.tensor([[99.0]]), "low_var_kl")
+    assert float(far) == 10.0

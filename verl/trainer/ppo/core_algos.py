@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # today's four, registered below; every registered name: registry.adv_estimator_names()
 ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "rloo")
 KL_PENALTY_TYPES = ("kl", "abs", "mse", "low_var_kl")
+KL_LOG_RATIO_CLAMP = 20.0   # low_var_kl: |log q - log p| bound before the exp (veRL's)
 
 
 # --------------------------------------------------------------------------- KL controllers
@@ -275,7 +276,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     """Per-token KL estimate between the policy and the reference (Schulman's k1 / k2 / k3).
 
     kl: logp - logq (k1); abs: |logp - logq|; mse: 0.5 (logp - logq)^2 (k2);
-    low_var_kl: exp(logq - logp) - (logq - logp) - 1 (k3), clamped to [-10, 10].
+    low_var_kl: exp(logq - logp) - (logq - logp) - 1 (k3), its log-ratio clamped to +-KL_LOG_RATIO_CLAMP
+    before the exp and the estimate to [-10, 10] (veRL's bounds).
     """
     return _kl_estimate(logprob, ref_logprob, kl_penalty)
 
@@ -291,7 +293,10 @@ def _kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: s
     if kl_penalty == "mse":
         return 0.5 * diff.square()
     if kl_penalty == "low_var_kl":
-        log_ratio = ref_logprob - logprob
+        # Clamped before the exp: exp(89) is inf in fp32, and the backward of the outer clamp is then
+        # 0 * inf = NaN, even where the mask later zeroes the token (padding): one such token made the
+        # whole gradient NaN and the optimizer step was skipped.
+        log_ratio = torch.clamp(ref_logprob - logprob, -KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
         return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, min=-10.0, max=10.0)
     raise ValueError(f"unknown kl penalty type {kl_penalty!r}; expected one of {KL_PENALTY_TYPES}")
 
