@@ -3,6 +3,10 @@
 The advantage estimators register under their `algorithm.adv_estimator` names (registry.py); the
 four here, the others in advantage_estimators.py; `compute_advantage` calls the registered one.
 
+veRL's import path holds here too: `register_policy_loss`, `get_policy_loss_fn`, `register_adv_est`,
+`get_adv_estimator_fn` (registry.py's), `agg_loss` (veRL's keywords) and `kl_penalty` import from
+this module, so a custom-loss file written for veRL loads unchanged (custom_algorithms.path).
+
 Names and signatures follow veRL (DESIGN §3.5). One departure from the
 original Search-R1: every function here honours `response_mask` as THE mask
 (1 = token the policy sampled). In particular GAE runs over policy tokens
@@ -27,7 +31,12 @@ from omegaconf import OmegaConf
 
 from verl.trainer.ppo import policy_losses  # registers the built-in policy losses
 from verl.trainer.ppo.policy_losses import DEFAULT_CLIP_RATIO_C, LOG_RATIO_CLAMP  # noqa: F401  (re-exported)
-from verl.trainer.ppo.registry import get_adv_estimator_fn, register_adv_est
+from verl.trainer.ppo.registry import (  # noqa: F401  (re-exported: veRL's import path, module docstring)
+    get_adv_estimator_fn,
+    get_policy_loss_fn,
+    register_adv_est,
+    register_policy_loss,
+)
 from verl.utils import torch_functional as tf
 
 logger = logging.getLogger(__name__)
@@ -316,6 +325,32 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_probs: torch.Tens
 
 
 # --------------------------------------------------------------------------- losses
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1,
+             batch_num_tokens: int | float | torch.Tensor | None = None,
+             global_batch_size: int | float | torch.Tensor | None = None,
+             loss_scale_factor: float | None = None) -> torch.Tensor:
+    """veRL's `agg_loss`, its keywords: a (B, R) per-token loss reduced by `loss_agg_mode` to a scalar.
+
+    Without the global totals (`batch_num_tokens`, `global_batch_size` None: veRL's FSDP actor, whose
+    `config.global_batch_info` is empty, and this project's actor) the micro-batch's own aggregation,
+    `torch_functional.agg_loss` (the actor then weighs each micro-batch by its share of the
+    mini-batch). With them, veRL's engine-path meaning: token-mean divides the masked sum by
+    `batch_num_tokens`, the seq-mean modes the sum of the rows' values (rows with a masked token) by
+    `global_batch_size`, both times `dp_size`. seq-mean-token-sum-norm stays a mean over rows of
+    token-sum / `loss_scale_factor` here (docs/algorithms.md: veRL sums over the rows)."""
+    loss = tf.agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
+    by_tokens = loss_agg_mode == "token-mean"
+    total = batch_num_tokens if by_tokens else global_batch_size
+    if total is None:
+        return loss * dp_size
+    if not float(total) > 0:
+        name = "batch_num_tokens" if by_tokens else "global_batch_size"
+        raise ValueError(f"agg_loss: {name} (the global batch's total) must be > 0, got {total!r}")
+    # the local aggregation is a mean over this micro-batch's tokens / rows: rescaled to the global total
+    local = float(loss_mask.sum()) if by_tokens else float(tf.rows_with_tokens(loss_mask))
+    return loss * (local / float(total) * dp_size)
+
+
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, cliprange: float,
                         loss_agg_mode: str = "token-mean", is_weights: torch.Tensor | None = None,

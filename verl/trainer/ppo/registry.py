@@ -13,7 +13,8 @@ with `config` the actor config node. An advantage estimator is registered under 
 
 The built-ins register themselves when `verl.trainer.ppo.core_algos` is imported (it imports
 policy_losses and advantage_estimators); this module imports none of them, so it stays torch-free
-and below them in the import graph.
+and below them in the import graph. `verl.trainer.ppo.core_algos` re-exports the four functions below
+under veRL's import path (with veRL's `agg_loss` and `kl_penalty`).
 
 A user's own functions live in one file named by `custom_algorithms.path`; importing it runs its
 `@register_policy_loss(...)` / `@register_adv_est(...)` decorators (`load_custom_algorithms`).
@@ -41,6 +42,9 @@ ADV_ESTIMATOR_KEY = "algorithm.adv_estimator"
 CUSTOM_ALGORITHMS_KEY = "custom_algorithms.path"
 # the key of the actor workers' config (actor_rollout_ref) that carries custom_algorithms.path to them
 CUSTOM_ALGORITHMS_WORKER_KEY = "custom_algorithms_path"
+# veRL's ActorConfig field a veRL loss spreads into agg_loss (`**config.global_batch_info`); empty, as
+# on veRL's FSDP actor: each micro-batch aggregates locally and the actor weighs it by its share
+GLOBAL_BATCH_INFO_KEY = "global_batch_info"
 
 
 def _name(name: str | Enum) -> str:
@@ -114,7 +118,8 @@ def load_custom_algorithms(path: str | None) -> None:
 def worker_config_with_custom_algorithms(actor_rollout_ref: Any, path: str | None) -> Any:
     """The actor workers' config: `actor_rollout_ref` itself without a custom file, else a copy that
     carries the file's (absolute) path as `custom_algorithms_path`, which the worker imports (the
-    workers are processes of their own: the driver's registrations do not reach them)."""
+    workers are processes of their own: the driver's registrations do not reach them), and an empty
+    `actor.global_batch_info`, which a loss written for veRL reads (`GLOBAL_BATCH_INFO_KEY`)."""
     if not path:
         return actor_rollout_ref
     import copy
@@ -124,4 +129,6 @@ def worker_config_with_custom_algorithms(actor_rollout_ref: Any, path: str | Non
     config = copy.deepcopy(actor_rollout_ref)
     with open_dict(config):
         config[CUSTOM_ALGORITHMS_WORKER_KEY] = str(Path(path).expanduser().resolve())
+        if GLOBAL_BATCH_INFO_KEY not in config.actor:
+            config.actor[GLOBAL_BATCH_INFO_KEY] = {}
     return config
