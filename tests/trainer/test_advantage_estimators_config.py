@@ -122,8 +122,8 @@ def _score(batch: DataProto) -> torch.Tensor:
     return scores
 
 
-def test_remax_rolls_out_greedily_once_per_prompt_and_subtracts_that_score() -> None:
-    cfg = compose_config([*SMALL, TWO, "algorithm.adv_estimator=remax", "critic.model.path=null", "do_search=false"])
+def _remax_trainer(cfg: Any) -> tuple[RayPPOTrainer, FakeEngine]:
+    """A trainer with no workers: the fake engine generates, `_score` rewards."""
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
     trainer.config, trainer.run = cfg, validate_config(cfg)
     trainer._rollout_pool_wg, trainer.actor_rollout_wg = None, (engine := FakeEngine())
@@ -132,12 +132,21 @@ def test_remax_rolls_out_greedily_once_per_prompt_and_subtracts_that_score() -> 
     trainer._engines_awake = lambda *args, **kwargs: nullcontext()
     trainer.use_kl_in_reward, trainer._bypass_old_log_prob, trainer.use_critic, trainer.pipelined = \
         False, False, False, False
-    prompts = DataProto.from_dict(tensors={
-        K.INPUT_IDS: torch.full((3, PROMPT), 5), K.ATTENTION_MASK: torch.ones(3, PROMPT, dtype=torch.long),
-        K.POSITION_IDS: torch.arange(PROMPT).repeat(3, 1)},
-        non_tensors={K.DATA_SOURCE: np.array(["nq"] * 3, dtype=object)})
+    return trainer, engine
+
+
+def _prompts(rows: int) -> DataProto:
+    return DataProto.from_dict(tensors={
+        K.INPUT_IDS: torch.full((rows, PROMPT), 5), K.ATTENTION_MASK: torch.ones(rows, PROMPT, dtype=torch.long),
+        K.POSITION_IDS: torch.arange(PROMPT).repeat(rows, 1)},
+        non_tensors={K.DATA_SOURCE: np.array(["nq"] * rows, dtype=object)})
+
+
+def test_remax_rolls_out_greedily_once_per_prompt_and_subtracts_that_score() -> None:
+    cfg = compose_config([*SMALL, TWO, "algorithm.adv_estimator=remax", "critic.model.path=null", "do_search=false"])
+    trainer, engine = _remax_trainer(cfg)
     metrics: dict[str, float] = {}
-    batch = trainer._rollout(prompts, 0, metrics, {})
+    batch = trainer._rollout(_prompts(3), 0, metrics, {})
     # first the greedy pass on the 3 prompts, then the sampled one on 3 x 2 rows
     assert engine.calls == [(False, 3), (True, 6)]
     torch.testing.assert_close(batch.batch[K.REWARD_BASELINES], torch.full((6,), float(GREEDY_TOKEN)))
@@ -149,16 +158,26 @@ def test_remax_rolls_out_greedily_once_per_prompt_and_subtracts_that_score() -> 
                                .repeat(1, RESPONSE))
 
 
+def test_remaxs_greedy_baseline_gets_the_overlong_penalty_the_sampled_rows_get() -> None:
+    """Overlong shaping on (DAPO's buffer: data.max_response_length=4, len=2): every row, greedy or
+    sampled, is 3 tokens long, 1 past the buffer's start, so each loses 1/2. The baseline is scored
+    through the same path as the samples, so the penalty cancels in the advantage."""
+    cfg = compose_config([*SMALL, TWO, "algorithm.adv_estimator=remax", "critic.model.path=null", "do_search=false",
+                          "data.max_response_length=4", "reward_model.overlong_buffer.enable=true",
+                          "reward_model.overlong_buffer.len=2", "reward_model.overlong_buffer.penalty_factor=1.0"])
+    trainer, _ = _remax_trainer(cfg)
+    metrics: dict[str, float] = {}
+    batch = trainer._rollout(_prompts(3), 0, metrics, {})
+    torch.testing.assert_close(batch.batch[K.REWARD_BASELINES], torch.full((6,), GREEDY_TOKEN - 0.5))
+    trainer._reward_masks_advantages(batch, metrics)
+    torch.testing.assert_close(batch.batch[K.TOKEN_LEVEL_SCORES].sum(-1), torch.arange(1, 7) - 0.5)
+    want = (torch.arange(1, 7, dtype=torch.float32) - GREEDY_TOKEN).unsqueeze(-1).repeat(1, RESPONSE)
+    torch.testing.assert_close(batch.batch[K.ADVANTAGES], want)
+
+
 def test_other_estimators_roll_out_once() -> None:
     cfg = compose_config([*SMALL, TWO, "algorithm.adv_estimator=grpo", "critic.model.path=null", "do_search=false"])
-    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
-    trainer.config, trainer.run = cfg, validate_config(cfg)
-    trainer._rollout_pool_wg, trainer.actor_rollout_wg = None, (engine := FakeEngine())
-    trainer.tokenizer, trainer._eos_token_ids = SimpleNamespace(pad_token_id=0), [2]
-    trainer._engines_awake = lambda *args, **kwargs: nullcontext()
-    prompts = DataProto.from_dict(tensors={
-        K.INPUT_IDS: torch.full((2, PROMPT), 5), K.ATTENTION_MASK: torch.ones(2, PROMPT, dtype=torch.long),
-        K.POSITION_IDS: torch.arange(PROMPT).repeat(2, 1)})
-    batch = trainer._rollout(prompts, 0, {}, {})
+    trainer, engine = _remax_trainer(cfg)
+    batch = trainer._rollout(_prompts(2), 0, {}, {})
     assert engine.calls == [(True, 4)]
     assert K.REWARD_BASELINES not in batch.batch.keys()

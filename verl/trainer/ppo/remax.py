@@ -3,10 +3,11 @@ registered estimators may read, for the sync trainer (ray_trainer.RayPPOTrainer.
 
 With `algorithm.adv_estimator=remax` each step first rolls out every prompt once more with sampling
 off -- the same generation path as the sampled rollout (the generation manager with its searches,
-or the plain engine call) -- scores it with the same reward function, and stores that score on
-each of the prompt's sampled rows as `reward_baselines` (B,). veRL does the same (its `gen_max`
-phase); here the greedy rollout runs on the prompts before they are repeated (one greedy row per
-prompt, not rollout.n identical ones).
+or the plain engine call) -- scores it through the same path as the sampled rows (the reward
+function, then DAPO's overlong shaping when on: reward_shaping.score_rollouts), and stores that
+score on each of the prompt's sampled rows as `reward_baselines` (B,). veRL does the same (its
+`gen_max` phase): one greedy rollout per prompt, before the prompts are repeated, its score repeated
+onto the prompt's samples.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.reward_shaping import OverlongBuffer, score_rollouts
 from verl.utils import batch_keys as K
 
 REMAX = "remax"
@@ -34,13 +36,13 @@ def greedy_baselines(trainer: Any, prompts: DataProto, step: int) -> torch.Tenso
     """The reward of one greedy rollout per row of `prompts` (the batch before repeating), (P,).
 
     `trainer._generate(..., greedy=True)` runs the training rollout's path with do_sample false;
-    `trainer.reward_fn` scores it as it scores the sampled rows."""
+    `score_rollouts` scores it as the trainer scores the sampled rows (`trainer.reward_fn`, then the
+    overlong penalty of reward_model.overlong_buffer), so baseline and samples are on one scale."""
     greedy_batch = deepcopy(prompts)
     output, _ = trainer._generate(greedy_batch, validation=False, step=step, greedy=True)
-    scores = trainer.reward_fn(output)
-    if isinstance(scores, DataProto):
-        scores = scores.batch[K.TOKEN_LEVEL_SCORES]
-    return scores.float().sum(dim=-1)
+    config = trainer.config
+    score_rollouts(trainer.reward_fn, output, OverlongBuffer.from_config(config), int(config.data.max_response_length))
+    return output.batch[K.TOKEN_LEVEL_SCORES].float().sum(dim=-1)
 
 
 def add_baselines(batch: DataProto, baselines_P: torch.Tensor, samples_per_prompt: int) -> None:
