@@ -86,6 +86,55 @@ def test_the_new_aggregation_mode_passes_for_actor_and_critic():
                   "actor_rollout_ref.actor.loss_scale_factor=4096") == []
 
 
+SUM_NORM = "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"
+
+
+@pytest.mark.parametrize("overrides,bound", [
+    # <search> tags: (max_turns + 1) turns of data.max_response_length and max_turns observations
+    (["do_search=true", "max_turns=2", "data.max_response_length=500", "data.max_obs_length=300"], 3 * 500 + 2 * 300),
+    (["do_search=false", "data.max_response_length=500"], 500),
+])
+def test_dr_grpos_null_scale_factor_becomes_the_runs_response_length_bound(overrides, bound):
+    cfg = compose_config([SUM_NORM, *overrides])
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor is None
+    assert config_errors(cfg) == []
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor == bound
+
+
+def test_a_set_scale_factor_or_another_mode_is_left_alone():
+    cfg = compose_config([SUM_NORM, "actor_rollout_ref.actor.loss_scale_factor=4096"])
+    assert config_errors(cfg) == [] and cfg.actor_rollout_ref.actor.loss_scale_factor == 4096
+    cfg = compose_config(["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"])
+    assert config_errors(cfg) == [] and cfg.actor_rollout_ref.actor.loss_scale_factor is None
+
+
+def test_dr_grpos_gradient_scale_does_not_move_with_the_steps_longest_row():
+    """Responses are padded to the step's longest row. One row (3 tokens) trained in a step whose other
+    row has 5 tokens, then in one whose other row has 40: with the actor config the start-up check leaves,
+    its per-token gradient is the same in both steps (a divisor taken from the padded width would make
+    it 8x smaller in the second)."""
+    cfg = compose_config([SUM_NORM, "do_search=false", "data.max_response_length=64"])
+    assert config_errors(cfg) == []
+    actor = cfg.actor_rollout_ref.actor
+    loss_fn = get_policy_loss_fn("vanilla")
+
+    def row_gradient(other_len: int) -> torch.Tensor:
+        width = max(3, other_len)
+        mask = torch.zeros(2, width)
+        mask[0, :3], mask[1, :other_len] = 1.0, 1.0
+        old = torch.full((2, width), -1.0)
+        new = old.clone().requires_grad_(True)
+        advantages = torch.ones(2, width)
+        loss, _ = loss_fn(old, new, advantages, mask, actor.loss_agg_mode, actor)
+        loss.backward()
+        return new.grad[0, :3]
+
+    short, long = row_gradient(5), row_gradient(40)
+    torch.testing.assert_close(short, long, rtol=0, atol=0)
+    # -A r / factor / rows: r = 1, A = 1, factor 64, 2 rows
+    torch.testing.assert_close(short, torch.full((3,), -1.0 / 64 / 2))
+
+
 def test_geo_mean_with_per_token_advantages_is_refused_with_the_reason(tiny_model_dir):
     found = errors(f"{LOSS_KEY}=geo_mean", "algorithm.adv_estimator=gae", f"critic.model.path={tiny_model_dir}")
     assert found == [f"{LOSS_KEY}=geo_mean needs one advantage per sequence (GMPO averages a row's advantages); "

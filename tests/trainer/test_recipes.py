@@ -65,3 +65,43 @@ def test_preflight_reports_dynamic_sampling_and_overlong_shaping(tmp_path: Path)
     assert ("dynamic sampling (algorithm.filter_groups): generation batches of data.gen_batch_size=6 prompts "
             "until 4 prompts' groups differ in acc, at most 5 a step") in text
     assert "overlong shaping (reward_model.overlong_buffer): penalty from 400 tokens, up to -1" in text
+
+
+def test_the_drgrpo_recipe_divides_by_the_widest_response_train_grpo_can_produce() -> None:
+    """Dr. GRPO's divisor is set explicitly, to the response length bound of train_grpo.sh's own lengths
+    (which the start-up check would also give a null factor), not left to a step's padded width."""
+    from verl.trainer.config_check import config_errors
+    from verl.trainer.main_ppo import compose_config
+
+    recipe = _recipe_overrides(RECIPES["drgrpo"][0])
+    assert "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm" in recipe
+    lengths = [o for o in _recipe_overrides("train_grpo.sh")
+               if o.split("=")[0] in ("data.max_response_length", "data.max_obs_length", "max_turns")]
+    assert len(lengths) == 3, lengths
+    explicit = compose_config([*lengths, *recipe])
+    default = compose_config([*lengths, *(o for o in recipe if "loss_scale_factor" not in o)])
+    assert config_errors(explicit) == [] and config_errors(default) == []
+    assert explicit.actor_rollout_ref.actor.loss_scale_factor == default.actor_rollout_ref.actor.loss_scale_factor \
+        == 3 * 500 + 2 * 500
+
+
+def test_the_gspo_recipe_aggregates_every_term_as_gspo_does_and_is_not_warned(caplog: pytest.LogCaptureFixture) -> None:
+    """GSPO's policy term is seq-mean-token-mean whatever loss_agg_mode says: the recipe sets that mode, so
+    the entropy / KL terms aggregate alike and nothing is warned; the default token-mean is ignored by the
+    policy term just as much, so it is the one warned about."""
+    import logging
+
+    from verl.trainer.config_check import config_errors
+    from verl.trainer.main_ppo import compose_config
+
+    recipe = _recipe_overrides(RECIPES["gspo"][0])
+
+    def warnings(*extra: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="verl.trainer.config_check_policy_loss"):
+            assert config_errors(compose_config([*recipe, *extra])) == []
+        return [r.getMessage() for r in caplog.records if "loss_agg_mode" in r.getMessage()]
+
+    assert warnings() == []
+    found = warnings("actor_rollout_ref.actor.loss_agg_mode=token-mean")
+    assert len(found) == 1 and "loss_agg_mode=token-mean applies to the entropy and KL terms only" in found[0]

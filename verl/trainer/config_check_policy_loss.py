@@ -1,6 +1,10 @@
 """Config rules of the policy loss (actor_rollout_ref.actor.policy_loss, clip_ratio_low / _high,
 tau_pos / tau_neg, loss_scale_factor) and the loader of custom_algorithms.path; part of
-`verl.trainer.config_check`'s rules. Free of torch, as config_check is."""
+`verl.trainer.config_check`'s rules. Free of torch, as config_check is.
+
+One rule also fills a default in place (as the loader makes its path absolute): a null
+`actor.loss_scale_factor` under seq-mean-token-sum-norm becomes the run's response length bound
+(`resolve_loss_scale_factor`), so Dr. GRPO's divisor is one constant for the whole run."""
 
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ from verl.trainer.run_config import RunConfig
 logger = logging.getLogger(__name__)
 
 LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
-# loss modes whose value ignores actor.loss_agg_mode (veRL's): seq-mean-token-mean / a per-row mean
-FIXED_AGGREGATION = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "a mean over rows"}
+# loss modes whose value ignores actor.loss_agg_mode (veRL's), and the loss_agg_mode that aggregates
+# as they do (geo_mean: a mean over rows of a per-row value, weighed by row share as seq-mean-token-mean)
+FIXED_AGGREGATION = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+SUM_NORM = "seq-mean-token-sum-norm"
 
 
 def _number(value: object) -> bool:
@@ -40,6 +46,25 @@ def load_custom_algorithms(cfg: DictConfig) -> list[str]:
     except (OSError, ImportError) as err:
         return [str(err)]
     return []
+
+
+def resolve_loss_scale_factor(cfg: DictConfig) -> int | None:
+    """With loss_agg_mode=seq-mean-token-sum-norm and actor.loss_scale_factor null, set the factor (in
+    `cfg`) to the widest padded response the run can produce (memory_plan.response_length_bound:
+    data.max_response_length, or (max_turns + 1) turns and max_turns observations with <search> tags).
+    The divisor must not move between steps: the padded width a micro-batch has is its step's longest
+    row, so the fallback of agg_loss (loss_mask.shape[-1]) would rescale every row's gradient with one
+    long row elsewhere in the batch. -> the value set, None when nothing was."""
+    from verl.utils.memory_plan import response_length_bound
+
+    actor = cfg.actor_rollout_ref.actor
+    if actor.get("loss_agg_mode", "token-mean") != SUM_NORM or actor.get("loss_scale_factor") is not None:
+        return None
+    bound = response_length_bound(cfg)
+    OmegaConf.update(cfg, "actor_rollout_ref.actor.loss_scale_factor", bound, force_add=False)
+    logger.info("actor_rollout_ref.actor.loss_scale_factor=null with loss_agg_mode=%s: set to %d, the run's "
+                "response length bound (constant across steps)", SUM_NORM, bound)
+    return bound
 
 
 def check_policy_loss(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
@@ -75,8 +100,13 @@ def check_policy_loss(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> 
         errors.append(f"{LOSS_MODE_KEY}=geo_mean needs one advantage per sequence (GMPO averages a row's "
                       "advantages); algorithm.adv_estimator=gae gives per-token advantages: use an outcome "
                       "estimator (grpo, rloo, reinforce_plus_plus) or another loss_mode")
-    if mode in FIXED_AGGREGATION and actor.get("loss_agg_mode", "token-mean") != "token-mean":
-        logger.warning("%s=%s aggregates with %s; actor_rollout_ref.actor.loss_agg_mode=%s applies to the "
-                       "entropy and KL terms only", LOSS_MODE_KEY, mode, FIXED_AGGREGATION[mode],
-                       actor.get("loss_agg_mode"))
+    agg_mode = actor.get("loss_agg_mode", "token-mean")
+    if mode in FIXED_AGGREGATION and agg_mode != FIXED_AGGREGATION[mode]:
+        # the default token-mean too: it is ignored by the policy term just as much as any other mode
+        logger.warning("%s=%s aggregates its policy term as %s whatever loss_agg_mode says; "
+                       "actor_rollout_ref.actor.loss_agg_mode=%s applies to the entropy and KL terms only "
+                       "(set it to %s to aggregate every term alike)", LOSS_MODE_KEY, mode, FIXED_AGGREGATION[mode],
+                       agg_mode, FIXED_AGGREGATION[mode])
+    if not errors:
+        resolve_loss_scale_factor(cfg)
     return errors

@@ -243,17 +243,22 @@ class MemoryPlan:
 
 
 def sequence_length(cfg: Any) -> int:
-    """Tokens of one training row at the max lengths: the initial prompt bound plus the response part.
-    Tag protocol with search, as the original composes a row: max_start_length + (max_turns + 1)
-    responses + max_turns observations; otherwise prompt bound + data.max_response_length."""
+    """Tokens of one training row at the max lengths: the initial prompt bound plus `response_length_bound`."""
     from verl.trainer.run_config import Protocol
 
-    data, protocol = cfg.data, Protocol.from_config(cfg)
-    prompt = protocol.prompt_bound
-    if cfg.do_search and not protocol.tool:
+    return Protocol.from_config(cfg).prompt_bound + response_length_bound(cfg)
+
+
+def response_length_bound(cfg: Any) -> int:
+    """The widest a batch's padded response can be. Tag protocol with search, as the original composes
+    a row: (max_turns + 1) responses + max_turns observations; otherwise (one turn, or the tool
+    protocol, whose data.max_response_length bounds all turns together) data.max_response_length."""
+    data = cfg.data
+    tool = bool(cfg.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False))
+    if cfg.do_search and not tool:
         turns = int(cfg.max_turns)
-        return prompt + (turns + 1) * int(data.max_response_length) + turns * int(data.max_obs_length)
-    return prompt + int(data.max_response_length)
+        return (turns + 1) * int(data.max_response_length) + turns * int(data.max_obs_length)
+    return int(data.max_response_length)
 
 
 def _micro_rows(run: Any, key: str, sp: int = 1) -> int:
