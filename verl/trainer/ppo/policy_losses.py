@@ -20,6 +20,7 @@ Where this differs from veRL on purpose (docs/algorithms.md, "Policy losses"):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,6 +74,43 @@ def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tens
     return torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """A loss's inputs read through `response_mask` (`_masked`: 0 at masked positions), (B, R) each."""
+
+    mask: torch.Tensor                 # response_mask as the log-probs' float dtype
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor | None       # rollout correction's IS weights; None: all 1
+    log_ratio: torch.Tensor            # log pi - log pi_old, clamped to +-LOG_RATIO_CLAMP
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        return torch.exp(self.log_ratio)
+
+    @property
+    def ppo_kl(self) -> torch.Tensor:
+        """mean(-log r) over the policy tokens: every loss's actor/ppo_kl."""
+        return tf.masked_mean(-self.log_ratio, self.mask)
+
+
+def _inputs(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+            response_mask: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> _Inputs:
+    """The prelude every loss shares: the float mask, the masked inputs, the clamped log-ratio."""
+    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
+        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
+    return _Inputs(response_mask.to(log_prob.dtype), old_log_prob, log_prob, advantages, rollout_is_weights,
+                   _log_ratio(old_log_prob, log_prob))
+
+
+def _clip_terms(ratio: torch.Tensor, advantages: torch.Tensor, low: float,
+                high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's two terms per token: (-A r, -A clip(r, 1 - low, 1 + high)); the clipped one is active where
+    it is the larger (vanilla, clip_cov, and GSPO on its sequence ratio)."""
+    return -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+
+
 def _agg(per_token: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, config: Any) -> torch.Tensor:
     return tf.agg_loss(per_token, mask, loss_agg_mode, loss_scale_factor=_get(config, "loss_scale_factor", None))
 
@@ -109,22 +147,16 @@ def ppo_clip_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages
     pg_clipfrac_lower: the fraction held at the dual-clip bound."""
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (the dual-clip bound), got {clip_ratio_c}")
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = tf.masked_mean(-log_ratio, mask)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    unclipped, clipped = _clip_terms(x.ratio, x.advantages, clip_low, clip_high)
     clip_loss = torch.max(unclipped, clipped)
-    dual_bound = -advantages * clip_ratio_c
-    negative = advantages < 0
-    per_token = _weighted(torch.where(negative, torch.min(clip_loss, dual_bound), clip_loss), rollout_is_weights)
-    pg_loss = tf.agg_loss(per_token, mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
-    pg_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
-    pg_clipfrac_lower = tf.masked_mean((torch.gt(clip_loss, dual_bound) & negative).to(mask.dtype), mask)
-    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+    dual_bound = -x.advantages * clip_ratio_c
+    negative = x.advantages < 0
+    per_token = _weighted(torch.where(negative, torch.min(clip_loss, dual_bound), clip_loss), x.weights)
+    pg_loss = tf.agg_loss(per_token, x.mask, loss_agg_mode, loss_scale_factor=loss_scale_factor)
+    pg_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(x.mask.dtype), x.mask)
+    pg_clipfrac_lower = tf.masked_mean((torch.gt(clip_loss, dual_bound) & negative).to(x.mask.dtype), x.mask)
+    return pg_loss, pg_clipfrac, x.ppo_kl, pg_clipfrac_lower
 
 
 @register_policy_loss("vanilla")
@@ -151,20 +183,17 @@ def compute_policy_loss_gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     clipped to [1 - clip_low, 1 + clip_high]. Its value is the sequence ratio s_i, its gradient
     s_i * grad log pi(y_it). Aggregated seq-mean-token-mean whatever loss_agg_mode says (veRL)."""
     low, high = clip_ratios(config)
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    token_log_ratio = log_prob - old_log_prob
-    lengths = mask.sum(dim=-1).clamp(min=1)
-    seq_log_ratio = (token_log_ratio * mask).sum(dim=-1) / lengths
-    log_s = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    token_log_ratio = x.log_prob - x.old_log_prob    # unclamped: the sequence mean is bounded below
+    lengths = x.mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = (token_log_ratio * x.mask).sum(dim=-1) / lengths
+    log_s = x.log_prob - x.log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     s = torch.exp(torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX))
-    unclipped = -advantages * s
-    clipped = -advantages * torch.clamp(s, 1.0 - low, 1.0 + high)
-    per_token = _weighted(torch.max(unclipped, clipped), rollout_is_weights)
-    pg_loss = tf.agg_loss(per_token, mask, "seq-mean-token-mean")
-    clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
-    return pg_loss, _metrics(tf.masked_mean(-_log_ratio(old_log_prob, log_prob), mask), clipfrac, 0.0)
+    unclipped, clipped = _clip_terms(s, x.advantages, low, high)
+    per_token = _weighted(torch.max(unclipped, clipped), x.weights)
+    pg_loss = tf.agg_loss(per_token, x.mask, "seq-mean-token-mean")
+    clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(x.mask.dtype), x.mask)
+    return pg_loss, _metrics(x.ppo_kl, clipfrac, 0.0)
 
 
 def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
@@ -182,14 +211,12 @@ def compute_policy_loss_sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     seq-mean-token-mean whatever loss_agg_mode says (veRL)."""
     tau_pos = float(_get(config, "tau_pos", SAPO_DEFAULTS["tau_pos"]))
     tau_neg = float(_get(config, "tau_neg", SAPO_DEFAULTS["tau_neg"]))
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    taus = torch.where(advantages > 0, torch.full_like(advantages, tau_pos), torch.full_like(advantages, tau_neg))
-    per_token = _weighted(-sapo_gate(torch.exp(log_ratio), taus) * advantages, rollout_is_weights)
-    pg_loss = tf.agg_loss(per_token, mask, "seq-mean-token-mean")
-    return pg_loss, _metrics(tf.masked_mean(-log_ratio, mask), 0.0, 0.0)
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    adv = x.advantages
+    taus = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    per_token = _weighted(-sapo_gate(x.ratio, taus) * adv, x.weights)
+    pg_loss = tf.agg_loss(per_token, x.mask, "seq-mean-token-mean")
+    return pg_loss, _metrics(x.ppo_kl, 0.0, 0.0)
 
 
 # --------------------------------------------------------------------------- GPG, CISPO
@@ -198,12 +225,9 @@ def compute_policy_loss_gpg(old_log_prob: torch.Tensor, log_prob: torch.Tensor, 
                             response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
                             rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """GPG (arXiv:2504.02546): plain policy gradient, per token -A log pi, no ratio, no clip."""
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    per_token = _weighted(-advantages * log_prob, rollout_is_weights)
-    return (_agg(per_token, mask, loss_agg_mode, config),
-            _metrics(tf.masked_mean(-_log_ratio(old_log_prob, log_prob), mask)))
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    per_token = _weighted(-x.advantages * x.log_prob, x.weights)
+    return _agg(per_token, x.mask, loss_agg_mode, config), _metrics(x.ppo_kl)
 
 
 @register_policy_loss("cispo")
@@ -213,15 +237,12 @@ def compute_policy_loss_cispo(old_log_prob: torch.Tensor, log_prob: torch.Tensor
     """CISPO (MiniMax-M1, arXiv:2506.13585): per token -sg[clip(r, 1 - clip_low, 1 + clip_high)] A log pi:
     the importance weight is clipped and detached, so every token keeps a gradient A w grad log pi."""
     low, high = clip_ratios(config)
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    ratio = torch.exp(log_ratio)
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    ratio = x.ratio
     weight = torch.clamp(ratio, 1.0 - low, 1.0 + high).detach()
-    per_token = _weighted(-weight * advantages * log_prob, rollout_is_weights)
-    clipfrac = tf.masked_mean(torch.ne(ratio, weight).to(mask.dtype), mask)
-    return _agg(per_token, mask, loss_agg_mode, config), _metrics(tf.masked_mean(-log_ratio, mask), clipfrac, 0.0)
+    per_token = _weighted(-weight * x.advantages * x.log_prob, x.weights)
+    clipfrac = tf.masked_mean(torch.ne(ratio, weight).to(x.mask.dtype), x.mask)
+    return _agg(per_token, x.mask, loss_agg_mode, config), _metrics(x.ppo_kl, clipfrac, 0.0)
 
 
 # --------------------------------------------------------------------------- Clip-Cov, KL-Cov
@@ -245,24 +266,19 @@ def compute_policy_loss_clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Ten
     lb, ub = policy_loss_option(config, "clip_cov_lb"), policy_loss_option(config, "clip_cov_ub")
     if not ratio_share > 0:
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.clip_cov_ratio must be > 0, got {ratio_share}")
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    unclipped, clipped = _clip_terms(x.ratio, x.advantages, low, high)
     in_loss = response_mask.bool()
-    cov = _centered_cov(advantages, log_prob, mask)
+    cov = _centered_cov(x.advantages, x.log_prob, x.mask)
     candidates = torch.nonzero(in_loss & ~torch.gt(clipped, unclipped) & (cov > lb) & (cov < ub))
-    keep = torch.ones_like(advantages)
+    keep = torch.ones_like(x.advantages)
     if len(candidates):
-        n_clip = max(int(ratio_share * float(mask.sum())), 1)
+        n_clip = max(int(ratio_share * float(x.mask.sum())), 1)
         chosen = candidates[torch.randperm(len(candidates))[:n_clip].to(candidates.device)]
         keep[chosen[:, 0], chosen[:, 1]] = 0.0
-    per_token = _weighted(torch.max(unclipped, clipped) * keep, rollout_is_weights)
-    clipfrac = tf.masked_mean((keep == 0).to(mask.dtype), mask)
-    return _agg(per_token, mask, loss_agg_mode, config), _metrics(tf.masked_mean(-log_ratio, mask), clipfrac)
+    per_token = _weighted(torch.max(unclipped, clipped) * keep, x.weights)
+    clipfrac = tf.masked_mean((keep == 0).to(x.mask.dtype), x.mask)
+    return _agg(per_token, x.mask, loss_agg_mode, config), _metrics(x.ppo_kl, clipfrac)
 
 
 @register_policy_loss("kl_cov")
@@ -275,22 +291,19 @@ def compute_policy_loss_kl_cov(old_log_prob: torch.Tensor, log_prob: torch.Tenso
     share, coef = policy_loss_option(config, "kl_cov_ratio"), policy_loss_option(config, "ppo_kl_coef")
     if not share > 0:
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.kl_cov_ratio must be > 0, got {share}")
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    log_ratio = _log_ratio(old_log_prob, log_prob)
-    per_token = -advantages * torch.exp(log_ratio)
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    per_token = -x.advantages * x.ratio
     in_loss = response_mask.bool()
     n_tokens = int(in_loss.sum())
     if n_tokens:
-        cov = _centered_cov(advantages, log_prob, mask)
+        cov = _centered_cov(x.advantages, x.log_prob, x.mask)
         cov = torch.where(in_loss, cov, torch.full_like(cov, -torch.inf))
         top = torch.topk(cov.reshape(-1), max(1, int(n_tokens * share))).indices
         penalised = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
         penalised[top] = True
-        per_token = per_token + coef * log_ratio.abs() * penalised.reshape(cov.shape).to(per_token.dtype)
-    per_token = _weighted(per_token, rollout_is_weights)
-    return _agg(per_token, mask, loss_agg_mode, config), _metrics(tf.masked_mean(-log_ratio, mask))
+        per_token = per_token + coef * x.log_ratio.abs() * penalised.reshape(cov.shape).to(per_token.dtype)
+    per_token = _weighted(per_token, x.weights)
+    return _agg(per_token, x.mask, loss_agg_mode, config), _metrics(x.ppo_kl)
 
 
 # --------------------------------------------------------------------------- GMPO
@@ -303,10 +316,8 @@ def compute_policy_loss_geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Ten
     advantage; mean over the rows with policy tokens. loss_agg_mode is not used (veRL). GMPO's
     paper clips at log-ratio +-0.4: set clip_ratio=0.4."""
     low, high = clip_ratios(config)
-    mask = response_mask.to(log_prob.dtype)
-    old_log_prob, log_prob, advantages, rollout_is_weights = _masked(
-        response_mask, old_log_prob, log_prob, advantages, rollout_is_weights)
-    log_ratio = _log_ratio(old_log_prob, log_prob)
+    x = _inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    mask, advantages, log_ratio, rollout_is_weights = x.mask, x.advantages, x.log_ratio, x.weights
     sign = torch.sign(advantages)
     bounded = torch.clamp(log_ratio, -low, high)
     pessimistic = sign * torch.min(sign * log_ratio, sign * bounded)
@@ -321,7 +332,7 @@ def compute_policy_loss_geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Ten
         per_row = per_row * torch.exp((log_w * mask).sum(dim=-1) / denom).to(per_row.dtype)
     pg_loss = tf.masked_sum(per_row, rows) / rows.sum().clamp(min=1)
     was_clipped = torch.ne(log_ratio, bounded)
-    return pg_loss, _metrics(tf.masked_mean(-log_ratio, mask),
+    return pg_loss, _metrics(x.ppo_kl,
                              tf.masked_mean((was_clipped & (advantages > 0)).to(mask.dtype), mask),
                              tf.masked_mean((was_clipped & (advantages < 0)).to(mask.dtype), mask))
 
