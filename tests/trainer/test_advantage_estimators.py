@@ -286,6 +286,16 @@ def test_dr_grpo_is_the_centred_score() -> None:
             assert adv[r, policy_positions(r)[0]].item() == pytest.approx(s[r] - mean, abs=1e-6)
 
 
+def test_gpgs_alpha_is_the_papers_where_veRLs_nonzero_count_differs() -> None:
+    """docs/algorithms.md's example: groups [1,0,0], [0,0,0], [1,1,0]. The paper's alpha = B / (B - M) =
+    9 / 6 (M: the all-equal group's 3 rows); veRL's B / (nonzero scores) would be 9 / 3."""
+    scores_B = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    index = np.array(["a"] * 3 + ["b"] * 3 + ["c"] * 3, dtype=object)
+    adv, _ = core_algos.compute_advantage("gpg", scores_B.unsqueeze(-1), torch.ones(9, 1), index=index)
+    means = torch.tensor([1 / 3] * 3 + [0.0] * 3 + [2 / 3] * 3)
+    torch.testing.assert_close(adv[:, 0], 1.5 * (scores_B - means))
+
+
 def test_grpo_with_extreme_scores_stays_finite_and_exact() -> None:
     rewards = torch.tensor([[0.0, 1e4], [0.0, -1e4], [0.0, 1e4], [0.0, 1e4]])
     index = np.array(["g"] * 4, dtype=object)

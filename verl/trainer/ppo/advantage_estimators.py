@@ -110,8 +110,8 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, resp
                                          norm_adv_by_std_in_grpo: bool = True, config: Any = None,
                                          kept_mask: torch.Tensor | None = None, **kwargs: Any,
                                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass@k (Chen et al. 2025, arXiv:2503.19595): only the best row of a group gets an advantage,
-    r_max - r_second_max, divided by (group std + eps) unless `norm_adv_by_std_in_grpo` is false.
+    """Pass@k (Tang, Zheng, Synnaeve & Munos 2025, arXiv:2503.19595): only the best row of a group gets an
+    advantage, r_max - r_second_max, divided by (group std + eps) unless `norm_adv_by_std_in_grpo` is false.
     Ties: the first best row. A group with fewer than 2 kept rows gets 0 (veRL raises; here a
     rejection that leaves one row must not stop a run; the config check refuses rollout.n < 2)."""
     scores = token_level_rewards.sum(dim=-1)
@@ -201,7 +201,8 @@ def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
     """GPG (Chu et al. 2025, arXiv:2504.02546): alpha * (score - group mean) / f_norm with the paper's
     correction alpha = B / (B - M): B the kept rows of the batch, M those in groups (of 2 or more) whose
     scores are all equal, which carry no gradient. A group of one has mean 0. veRL takes B - M as the
-    count of nonzero scores instead, the same only for 0/1 rewards with no all-correct group."""
+    count of nonzero scores instead, which differs as soon as a group mixes 0 and 1 (groups [1,0,0],
+    [0,0,0], [1,1,0]: veRL's alpha 9 / 3 = 3.0, the paper's 9 / 6 = 1.5)."""
     scores = token_level_rewards.sum(dim=-1)
     check_index(index, scores.shape[0], "gpg")
     kept = kept_float(response_mask, kept_mask).to(scores.dtype)
