@@ -29,6 +29,8 @@
 #   SEARCH_R1_DRY_RUN=1   print the commands instead of running them
 set -euo pipefail
 cd "$(dirname "$0")"
+# ./.venv's Python when no virtual environment is active; a clear stop when the packages are missing
+source scripts/use_venv.sh && require_python_modules fastapi uvicorn bm25s faiss
 source example/retriever/_common.sh
 
 cache_dir=${SEARCH_R1_CACHE:-$HOME/.cache/search_r1}

@@ -19,6 +19,8 @@
 # (GAE + critic; demo.algorithm=ppo, docs/demo.md).
 set -euo pipefail
 cd "$(dirname "$0")"
+# ./.venv's Python when no virtual environment is active; a clear stop when the packages are missing
+source scripts/use_venv.sh && require_python_modules torch transformers ray hydra pandas
 
 has_gpu() { python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 

@@ -20,6 +20,8 @@ ulimit -n 65535 2>/dev/null || true   # veRL raises it for the tool's connection
 # The recipe's search path (file://verl/trainer/config) is relative to the repository root.
 PROJECT_DIR="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$PROJECT_DIR"
+# ./.venv's Python when no virtual environment is active; a clear stop when the packages are missing
+source scripts/use_venv.sh && require_python_modules torch transformers ray hydra pandas
 CONFIG_PATH="$PROJECT_DIR/example/tool_recipe/config"
 
 TRAIN_DATA=${TRAIN_DATA:-$HOME/data/searchR1_processed_direct/train.parquet}

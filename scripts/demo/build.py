@@ -142,14 +142,19 @@ def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
             if name not in known or not sep:
                 raise SystemExit(f"unknown demo setting {arg!r}; known: demo.{{{', '.join(sorted(known))}}}")
             current = getattr(settings, name)
-            if isinstance(current, tuple):  # comma-separated ints: demo.sft_steps=300,200
-                parsed: object = tuple(int(v) for v in value.strip("[]()").split(",") if v.strip())
-            elif isinstance(current, bool):  # bool("false") would be True
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise SystemExit(f"demo.{name} takes true or false, got {value!r}")
-                parsed = value.lower() in ("true", "1")
-            else:
-                parsed = type(current)(value)
+            try:
+                if isinstance(current, tuple):  # comma-separated ints: demo.sft_steps=300,200
+                    parsed: object = tuple(int(v) for v in value.strip("[]()").split(",") if v.strip())
+                elif isinstance(current, bool):  # bool("false") would be True
+                    if value.lower() not in ("true", "false", "1", "0"):
+                        raise SystemExit(f"demo.{name} takes true or false, got {value!r}")
+                    parsed = value.lower() in ("true", "1")
+                else:
+                    parsed = type(current)(value)
+            except ValueError:
+                kind = "comma-separated integers" if isinstance(current, tuple) else \
+                    {int: "an integer", float: "a number"}.get(type(current), type(current).__name__)
+                raise SystemExit(f"demo.{name} takes {kind} (default {current!r}), got {value!r}") from None
             setattr(settings, name, parsed)
             given.add(name)
         else:

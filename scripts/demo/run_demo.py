@@ -463,7 +463,17 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    run_demo()
+    from hydra.errors import HydraException
+
+    from verl.trainer.config_schema import ConfigError
+
+    try:
+        run_demo()
+    except (ConfigError, HydraException) as exc:
+        # A config mistake is the user's to fix from the message (it names the key), as in main_ppo:
+        # no traceback in front of it.
+        print(f"[demo] config error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@
 #   ROLLOUT_NAME    rollout engine: auto (default: vllm with a GPU and vllm, else hf) | hf | vllm
 # Any extra argument is passed to the trainer as a Hydra override (later ones win).
 set -euo pipefail
+# the repository's .venv when no virtual environment is active; a clear stop when the packages are missing
+source "$(dirname "$0")/../use_venv.sh" && require_python_modules torch transformers ray hydra pandas
 
 if [ -z "${BASE_MODEL:-}" ]; then
     echo "evaluate.sh: set BASE_MODEL to the checkpoint to evaluate (an HF folder or hub id)" >&2
