@@ -13,19 +13,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from search_r1.search.schema import Document
+from search_r1.search.schema import Document, quote_id
 
 ARROW_SCHEMA = pa.schema([("id", pa.string()), ("contents", pa.string())])
 _SOURCE_KEY = b"search_r1.source"
 _BATCH_ROWS = 8192
+# Duplicate ids named in the start-up warning (the rest are counted).
+_DUPLICATES_NAMED = 10
+
+logger = logging.getLogger(__name__)
 
 
 class CorpusFormatError(ValueError):
@@ -187,6 +194,16 @@ class Corpus:
             contents.append(self._contents_chunks[chunk][local].as_py())
         return ids, contents
 
+    def get_ids(self, rows: Sequence[int]) -> list[str]:
+        """The ids of ``rows``, in the order given (no passage text is read)."""
+        rows = [int(r) for r in rows]
+        if not rows:
+            return []
+        self._check_rows(rows)
+        chunk_of_row = np.searchsorted(self._chunk_starts, rows, side="right") - 1
+        return [self._id_chunks[chunk][row - int(self._chunk_starts[chunk])].as_py()
+                for row, chunk in zip(rows, chunk_of_row.tolist(), strict=True)]
+
     def get(self, rows: Sequence[int]) -> list[Document]:
         """Passages at ``rows`` as wire documents, in the order given."""
         ids, contents = self.get_fields(rows)
@@ -196,3 +213,118 @@ class Corpus:
         """(ids, contents) in row order, for index building."""
         for batch in self._table.to_batches(max_chunksize=batch_size):
             yield batch.column("id").to_pylist(), batch.column("contents").to_pylist()
+
+
+@dataclass(frozen=True)
+class DuplicateId:
+    """An id that more than one corpus row carries, and those rows (ascending)."""
+
+    doc_id: str
+    rows: tuple[int, ...]
+
+
+class IdIndex:
+    """The row of a passage by its id, in 12 bytes an id (wiki-18's 21M ids: ~250 MB, where a dict
+    of Python strings took ~2.5 GiB): each id's 64-bit hash, sorted, beside its row. A lookup
+    finds the hash by binary search and checks the id stored at that row, so a hash collision
+    never answers the wrong passage. An id on several rows answers the first one; ``duplicates``
+    counts such ids and names the first few (the start-up warning).
+
+    The hash is Python's own ``hash(str)`` (randomised per process), so an index is built and
+    used in one process and never stored or shipped. ``build`` takes seconds for millions of ids:
+    a server calls ``build_in_background`` at start-up, and the GIL is released in the sort.
+    """
+
+    def __init__(self, corpus: Corpus, hashes: np.ndarray, rows: np.ndarray,
+                 duplicates: list[DuplicateId], num_duplicates: int) -> None:
+        self.corpus = corpus
+        self._hashes = hashes  # (n,) int64, ascending
+        self._rows = rows      # (n,) row of each hash
+        self.duplicates = duplicates
+        self.num_duplicates = num_duplicates
+
+    @classmethod
+    def build(cls, corpus: Corpus, batch_rows: int = 8192) -> IdIndex:
+        """Hash every id of ``corpus`` (one pass over its id column) and sort; warns about duplicate ids."""
+        n = len(corpus)
+        hashes = np.empty(n, dtype=np.int64)
+        start = 0
+        for chunk in corpus._id_chunks:
+            for offset in range(0, len(chunk), batch_rows):
+                ids = chunk.slice(offset, batch_rows).to_pylist()
+                hashes[start:start + len(ids)] = np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))
+                start += len(ids)
+        order = np.argsort(hashes)  # (the GIL is released while numpy sorts)
+        hashes = hashes[order]
+        rows = order.astype(np.uint32 if n < 2**32 else np.int64)
+        del order
+        keep, duplicates, num_duplicates = _find_duplicates(corpus, hashes, rows)
+        if keep is not None:  # a duplicated id keeps its first row only: a lookup checks one row, not all
+            hashes, rows = hashes[keep], rows[keep]
+        index = cls(corpus, hashes, rows, duplicates, num_duplicates)
+        if num_duplicates:
+            named = "; ".join(f"{quote_id(d.doc_id)} on rows {list(d.rows)}" for d in duplicates)
+            more = f" (and {num_duplicates - len(duplicates)} more)" if num_duplicates > len(duplicates) else ""
+            logger.warning(
+                "corpus %s: %d ids are carried by more than one row, so /retrieve hits of different passages "
+                "share an id and /open answers only the first row of each (rows from 0, in file order): %s%s. "
+                "Give each passage its own id.",
+                corpus.path, num_duplicates, named, more)
+        return index
+
+    @classmethod
+    def build_in_background(cls, corpus: Corpus) -> Future[IdIndex]:
+        """``build`` in a daemon thread; the future holds the index, or the error the build raised."""
+        future: Future[IdIndex] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(cls.build(corpus))
+            except BaseException as err:  # noqa: BLE001 - handed to whoever awaits the index
+                logger.exception("building the id index of corpus %s failed", corpus.path)
+                future.set_exception(err)
+
+        future.set_running_or_notify_cancel()
+        threading.Thread(target=run, daemon=True, name="corpus-id-index").start()
+        return future
+
+    def row(self, doc_id: str) -> int | None:
+        """The first row whose id is ``doc_id``, or None."""
+        h = hash(doc_id)
+        lo = int(np.searchsorted(self._hashes, h, side="left"))
+        hi = int(np.searchsorted(self._hashes, h, side="right"))
+        # one candidate, but for ids whose 64-bit hashes collide
+        candidates = sorted(int(r) for r in self._rows[lo:hi])
+        for row, stored in zip(candidates, self.corpus.get_ids(candidates), strict=True):
+            if stored == doc_id:
+                return row
+        return None
+
+
+def _find_duplicates(corpus: Corpus, hashes: np.ndarray,
+                     rows: np.ndarray) -> tuple[np.ndarray | None, list[DuplicateId], int]:
+    """Ids on several rows, among the runs of equal hashes (a run can also be a collision of different
+    ids): which positions to keep (each id's first row only; None: all), the first
+    ``_DUPLICATES_NAMED`` duplicated ids by first row, and how many ids are duplicated."""
+    equal_next = hashes[1:] == hashes[:-1]
+    if not equal_next.any():
+        return None, [], 0
+    edges = np.diff(np.concatenate(([False], equal_next, [False])).astype(np.int8))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) + 1
+    keep = np.ones(len(hashes), dtype=bool)
+    found: list[DuplicateId] = []
+    count = 0
+    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+        position_of = {int(rows[pos]): pos for pos in range(start, end)}
+        run = sorted(position_of)
+        rows_of: dict[str, list[int]] = {}
+        for row, doc_id in zip(run, corpus.get_ids(run), strict=True):
+            rows_of.setdefault(doc_id, []).append(row)
+        for doc_id, same in rows_of.items():
+            if len(same) > 1:
+                count += 1
+                keep[[position_of[row] for row in same[1:]]] = False
+                found.append(DuplicateId(doc_id, tuple(same)))
+                if len(found) > 4 * _DUPLICATES_NAMED:  # memory stays bounded on a corpus of duplicates
+                    found = sorted(found, key=lambda d: d.rows[0])[:_DUPLICATES_NAMED]
+    return keep, sorted(found, key=lambda d: d.rows[0])[:_DUPLICATES_NAMED], count

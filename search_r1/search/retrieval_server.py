@@ -29,6 +29,7 @@ import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,9 +52,17 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 
 from search_r1.search.coalescer import Coalescer  # noqa: E402
-from search_r1.search.documents import DocStore, paginate, snippet  # noqa: E402
+from search_r1.search.corpus import IdIndex  # noqa: E402
+from search_r1.search.documents import paginate, snippet  # noqa: E402
 from search_r1.search.retrievers import BaseRetriever, build_retriever  # noqa: E402
-from search_r1.search.schema import Hit, OpenRequest, RetrieveRequest, ServerLimits, validate_request  # noqa: E402
+from search_r1.search.schema import (  # noqa: E402
+    Hit,
+    OpenRequest,
+    RetrieveRequest,
+    ServerLimits,
+    quote_id,
+    validate_request,
+)
 from search_r1.search.serving import configure_logging, install_request_errors, read_json_body  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -198,6 +207,14 @@ class RetrievalService:
         self.overloaded = 0
         self.requests_in_flight = 0
         self.backlog = BacklogClock()
+        self._id_index: Future[IdIndex] | None = None
+
+    def id_index(self) -> Future[IdIndex]:
+        """The corpus's id -> row map for /open, built in a thread from the first call on (the app's
+        start-up makes that call): the event loop never waits on the build, only an /open does."""
+        if self._id_index is None:
+            self._id_index = IdIndex.build_in_background(self.retriever.corpus)
+        return self._id_index
 
     async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
         delay_ms = self.config.simulate_latency_ms + self.config.simulate_latency_jitter_ms * random.random()
@@ -261,6 +278,14 @@ class RetrievalService:
             f"server overloaded: {self.pending_queries} queries pending, {n} more would pass "
             f"max_pending_queries={bound}; retry after {retry_after} s", retry_after)
 
+    def _id_index_state(self) -> dict:
+        future = self._id_index
+        if future is None or not future.done():
+            return {"state": "building" if future else "not started"}
+        if future.exception() is not None:
+            return {"state": f"failed: {type(future.exception()).__name__}"}
+        return {"state": "ready", "duplicate_ids": future.result().num_duplicates}
+
     def health(self) -> dict:
         return {
             "status": "ok",
@@ -272,6 +297,7 @@ class RetrievalService:
             "max_pending_queries": self.config.max_pending_queries,
             "pending_queries": self.pending_queries,
             "requests_in_flight": self.requests_in_flight,
+            "id_index": self._id_index_state(),
             "simulate_latency_ms": [self.config.simulate_latency_ms, self.config.simulate_latency_jitter_ms],
             "counters": {
                 **self.coalescer.stats.as_dict(),
@@ -291,6 +317,7 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        service.id_index()
         await service.coalescer.start()
         yield
         await service.coalescer.stop()
@@ -322,16 +349,17 @@ def create_app(retriever: BaseRetriever, config: ServerConfig | None = None) -> 
     async def health() -> dict:
         return service.health()
 
-    docs = DocStore(retriever.corpus)
-
     @app.post("/open")
     async def open_document(request: Request) -> JSONResponse:
         """A passage by id, paginated: {"doc_id", "page": 1, "page_size": 2000 characters} ->
         {"id", "title", "text", "page", "num_pages"}; an unknown id is a 404, a bad page a 400."""
         body = await read_json_body(request, OpenRequest, config.limits.max_body_bytes)
-        contents = docs.get(body.doc_id)
-        if contents is None:
-            return JSONResponse(status_code=404, content={"detail": f"no document with id {body.doc_id!r}"})
+        building = service.id_index()
+        index = building.result() if building.done() else await asyncio.wrap_future(building)
+        row = index.row(body.doc_id)
+        if row is None:
+            return JSONResponse(status_code=404, content={"detail": f"no document with id {quote_id(body.doc_id)}"})
+        contents = retriever.corpus.get_fields([row])[1][0]
         hit = Hit.from_contents(body.doc_id, contents, 0.0)
         try:
             page = paginate(hit.text if hit.title else contents, body.page, body.page_size)

@@ -8,7 +8,8 @@ body through ``read_json_body`` and answer ``RequestError`` through
 - a body over ``ServerLimits.max_body_bytes`` -> 413. The limit is checked on the bytes
   actually read: a chunked body carries no Content-Length, so a header check alone
   would let any size through;
-- a body that is not JSON, or JSON nested too deeply to parse -> 400;
+- a body that is not JSON, JSON nested too deeply to parse, or an integer of more than
+  4,300 digits (Python's limit on converting one) -> 400;
 - JSON that does not fit the request model -> 422 naming the field.
 
 ``serve_in_background`` runs an app under uvicorn in a thread (tests, benches).
@@ -67,6 +68,12 @@ def parse_body(body: bytes, model: type[RequestModel]) -> RequestModel:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"request body is not valid JSON: {err}", status_code=400) from err
+    except ValueError as err:
+        # An integer of more than sys.get_int_max_str_digits() (4,300) digits: Python refuses to
+        # convert it (a guard against quadratic-time parsing). The client's body, not our failure:
+        # a 500 would make clients retry it.
+        raise RequestError("request body holds an integer too long to parse (more than "
+                           f"{sys.get_int_max_str_digits()} digits)", status_code=400) from err
     except RecursionError as err:
         # json's parser recurses once per nesting level: `[[[[...` a few thousand deep exhausts the
         # stack. That is the client's malformed body, not a search failure (500).
