@@ -2,7 +2,10 @@
 
 A cycle works until someone moves an import, then fails with "partially initialized module";
 a function-level import that dodges a cycle still ties both modules to each other, so it
-counts too (imports under `if TYPE_CHECKING:` do not: they never run).
+counts too, and so does an import under `if TYPE_CHECKING:` (it never runs, but the two modules
+still need each other to be read, and the guard is one edit from a real circle: issue 43 found
+verl.trainer.preflight <-> preflight_memory held together that way). `type_checking=False` leaves
+those out.
 
 `import_graph(package_dir)` and `find_cycle(graph)` are reusable for any package folder:
 
@@ -31,12 +34,13 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: module level, in functions, in classes; not under TYPE_CHECKING."""
+def _imports(tree: ast.AST, type_checking: bool = True) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement: module level, in functions, in classes, and (unless `type_checking` is
+    False) under TYPE_CHECKING."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -65,7 +69,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
     return {name for name in names if name in known}
 
 
-def import_graph(package_dir: Path, root: Path = REPO_ROOT) -> dict[str, set[str]]:
+def import_graph(package_dir: Path, root: Path = REPO_ROOT, type_checking: bool = True) -> dict[str, set[str]]:
     """module -> the modules of the same package (`package_dir`, subpackages included) it imports.
 
     Module names are dotted paths relative to `root`. Only the module an import names is an
@@ -80,7 +84,7 @@ def import_graph(package_dir: Path, root: Path = REPO_ROOT) -> dict[str, set[str
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         edges: set[str] = set()
-        for node in _imports(tree):
+        for node in _imports(tree, type_checking):
             edges |= _targets(node, name, path.name == "__init__.py", known)
         graph[name] = edges - {name}
     return graph
@@ -120,7 +124,8 @@ def test_demo_scripts_have_no_import_cycle() -> None:
 @pytest.mark.parametrize("package", ["verl", "search_r1", "scripts"])
 def test_no_package_has_an_import_cycle(package: str) -> None:
     """The whole tree, not only the circles found before (scripts/demo, and the rollout engines:
-    verl.workers.rollout.async_engine <-> hf_rollout, main_ppo <-> preflight)."""
+    verl.workers.rollout.async_engine <-> hf_rollout, main_ppo <-> preflight, and the type-only
+    preflight <-> preflight_memory)."""
     graph = import_graph(REPO_ROOT / package)
     if package == "verl":
         # The graph sees the rollout engines' real edges.
@@ -146,7 +151,7 @@ def test_a_function_level_import_that_closes_a_loop_is_a_cycle(tmp_path: Path) -
     assert find_cycle(import_graph(pkg, root=tmp_path)) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
-def test_relative_imports_resolve_and_type_checking_imports_do_not_count(tmp_path: Path) -> None:
+def test_relative_imports_resolve_and_type_checking_imports_can_be_left_out(tmp_path: Path) -> None:
     pkg = _write(tmp_path, {
         "pkg/__init__.py": "from .sub import c\n",
         "pkg/sub/__init__.py": "",
@@ -155,11 +160,31 @@ def test_relative_imports_resolve_and_type_checking_imports_do_not_count(tmp_pat
         "pkg/d.py": "import os\nx = 1\n",
         "pkg/e.py": "from pkg.sub.c import x\n",
     })
-    graph = import_graph(pkg, root=tmp_path)
+    graph = import_graph(pkg, root=tmp_path, type_checking=False)
     assert graph["pkg"] == {"pkg.sub", "pkg.sub.c"}
     assert graph["pkg.sub.c"] == {"pkg.d"}
     assert graph["pkg.e"] == {"pkg.sub.c"}
     assert find_cycle(graph) is None
+
+
+def test_a_type_checking_import_that_closes_a_loop_is_a_cycle(tmp_path: Path) -> None:
+    """preflight <-> preflight_memory's shape: a module imports a checker, which names the first
+    module's report type under TYPE_CHECKING only."""
+    pkg = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/checks.py": "from pkg.memory import check\nclass Report: ...\n",
+        "pkg/memory.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.checks import Report\n"
+                         "def check(report: 'Report') -> None: ...\n",
+    })
+    assert find_cycle(import_graph(pkg, root=tmp_path)) == ["pkg.checks", "pkg.memory", "pkg.checks"]
+    assert find_cycle(import_graph(pkg, root=tmp_path, type_checking=False)) is None
+
+
+def test_preflight_and_its_memory_checks_do_not_import_each_other() -> None:
+    graph = import_graph(REPO_ROOT / "verl" / "trainer")
+    assert "verl.trainer.preflight_memory" in graph["verl.trainer.preflight"]
+    assert "verl.trainer.preflight_report" in graph["verl.trainer.preflight_memory"]   # the report type's home
+    assert "verl.trainer.preflight" not in graph["verl.trainer.preflight_memory"]
 
 
 def test_an_empty_folder_is_an_error_not_an_empty_graph(tmp_path: Path) -> None:

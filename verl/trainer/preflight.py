@@ -31,10 +31,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,86 +40,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer import config_check as cc
 from verl.trainer.preflight_memory import JOB_RETRIEVER_ENV, check_host_memory, check_memory_and_disk
+from verl.trainer.preflight_report import PreflightReport, key_of
 from verl.trainer.run_config import RunConfig
 
 RETRIEVER_PROBE_S = 5.0      # bounded wait for /health here (the run itself waits retriever.health_wait_s)
 # The launcher's retriever variables (example/retriever/_common.sh): any set means its own index, not the example.
 RETRIEVER_VARS = ("file_path", "index_file", "corpus_file", "retriever_name", "retriever_path")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
-_KEY = re.compile(r"[A-Za-z_][\w]*(?:\.[\w]+)+")
 
-
-def key_of(message: str) -> str:
-    """The first dotted config key a message names (the key to fix), else ''."""
-    match = _KEY.search(message)
-    return match.group(0) if match else ""
-
-
-@dataclass
-class PreflightReport:
-    """What preflight found: `lines` describe the run, `errors` ({key, message}) say why it would not
-    start; `fits` is the memory verdict (None: not decided), `fit_message` why."""
-
-    lines: list[str] = field(default_factory=list)
-    errors: list[dict[str, str]] = field(default_factory=list)
-    warnings: list[dict[str, str]] = field(default_factory=list)   # {key, message}: shown, exit status unchanged
-    world_size: int = 0
-    fits: bool | None = None
-    fit_message: str = ""
-    gpu_run: bool = True
-    memory_plan_gib: dict[str, float] = field(default_factory=dict)
-    largest_phase: str | None = None
-    host_fits: bool | None = None               # the host plan against trainer.host_memory_gib (None: no verdict)
-    host_message: str = ""
-    host_memory_plan_gib: dict[str, float] = field(default_factory=dict)   # phase -> GiB per node
-    host_largest_phase: str | None = None
-    report_path: str | None = None
-
-    def error(self, message: str, key: str | None = None) -> None:
-        self.errors.append({"key": key if key is not None else key_of(message), "message": message})
-
-    def warn(self, message: str, key: str | None = None) -> None:
-        self.warnings.append({"key": key if key is not None else key_of(message), "message": message})
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    @property
-    def passed(self) -> bool:
-        """Exit status 0: the checks pass and the plan fits (on CPU workers no GPU memory applies)."""
-        return self.ok and (self.fits is True or (self.fits is None and not self.gpu_run))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "fits": self.fits, "fit_message": self.fit_message, "world_size": self.world_size,
-                "errors": self.errors, "warnings": self.warnings, "memory_plan_gib": self.memory_plan_gib,
-                "largest_phase": self.largest_phase, "host_fits": self.host_fits, "host_message": self.host_message,
-                "host_memory_plan_gib": self.host_memory_plan_gib, "host_largest_phase": self.host_largest_phase,
-                "lines": self.lines}
-
-    def render(self) -> str:
-        head = "preflight (no Ray, no workers, no weights):"
-        fit = {True: "fits", False: "DOES NOT FIT", None: "fit not decided"}[self.fits]
-        host = {True: "fits", False: "DOES NOT FIT", None: "no verdict"}[self.host_fits]
-        lines = [head, *(f"  {line}" for line in self.lines), f"  memory: {fit}: {self.fit_message}"]
-        if self.host_message:
-            lines.append(f"  host memory: {host}: {self.host_message}")
-        if self.report_path:
-            lines.append(f"  report: {self.report_path}")
-        lines.extend(f"  warning: {w['message']}" for w in self.warnings)
-        if self.passed:
-            lines.append("preflight OK")
-        else:
-            problems = [f"{e['key']}: {e['message']}" if e["key"] and not e["message"].startswith(e["key"])
-                        else e["message"] for e in self.errors]
-            if self.fits is False or (self.fits is None and self.gpu_run):
-                problems.append(f"memory: {self.fit_message}")
-            lines.append(f"preflight FAILED ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems))
-        return "\n".join(lines)
-
-    def raise_if_failed(self) -> None:
-        if not self.passed:
-            raise cc.ConfigError(self.render())
+__all__ = ["PreflightReport", "key_of", "preflight_main", "run_preflight"]
 
 
 def host_has_gpu(config: DictConfig) -> bool | None:
@@ -171,7 +98,7 @@ def check_sequence_parallel_heads(cfg: DictConfig, run: RunConfig, report: Prefl
 
 def _per_worker_sizes(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None:
     """The workers' own division of the global batch sizes, on copies of their config sub-trees."""
-    from verl.workers.fsdp_workers import normalize_actor_batch_sizes, normalize_critic_batch_sizes
+    from verl.workers.worker_config import normalize_actor_batch_sizes, normalize_critic_batch_sizes
 
     world = run.pools.world_size
     role = "actor_rollout_ref" if run.algorithm.need_reference_policy else "actor_rollout"
@@ -231,7 +158,8 @@ def check_data(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None
     for key in ("data.train_files", "data.val_files"):
         for path in _files(OmegaConf.select(cfg, key)):
             if not Path(path).is_file():
-                report.error(f"{key}: {path} does not exist: build it (README.md, "Your own data and corpus") or point {key} at it", key)
+                report.error(f"{key}: {path} does not exist: build it (README.md, 'Your own data and corpus') "
+                             f"or point {key} at it", key)
                 continue
             try:
                 table = pq.read_table(path)

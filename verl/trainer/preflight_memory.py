@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, OmegaConf
 
 if TYPE_CHECKING:
-    from verl.trainer.preflight import PreflightReport
+    from verl.trainer.preflight_report import PreflightReport
     from verl.utils.memory_plan import MemoryPlan
 
 # ray_on_slurm.sh sets it to "job": preflight runs on the job's first node, where the run writes.
