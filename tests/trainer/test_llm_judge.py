@@ -4,8 +4,10 @@ malformed replies, bounded concurrency, and the reward manager's failure policy.
 The scripted server reads its behaviour from the question: "fail500:N" answers HTTP 500 the first
 N times, "always500", "slow" sleeps past the client's timeout, "malformed" answers JSON without
 `choices`, "maybe" answers without a verdict, "bad400" answers 400; otherwise it says "Yes." when
-the answer occurs in the reference, else "No, it is not." The real-model test is
-tests/trainer/test_llm_judge_vllm.py.
+the answer occurs in the reference, else "no". It reads the three texts from the request's
+nonce-tagged data blocks (`prompt_fields`). The real-model test is
+tests/trainer/test_llm_judge_vllm.py; hostile replies are tests/trainer/test_llm_judge_hostile.py,
+hostile answers tests/trainer/test_llm_judge_injection.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tests.conftest import serving
+from tests.trainer._judge_requests import prompt_fields
 from tests.trainer.test_reward import _batch, _row
 from verl.trainer.main_ppo import compose_config
 from verl.utils.reward_score.llm_judge import (
@@ -51,9 +54,8 @@ def judge_server() -> Iterator[tuple[str, Script]]:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
         body = await request.json()
-        prompt = body["messages"][0]["content"]
-        fields = dict(line.split(": ", 1) for line in prompt.splitlines() if ": " in line)
-        question, answer, reference = fields["Question"], fields["Answer to grade"], fields["Reference answer(s)"]
+        fields = prompt_fields(body["messages"])
+        question, answer, reference = fields["question"], fields["answer"], fields["reference"]
         script.requests[question] += 1
         counted = question.startswith("q-conc")     # earlier tests' timed-out requests may still run
         script.in_flight += counted
@@ -73,8 +75,7 @@ def judge_server() -> Iterator[tuple[str, Script]]:
                 await asyncio.sleep(2.0)
             if question == "malformed":
                 return JSONResponse(content={"id": "x", "object": "chat.completion"})
-            text = "maybe" if question == "maybe" else ("Yes." if answer.lower() in reference.lower()
-                                                         else "No, it is not.")
+            text = "maybe" if question == "maybe" else ("Yes." if answer.lower() in reference.lower() else "no")
             return JSONResponse(content={"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
                                          "model": body["model"]})
         finally:
@@ -91,10 +92,10 @@ def _judge(url: str, **kwargs) -> LLMJudge:
 
 
 def test_parse_verdict_and_url():
-    assert parse_verdict("Yes.") is True and parse_verdict("  no") is False
-    assert parse_verdict("The answer is incorrect.") is False and parse_verdict("Correct!") is True
-    assert parse_verdict("maybe") is None and parse_verdict("") is None
-    assert parse_verdict("yesterday") is None        # whole words only
+    assert parse_verdict("Yes.") is True and parse_verdict("  no") is False and parse_verdict("**No**") is False
+    assert parse_verdict("The answer means the same.\nyes") is True    # the last line is the verdict
+    assert parse_verdict("maybe") is None and parse_verdict("") is None and parse_verdict(None) is None
+    assert parse_verdict("yesterday") is None
     for url in ("http://h:1", "http://h:1/v1", "http://h:1/v1/", "http://h:1/v1/chat/completions"):
         assert chat_completions_url(url) == "http://h:1/v1/chat/completions"
 
@@ -114,6 +115,12 @@ def test_config_errors_name_the_key():
         from_cfg(url="http://x", model="m", max_failure_fraction=2.0)
     with pytest.raises(ValueError, match=r"reward_model.judge.max_concurrency=0"):
         from_cfg(url="http://x", model="m", max_concurrency=0)
+    with pytest.raises(ValueError, match=r"reward_model.judge.max_answer_chars=0 must be >= 1"):
+        from_cfg(url="http://x", model="m", max_answer_chars=0)
+    with pytest.raises(ValueError, match=r"reward_model.judge.max_reply_bytes=10 must be >= 1024"):
+        from_cfg(url="http://x", model="m", max_reply_bytes=10)
+    cfg = from_cfg(url="http://x", model="m", max_answer_chars=50, max_reply_bytes=4096)
+    assert (cfg.max_answer_chars, cfg.max_reply_bytes) == (50, 4096)
 
 
 def test_the_api_key_comes_from_the_named_variable_as_a_bearer_and_is_never_shown(judge_server, monkeypatch):
@@ -170,8 +177,9 @@ def test_timeout_malformed_and_no_verdict_fail_without_scoring(judge_server):
                             ("bad400", "a", "a"), ("q-ok", "a", "a")])
     assert verdicts == [None, None, None, None, True]
     errors = " | ".join(judge.last_stats.errors)
-    assert "timeout after 0.3s" in errors and "malformed chat completion" in errors
-    assert "no yes/no verdict in the judge's reply 'maybe'" in errors and "HTTP 400" in errors
+    assert "timeout: no complete reply within 0.3s" in errors and "malformed chat completion" in errors
+    assert "no yes/no verdict on the last line of the judge's reply 'maybe'" in errors and "HTTP 400" in errors
+    assert judge.last_stats.malformed == 2 and judge.last_stats.metrics()["reward/judge_malformed_replies"] == 2
     # timeouts are retried: the client sent "slow" twice and each other item once (counted client-side,
     # since under load a timed-out retry may never reach the server's handler within the 0.3 s)
     assert judge.last_stats.calls == 2 + 4 and script.requests["slow"] >= 1

@@ -1,7 +1,8 @@
 """The LLM judge against a real OpenAI-compatible server: vLLM's (vllm-cpu) serving SmolLM2-135M-Instruct.
 
-The server is started by the test (`python -m vllm.entrypoints.openai.api_server`: the `vllm`
-CLI looks up the `vllm` distribution, which the CPU build names `vllm-cpu`), in one process
+The server is started by the test (scripts/bench/judge_injection.py's `vllm_judge_server`:
+`python -m vllm.entrypoints.openai.api_server`, since the `vllm` CLI looks up the `vllm`
+distribution, which the CPU build names `vllm-cpu`), in one process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, the `uni` executor, eager mode) so that it is up in about
 1.5 minutes on two cores. The 135M model is a poor judge; what is tested is the path: real chat
 completions, verdicts parsed from a real model's replies (a reply without yes/no is a counted
@@ -10,18 +11,14 @@ failure, never a score), the cache, and the judge reward through the reward mana
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import free_port
+from scripts.bench.judge_injection import vllm_judge_server
 from tests.trainer.test_reward import _batch, _row
 from verl.trainer.main_ppo import compose_config
 from verl.utils.reward_score.llm_judge import JudgeConfig, LLMJudge
@@ -29,44 +26,15 @@ from verl.utils.tiny_model import train_bpe_tokenizer
 from verl.workers.reward_manager import build_reward_managers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-START_TIMEOUT_S = 240
+START_TIMEOUT_S = 600   # about 1.5 min on two idle cores; 4+ min while other jobs load them
 
 
 @pytest.fixture(scope="module")
 def vllm_judge(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     pytest.importorskip("vllm")
-    port = free_port()
     log = tmp_path_factory.mktemp("vllm_judge") / "server.log"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_dir,
-           "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "1024", "--dtype", "float32", "--gpu-memory-utilization", "0.1",
-           "--enforce-eager", "--max-num-seqs", "16", "--distributed-executor-backend", "uni"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm server exited {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm server not up after {START_TIMEOUT_S} s: {log.read_text()[-3000:]}")
-            time.sleep(1)
+    with vllm_judge_server(smollm2_dir, log, START_TIMEOUT_S) as url:
         yield url, "judge"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 ITEMS = [
@@ -89,8 +57,9 @@ def test_real_server_verdicts_cache_and_judge_reward(vllm_judge, tmp_path: Path)
     # a reply without a verdict is a counted failure (no retry), never a verdict
     assert stats.failures == sum(v is None for v in verdicts) and stats.calls == len(ITEMS)
     assert stats.failures < len(ITEMS), stats.errors
+    assert stats.malformed == stats.failures      # a real reply without a final-line verdict: malformed
     for error in stats.errors:
-        assert "no yes/no verdict" in error, error
+        assert "no yes/no verdict on the last line" in error, error
     print(f"\n[vllm judge] {len(ITEMS)} items in {seconds:.1f} s ({len(ITEMS) / seconds:.2f} items/s), "
           f"verdicts {verdicts}")
 

@@ -1,16 +1,22 @@
 """An LLM judge over any OpenAI-compatible chat endpoint (`reward_model.judge.*`).
 
 `LLMJudge.judge(items)` asks the endpoint's `/v1/chat/completions` whether each (question,
-answer, reference) is correct: one prompt per item from `prompt_template` ({question},
-{answer}, {reference}), at most `max_concurrency` requests in flight on one `httpx.AsyncClient`,
-each bounded by `timeout` seconds. Connection errors, timeouts, 429 and 5xx answers are retried
-with exponential backoff (`backoff_factor * 2**(retry - 1)` s) up to `max_retries` times; a 4xx
-or a reply with no yes/no verdict is not retried. Verdicts are cached by (question, answer,
+answer, reference) is correct: one request per item (judge_prompt.py: a system message with the
+instructions, the three texts in nonce-tagged data blocks of the user message built from
+`prompt_template`, the answer cut to `max_answer_chars`), at most `max_concurrency` requests in
+flight on one `httpx.AsyncClient`. Each request has a wall-clock deadline of `timeout` seconds for
+the whole exchange (connect, send, every byte of the reply), and its reply is read as a stream and
+refused past `max_reply_bytes`. Connection errors, deadlines, 429 and 5xx answers are retried with
+exponential backoff (`backoff_factor * 2**(retry - 1)` s) up to `max_retries` times; a 4xx or a
+malformed reply (not JSON, too deep or too large, undecodable, no chat completion, or no verdict
+line in the format the prompt asks for) is not retried. Verdicts are cached by (question, answer,
 reference): in memory, and appended to the jsonl file `cache` (read back at start) when set.
 
-A failed item is never a verdict: `judge` returns None for it and counts it
-(`reward/judge_failures`); the reward manager decides what the row scores (EM, counted) and
-`check_failure_bound` stops the run when a batch's failures exceed `max_failure_fraction`.
+A failed item is never a verdict, and never an exception out of `judge`: `judge` returns None for
+it and counts it (`reward/judge_failures`, malformed replies also in
+`reward/judge_malformed_replies`); the reward manager decides what the row scores (EM, counted)
+and `check_failure_bound` stops the run when a batch's failures exceed `max_failure_fraction`.
+Error texts are redacted (the endpoint's key removed) before they are cut or stored.
 """
 
 from __future__ import annotations
@@ -19,23 +25,24 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PROMPT_TEMPLATE = (
-    "You are grading an answer to a question against reference answers.\n"
-    "Question: {question}\n"
-    "Reference answer(s): {reference}\n"
-    "Answer to grade: {answer}\n"
-    "Is the answer to grade correct, that is, does it mean the same as one of the references? "
-    "Reply with one word: yes or no."
+from search_r1.llm_agent.tool_results import redact
+from verl.utils.reward_score.judge_prompt import (
+    DEFAULT_PROMPT_TEMPLATE,
+    check_template,
+    judge_messages,
+    parse_verdict,
 )
+
+__all__ = ["DEFAULT_PROMPT_TEMPLATE", "JudgeConfig", "JudgeError", "JudgeFailureBoundExceeded", "JudgeStats",
+           "LLMJudge", "chat_completions_url", "parse_verdict"]
+
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
-_VERDICT_RE = re.compile(r"\b(yes|no|correct|incorrect|true|false)\b", re.IGNORECASE)
-_POSITIVE = frozenset({"yes", "correct", "true"})
+ERROR_EXCERPT_CHARS = 200
 
 JudgeItem = tuple[str, str, str]   # (question, answer, reference)
 
@@ -44,16 +51,16 @@ class JudgeError(RuntimeError):
     """One judge call failed for good (after its retries)."""
 
 
+class MalformedReply(JudgeError):
+    """The endpoint answered 200 with something that is not a verdict; never retried."""
+
+
+class _Retryable(Exception):
+    """One attempt failed in a way another attempt may not (deadline, connection, 429/5xx)."""
+
+
 class JudgeFailureBoundExceeded(RuntimeError):
     """More of a batch's judge calls failed than reward_model.judge.max_failure_fraction allows."""
-
-
-def parse_verdict(text: str) -> bool | None:
-    """True/False from the first yes/no (correct/incorrect, true/false) word in `text`; None if there is none."""
-    match = _VERDICT_RE.search(text or "")
-    if match is None:
-        return None
-    return match.group(1).lower() in _POSITIVE
 
 
 def chat_completions_url(url: str) -> str:
@@ -81,6 +88,8 @@ class JudgeConfig:
     cache: str | None = None
     max_failure_fraction: float = 0.05
     api_key_env: str | None = None   # the environment variable holding the endpoint's key (Bearer); never logged
+    max_answer_chars: int = 2000     # the graded answer is cut to this many characters (the block says so)
+    max_reply_bytes: int = 1 << 20   # a reply past this many (decoded) bytes is refused while it streams
 
     @classmethod
     def from_config(cls, node: Any, prefix: str = "reward_model.judge") -> JudgeConfig | None:
@@ -91,27 +100,26 @@ class JudgeConfig:
         if not get("model"):
             raise ValueError(f"{prefix}.model must name the served model when {prefix}.url is set")
         template = get("prompt_template") or DEFAULT_PROMPT_TEMPLATE
-        for slot in ("{question}", "{answer}", "{reference}"):
-            if slot not in template:
-                raise ValueError(f"{prefix}.prompt_template must contain {slot}")
-        try:
-            template.format(question="", answer="", reference="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"{prefix}.prompt_template: only {{question}}, {{answer}}, {{reference}} "
-                             f"may appear in braces (double other braces): {exc!r}") from exc
+        check_template(str(template), f"{prefix}.prompt_template")
         cfg = cls(url=str(get("url")), model=str(get("model")), prompt_template=str(template),
                   max_concurrency=int(get("max_concurrency", 16)), timeout=float(get("timeout", 60)),
                   max_retries=int(get("max_retries", 3)), backoff_factor=float(get("backoff_factor", 0.5)),
                   max_tokens=int(get("max_tokens", 16)),
                   cache=str(get("cache")) if get("cache") else None,
                   max_failure_fraction=float(get("max_failure_fraction", 0.05)),
-                  api_key_env=str(get("api_key_env")) if get("api_key_env") else None)
+                  api_key_env=str(get("api_key_env")) if get("api_key_env") else None,
+                  max_answer_chars=int(get("max_answer_chars", 2000)),
+                  max_reply_bytes=int(get("max_reply_bytes", 1 << 20)))
         if cfg.max_concurrency < 1:
             raise ValueError(f"{prefix}.max_concurrency={cfg.max_concurrency} must be >= 1")
         if cfg.timeout <= 0:
             raise ValueError(f"{prefix}.timeout={cfg.timeout} must be > 0")
         if cfg.max_retries < 0:
             raise ValueError(f"{prefix}.max_retries={cfg.max_retries} must be >= 0")
+        if cfg.max_answer_chars < 1:
+            raise ValueError(f"{prefix}.max_answer_chars={cfg.max_answer_chars} must be >= 1")
+        if cfg.max_reply_bytes < 1024:
+            raise ValueError(f"{prefix}.max_reply_bytes={cfg.max_reply_bytes} must be >= 1024")
         if not 0.0 <= cfg.max_failure_fraction <= 1.0:
             raise ValueError(f"{prefix}.max_failure_fraction={cfg.max_failure_fraction} must be in [0, 1]")
         cfg.api_key(prefix)   # a named variable that is not set fails at start-up
@@ -136,6 +144,8 @@ class JudgeStats:
     calls: int = 0          # HTTP requests sent, retries included
     cache_hits: int = 0
     failures: int = 0
+    malformed: int = 0      # replies that were no verdict (a subset of failures)
+    answers_cut: int = 0    # answers longer than max_answer_chars, sent cut
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -147,6 +157,8 @@ class JudgeStats:
             "reward/judge_cache_hits": float(self.cache_hits),
             "reward/judge_cache_hit_rate": self.cache_hits / self.items if self.items else 0.0,
             "reward/judge_failures": float(self.failures),
+            "reward/judge_malformed_replies": float(self.malformed),
+            "reward/judge_answers_cut": float(self.answers_cut),
             "reward/judge_items_per_s": judged / self.seconds if self.seconds > 0 else 0.0,
         }
 
@@ -206,7 +218,7 @@ class LLMJudge:
         out = [verdicts[item] for item in items]
         stats.failures = sum(verdict is None for verdict in out)
         self.last_stats = stats
-        for name in ("items", "calls", "cache_hits", "failures", "seconds"):
+        for name in ("items", "calls", "cache_hits", "failures", "malformed", "answers_cut", "seconds"):
             setattr(self.total, name, getattr(self.total, name) + getattr(stats, name))
         return out
 
@@ -225,57 +237,106 @@ class LLMJudge:
         cfg = self.config
         semaphore = asyncio.Semaphore(cfg.max_concurrency)
         limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
-        headers = {"Authorization": f"Bearer {self._key}"} if self._key else None
+        # identity: a reply's size on the wire is its size in memory (a compressed reply is refused)
+        headers = {"Accept-Encoding": "identity"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
         async with httpx.AsyncClient(timeout=cfg.timeout, limits=limits, headers=headers) as client:
             async def one(item: JudgeItem) -> bool | None:
                 async with semaphore:
                     try:
                         return await self._judge_one(client, item, stats)
+                    except MalformedReply as exc:
+                        stats.malformed += 1
+                        stats.errors.append(self._redacted(str(exc)))
                     except JudgeError as exc:
                         stats.errors.append(self._redacted(str(exc)))
-                        return None
+                    except Exception as exc:   # noqa: BLE001 - a hostile reply fails its row, never the batch
+                        stats.errors.append(self._excerpt(f"unexpected {type(exc).__name__}: {exc}"))
+                    return None
             return list(await asyncio.gather(*(one(item) for item in items)))
 
     async def _judge_one(self, client: Any, item: JudgeItem, stats: JudgeStats) -> bool:
-        import httpx
-
         cfg = self.config
         question, answer, reference = item
-        body = {"model": cfg.model, "temperature": 0.0, "max_tokens": cfg.max_tokens,
-                "messages": [{"role": "user", "content": cfg.prompt_template.format(
-                    question=question, answer=answer, reference=reference)}]}
         last_error = ""
         for attempt in range(cfg.max_retries + 1):
             if attempt:
                 await asyncio.sleep(cfg.backoff_factor * 2 ** (attempt - 1))
+            prompt = judge_messages(cfg.prompt_template, question, answer, reference, cfg.max_answer_chars)
+            if attempt == 0 and prompt.answer_chars_cut:
+                stats.answers_cut += 1
+            body = {"model": cfg.model, "temperature": 0.0, "max_tokens": cfg.max_tokens, "messages": prompt.messages}
             stats.calls += 1
             try:
-                response = await client.post(self.endpoint, json=body)
-            except httpx.TimeoutException as exc:
-                last_error = f"timeout after {cfg.timeout}s ({type(exc).__name__})"
+                status, raw = await self._post(client, body)
+            except _Retryable as exc:
+                last_error = str(exc)
                 continue
-            except httpx.TransportError as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
+            if status in RETRYABLE_STATUS:
+                last_error = f"HTTP {status}"
                 continue
-            if response.status_code in RETRYABLE_STATUS:
-                last_error = f"HTTP {response.status_code}"
-                continue
-            if response.status_code != 200:
-                raise JudgeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            try:
-                content = response.json()["choices"][0]["message"]["content"]
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
-                raise JudgeError(f"malformed chat completion ({exc!r}): {response.text[:200]}") from exc
-            verdict = parse_verdict(content if isinstance(content, str) else "")
-            if verdict is None:
-                raise JudgeError(f"no yes/no verdict in the judge's reply {str(content)[:200]!r}")
-            return verdict
+            text = raw.decode("utf-8", errors="replace")
+            if status != 200:
+                raise JudgeError(f"HTTP {status}: {self._excerpt(text)}")
+            return self._verdict(text)
         raise JudgeError(f"{last_error} (after {cfg.max_retries} retries)")
 
+    async def _post(self, client: Any, body: dict[str, Any]) -> tuple[int, bytes]:
+        """(status, body bytes) of one request within the `timeout` deadline, its reply at most
+        `max_reply_bytes`; _Retryable for a missed deadline or a connection error, MalformedReply for
+        a reply too large or undecodable."""
+        import httpx
+
+        cfg = self.config
+        try:
+            async with asyncio.timeout(cfg.timeout):
+                async with client.stream("POST", self.endpoint, json=body) as response:
+                    return response.status_code, await _read_capped(response, cfg.max_reply_bytes)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise _Retryable(f"timeout: no complete reply within {cfg.timeout}s ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise _Retryable(self._excerpt(f"{type(exc).__name__}: {exc}")) from None
+        except httpx.HTTPError as exc:   # any other httpx error (DecodingError, ...): the reply is unusable
+            raise MalformedReply(self._excerpt(f"undecodable reply ({type(exc).__name__}: {exc})")) from None
+
+    def _verdict(self, text: str) -> bool:
+        """The verdict in a 200 reply's body; MalformedReply when there is none."""
+        try:
+            content = json.loads(text)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
+            raise MalformedReply(f"malformed chat completion ({type(exc).__name__}): {self._excerpt(text)}") from None
+        verdict = parse_verdict(content)
+        if verdict is None:
+            raise MalformedReply(f"no yes/no verdict on the last line of the judge's reply "
+                                 f"{self._excerpt(str(content))!r}")
+        return verdict
 
     def _redacted(self, text: str) -> str:
         """`text` without the API key (a server may echo the request's headers in its error)."""
-        return text.replace(self._key, "***") if self._key else text
+        return redact(text, [self._key])
+
+    def _excerpt(self, text: str) -> str:
+        """The first ERROR_EXCERPT_CHARS characters of `text`, redacted first: a cut never splits the key."""
+        return self._redacted(text)[:ERROR_EXCERPT_CHARS]
+
+
+async def _read_capped(response: Any, cap: int) -> bytes:
+    """The response body, read as it streams; MalformedReply once it passes `cap` bytes, or at once when it
+    announces more or comes compressed (asked for identity: a compressed body would be inflated before
+    the cap could count it)."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise MalformedReply(f"compressed reply refused (Content-Encoding: {encoding[:40]!r}; asked for identity)")
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise MalformedReply(f"reply of {int(declared)} bytes refused: more than max_reply_bytes={cap}")
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > cap:
+            raise MalformedReply(f"reply refused past max_reply_bytes={cap} (still streaming)")
+    return bytes(body)
 
 
 def _run_coroutine(coroutine: Any) -> Any:
