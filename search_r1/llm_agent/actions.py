@@ -11,7 +11,6 @@ the manager can count why rows stopped (STYLE §6).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,11 +55,13 @@ OPEN_BUDGET_NOTICE = (
 )
 OPEN_FAILED_TEXT = "The document could not be opened: the search engine did not answer."
 
-# Matches the first complete action; a tag name must close with the same name.
-_ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-_ACTION_WITH_OPEN_RE = re.compile(r"<(search|answer|open)>(.*?)</\1>", re.DOTALL)
-# An open's content: the doc id, optionally followed by `page N` (the server refuses a page out of range).
-_OPEN_PAGE_RE = re.compile(r"^(.*?)(?:[\s,;]+page\s*(\d+))?$", re.DOTALL | re.IGNORECASE)
+# The tags an action may use, without and with the open tag; a tag must close with its own name.
+_TAGS = (("search", SEARCH_OPEN, SEARCH_CLOSE), ("answer", ANSWER_OPEN, ANSWER_CLOSE))
+_TAGS_WITH_OPEN = _TAGS + (("open", OPEN_OPEN, OPEN_CLOSE),)
+# An open's page number has at most this many digits; a longer one makes the open invalid (int() refuses
+# past 4,300 digits and no document has a billion pages). docs/agent.md "Hostile inputs".
+MAX_OPEN_PAGE_DIGITS = 9
+_OPEN_SEPARATORS = ",;"     # between the doc id and `page N`, with any whitespace
 
 ActionKind = Literal["search", "answer", "open", "invalid"]
 
@@ -85,26 +86,56 @@ def parse_action(text: str, open_tag: bool = False) -> Action:
 
     A search with an empty query is invalid: it could not be sent to the server
     without failing the whole batch's request. So is an open without a doc id.
+
+    Found with str.find, linear in the text whatever it holds: of each tag, only the first
+    opening can start the first complete action (if it is never closed, no later one is).
     """
-    match = (_ACTION_WITH_OPEN_RE if open_tag else _ACTION_RE).search(text)
-    if match is None:
+    best: tuple[int, str, int, int] | None = None       # (start, kind, content start, content end)
+    end = 0
+    for kind, opening, closing in (_TAGS_WITH_OPEN if open_tag else _TAGS):
+        start = text.find(opening)
+        if start < 0 or (best is not None and start > best[0]):
+            continue
+        close = text.find(closing, start + len(opening))
+        if close >= 0:
+            best, end = (start, kind, start + len(opening), close), close + len(closing)
+    if best is None:
         return Action(kind="invalid", content="")
-    kind = match.group(1)
-    content = match.group(2).strip()
+    _, kind, content_start, content_end = best
+    content = text[content_start:content_end].strip()
     if kind in ("search", "open") and not content:
         return Action(kind="invalid", content="")
     if kind == "open" and not parse_open(content)[0]:
         return Action(kind="invalid", content="")
-    return Action(kind=kind, content=content, end=match.end())  # type: ignore[arg-type]
+    return Action(kind=kind, content=content, end=end)  # type: ignore[arg-type]
 
 
 def parse_open(content: str) -> tuple[str, int]:
-    """(doc_id, page) of an open's content: `doc_id` (page 1) or `doc_id page N`. The id is
-    taken as written (stripped); one the server does not know is answered as unknown, not refused here."""
-    match = _OPEN_PAGE_RE.match(content.strip())
-    assert match is not None  # the pattern matches every string
-    doc_id, page = match.group(1).strip(), match.group(2)
-    return doc_id, 1 if page is None else int(page)
+    """(doc_id, page) of an open's content: `doc_id` (page 1) or `doc_id page N` (`page` in any case,
+    after whitespace, `,` or `;`). The id is taken as written (stripped); one the server does not know
+    is answered as unknown, not refused here. A page of more than MAX_OPEN_PAGE_DIGITS digits gives
+    ("", 0): no doc id, an invalid open.
+
+    Read from the end without a regex (a pattern with a lazy id and a separator run backtracks
+    quadratically on text like `a", ", ", …`): trailing digits, whitespace, `page`, then at least one
+    separator; the id is what precedes the separators.
+    """
+    text = content.strip()
+    i = len(text)
+    while i > 0 and text[i - 1].isdecimal():
+        i -= 1
+    digits = text[i:]
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
+    word_start = i - len("page")
+    sep = word_start
+    while sep > 0 and (text[sep - 1].isspace() or text[sep - 1] in _OPEN_SEPARATORS):
+        sep -= 1
+    if not digits or word_start < 0 or text[word_start:i].lower() != "page" or sep == word_start:
+        return text, 1
+    if len(digits) > MAX_OPEN_PAGE_DIGITS:
+        return "", 0
+    return text[:sep].strip(), int(digits)
 
 
 def has_complete_action(text: str, open_tag: bool = False) -> bool:

@@ -7,7 +7,8 @@ generation, and the engine never idles while some rows still have turns to go.
 
 The rules are the sync manager's, called, not copied: the rolling context
 (`_context`), the cut at the first action (`_cut_turn`), observations (an `<open>` too), stop rules and the
-final no-search turn (`_apply_turn`). Only the order in which rows advance differs; each
+final no-search turn (`_apply_turn`), and their per-row guards (a row's unexpected exception is
+that row's counted error, `row_errors`, never the shard's). Only the order in which rows advance differs; each
 row sees exactly what it would see in sync mode. This runs inside each rollout worker on
 its shard of rows (`ActorRolloutRefWorker.generate_trajectories`); the driver composes the
 batch with the sync manager's `_compose_final_output`.
@@ -86,7 +87,7 @@ class AsyncAgentLoop:
                                                     max_tokens=manager._response_length([row]), follows=previous)
             previous = completion
             sampled, log_probs = manager._clip_to_budget(row, list(completion.token_ids), completion.log_probs)
-            res = manager._limit_calls(row, manager._cut_turn(sampled, self.eos_token_ids))
+            res = manager._limit_calls(row, manager._cut_turn(sampled, self.eos_token_ids, stats))
             observation = None
             if manager._runs_action(row, res, is_final):
                 start = time.perf_counter()

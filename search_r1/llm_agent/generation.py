@@ -10,7 +10,8 @@ which a search is not run.
 Departures from the original Search-R1 (DESIGN §4):
 - Token exactness: the sampled ids are kept as the engine returned them and cut at
   the first complete action by token position; text is decoded only to parse the
-  action. Observations are tokenized once and appended. The trained response is
+  action. Observations are tokenized once and appended, special tokens split (a
+  page's `<|im_end|>` is text, not the control token). The trained response is
   exactly the sampled one, EOS included where emitted.
 - One mask: each row carries a 0/1 list built as tokens are appended (policy = 1,
   observation = 0); `info_mask` and `loss_mask` come from it, never from comparing
@@ -27,6 +28,7 @@ Departures from the original Search-R1 (DESIGN §4):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from search_r1.llm_agent import actions
+from search_r1.llm_agent.actions import Action
 from search_r1.llm_agent.generation_config import GenerationConfig
 from search_r1.llm_agent.open_tag import OpenTag
 from search_r1.llm_agent.tensor_helper import (
@@ -50,6 +53,8 @@ from search_r1.llm_agent.tool_turns import ToolTurns, turn_limit
 from search_r1.llm_agent.trajectory import _Row, _TurnResult, rollout_statistics
 from search_r1.search.schema import Hit
 from verl.utils import batch_keys as K
+
+logger = logging.getLogger(__name__)
 
 # generate_trajectories' contract: the config goes in meta_info, rows and counters come back per row.
 META_AGENT_CONFIG = "agent_config"
@@ -100,15 +105,40 @@ class LLMGenerationManager:
 
     # --- cut and observe (tags; the tool protocol delegates) ------------------------
 
-    def _cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
+    def _cut_turn(self, sampled: list[int], eos_token_ids: frozenset[int],
+                  stats: Counter[str] | None = None) -> _TurnResult:
         """Keep the sampled ids up to the token that completes the first action.
 
         With stop strings in the engine the action already ends the turn; without
         them (or with an engine that overshoots) the tail is dropped here by token
         position. Decoded text is used only to find that position.
+
+        Never raises for a row: parsing refuses hostile text without an exception, and any exception
+        left (a bug) makes the whole turn that row's invalid action (tags) or tool-call error (tool),
+        counted in `row_errors` and logged with its traceback; the batch goes on.
         """
-        if self._tool is not None:
-            return self._tool.cut_turn(sampled, eos_token_ids)
+        try:
+            if self._tool is not None:
+                return self._tool.cut_turn(sampled, eos_token_ids)
+            return self._cut_tag_turn(sampled, eos_token_ids)
+        except Exception as err:
+            self._row_error("reading the turn", err, stats)
+            emitted_eos = bool(sampled) and sampled[-1] in eos_token_ids
+            if self._tool is not None:
+                return self._tool.unreadable_turn(sampled, emitted_eos, err)
+            return _TurnResult(kept_ids=sampled, action=Action(kind="invalid", content=""), emitted_eos=emitted_eos,
+                               generated=len(sampled))
+
+    @staticmethod
+    def _row_error(stage: str, err: Exception, stats: Counter[str] | None) -> None:
+        """Count one row's unexpected exception (`row_errors`, and by type) and log it with its traceback."""
+        if stats is not None:
+            stats["row_errors"] += 1
+            stats[f"row_errors/{type(err).__name__}"] += 1
+        logger.error("rollout: %s failed for one row (%s: %s); that row gets an error and the batch goes on",
+                     stage, type(err).__name__, err, exc_info=err)
+
+    def _cut_tag_turn(self, sampled: list[int], eos_token_ids: frozenset[int]) -> _TurnResult:
         text = self.text.decode(sampled)
         opens = self.config.open_tag
         action = actions.parse_action(text, opens)
@@ -123,13 +153,15 @@ class LLMGenerationManager:
 
     def _observation_ids(self, text: str) -> tuple[list[int], bool]:
         """Tokenize an observation once; if too long, cut the body but keep `</information>\\n\\n`.
+        The text is the environment's (pages, hits, notices): a special token's text in it is ordinary
+        text tokens (`encode_plain`), never a control id a page could forge a turn with.
 
         Returns (ids, truncated).
         """
         if not text.endswith(actions.INFORMATION_CLOSE):
-            ids = self.text.encode(text)
+            ids = self.text.encode_plain(text)
             return ids[: self.config.max_obs_length], len(ids) > self.config.max_obs_length
-        body = self.text.encode(text[: -len(actions.INFORMATION_CLOSE)])
+        body = self.text.encode_plain(text[: -len(actions.INFORMATION_CLOSE)])
         room = self.config.max_obs_length - len(self._close_ids)
         if len(body) <= room:
             return body + self._close_ids, False
@@ -239,12 +271,27 @@ class LLMGenerationManager:
                          stats: Counter[str], others: dict[int, str] | None = None) -> str | list[str]:
         """What answers a turn whose action runs: the `<information>` block (tags), or each call's
         tool message (tool). `hits` holds one list per query of `res.queries` (None: retrieval failed);
-        `others`: the answers of calls of tools other than search, when already run."""
-        if self._tool is not None:
-            return self._tool.answers(res, hits, error, stats, others)
-        if self._open is not None and res.action.kind == "open":
-            return self._open.observe(res.action.content, stats)
-        return actions.render_search_failure() if hits is None else actions.render_observation(hits[0], bool(self._open))
+        `others`: the answers of calls of tools other than search, when already run.
+
+        An exception while answering one row (a bug, or a backend error no tool maps) is that row's
+        failure observation, counted in `row_errors` and logged; a missing retriever URL still raises."""
+        is_open = self._open is not None and res.action.kind == "open"
+        if is_open and not self.config.search_url:
+            raise ValueError("GenerationConfig.search_url (retriever.url) is required when the policy opens "
+                             "documents (open_tag.enable)")
+        try:
+            if self._tool is not None:
+                return self._tool.answers(res, hits, error, stats, others)
+            if is_open:
+                return self._open.observe(res.action.content, stats)
+            if hits is None:
+                return actions.render_search_failure()
+            return actions.render_observation(hits[0], bool(self._open))
+        except Exception as err:
+            self._row_error("answering the turn", err, stats)
+            if self._tool is not None:
+                return self._tool.failed_answers(res, err, stats)
+            return actions.render_open_failure() if is_open else actions.render_search_failure()
 
     def _n_searches(self, res: _TurnResult) -> int:
         """The turn's searches, as valid_search_stats and search_failures count them: its search
@@ -367,7 +414,7 @@ class LLMGenerationManager:
             for k, i in enumerate(active):
                 lps = None if sampled_log_probs is None else sampled_log_probs[k]
                 ids, lps = self._clip_to_budget(rows[i], sampled[k], lps)
-                results.append((self._limit_calls(rows[i], self._cut_turn(ids, eos_ids)), lps))
+                results.append((self._limit_calls(rows[i], self._cut_turn(ids, eos_ids, stats)), lps))
 
             running = [k for k, (i, (res, _)) in enumerate(zip(active, results, strict=True))
                        if self._runs_action(rows[i], res, is_final)]

@@ -16,7 +16,8 @@ manager's, shared with the tag protocol. What differs, and lives here:
 - **Append.** The observation is the chat template's own text between the turns (tools.
   ChatFraming): end of the assistant turn (unless the model wrote EOS), the tool messages,
   the next assistant opening; tokenized once, masked; when it is over `max_obs_length`
-  tokens the tool contents are shortened, the framing never is.
+  tokens the tool contents are shortened, the framing never is. Special tokens are the
+  framing's only: `<|im_end|>` written inside a tool message is ordinary text tokens.
 - **Stop.** No call: the row ends (`answered` if it wrote `<answer>…</answer>`, `eos`, or
   `context_full` when the budget ran out mid-turn). `max_assistant_turns` /
   `max_user_turns` reached: the row ends without running the call (`max_turns`), as in
@@ -79,6 +80,14 @@ class ToolTurns:
         emitted_eos = bool(kept) and kept[-1] in eos_token_ids
         return _TurnResult(kept_ids=kept, action=action, emitted_eos=emitted_eos, generated=len(sampled),
                            calls=calls, queries=tuple(queries))
+
+    def unreadable_turn(self, sampled: list[int], emitted_eos: bool, err: Exception) -> _TurnResult:
+        """The whole turn kept, as one call that could not be read (the manager's guard: `err` escaped
+        cut_turn); the model reads an error message and the call counts in tool_call_errors."""
+        error = tools.ToolCallError(f"Error: the tool call could not be read ({type(err).__name__}); write "
+                                    f'{{"name": <tool name>, "arguments": {{...}}}} inside <tool_call></tool_call>.')
+        return _TurnResult(kept_ids=sampled, action=Action(kind="search", content=""), emitted_eos=emitted_eos,
+                           generated=len(sampled), calls=(error,))
 
     def _is_search(self, call: object) -> bool:
         return isinstance(call, tools.ToolCall) and call.name == self.search_name
@@ -169,17 +178,32 @@ class ToolTurns:
             texts.append(text)
         return texts
 
+    def failed_answers(self, res: _TurnResult, err: Exception, stats: Counter[str]) -> list[str]:
+        """One error message per call of a turn whose answers raised `err` (the manager's guard), each
+        counted as its tool's error."""
+        for call in res.calls:
+            if isinstance(call, tools.ToolCall):
+                stats[f"tools/{call.name}/errors"] += 1
+        return [tools.tool_result(f"Error: the tool call failed ({type(err).__name__}).")] * len(res.calls)
+
     # --- append and stop ------------------------------------------------------------------
 
     def _observation_ids(self, texts: list[str], ended_with_eos: bool) -> tuple[list[int], bool]:
         """The observation's ids, the whole text tokenized at once (as an SFT row's observation segment
         is); when over max_obs_length, the framing and the tool contents are tokenized apart and the
-        contents shortened (evenly) so the framing stays whole. Returns (ids, truncated)."""
-        encode = self.text.encode
-        whole = encode(self.framing.observation(texts, ended_with_eos))
+        contents shortened (evenly) so the framing stays whole. Returns (ids, truncated).
+
+        Special tokens are the framing's only: a special token's text inside a tool message (a page, a
+        server's answer, an error echoing the call) is tokenized as ordinary text (token_text.TokenText)."""
+        text = self.text
+        if any(text.has_special(t) for t in texts):   # a page holding <|im_end|> etc.: plain text, not control ids
+            whole = text.encode_framed(self.framing.split_observation(texts, ended_with_eos))
+        else:
+            whole = text.encode(self.framing.observation(texts, ended_with_eos))
         if len(whole) <= self.config.max_obs_length:
             return whole, False
-        pieces = [(encode(text), is_content) for text, is_content in self.framing.split_observation(texts, ended_with_eos)]
+        pieces = [(text.encode_plain(piece) if is_content else text.encode(piece), is_content)
+                  for piece, is_content in self.framing.split_observation(texts, ended_with_eos)]
         framing = sum(len(ids) for ids, is_content in pieces if not is_content)
         room = max(0, self.config.max_obs_length - framing) // max(1, len(texts))
         return [tok for ids, is_content in pieces for tok in (ids[:room] if is_content else ids)], True

@@ -20,7 +20,6 @@ Departures from veRL's tool agent loop, on purpose:
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,8 +28,12 @@ from typing import Any
 from search_r1.search.schema import Hit
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+# Bounds on the JSON a policy writes in a call (docs/agent.md "Hostile inputs"): past them the call is an
+# error the model reads, not an exception (deep nesting is a RecursionError in json and in everything that
+# later walks the value; an integer past Python's 4,300 digits a ValueError). No real call comes near them.
+MAX_CALL_JSON_DEPTH = 32        # nested objects/arrays of a call (and again of an "arguments" string)
+MAX_CALL_INT_DIGITS = 100       # digits of one JSON integer
 
 # The tool classes a tool config may name; veRL's class path is the recipe's spelling.
 SEARCH_TOOL_CLASSES = ("verl.tools.search_tool.SearchTool", "search_r1.llm_agent.tools.SearchTool")
@@ -236,19 +239,98 @@ class ToolCallError:
     tool: str | None = field(default=None, compare=False)   # the tool it named, if any (per-tool metrics)
 
 
+class _BadJSON(ValueError):
+    """A call's JSON that is refused; the message is the reason the model reads."""
+
+
+def _too_deep(text: str, limit: int) -> bool:
+    """True when `text`'s objects/arrays nest deeper than `limit` (outside strings), in one linear pass.
+    Counted before json.loads so a deep value is refused without recursing into it."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return False
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _BadJSON(f"{name} is not a JSON number")
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_CALL_INT_DIGITS:
+        raise _BadJSON(f"an integer of more than {MAX_CALL_INT_DIGITS} digits")
+    return int(digits)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _BadJSON(f"a number out of range ({text[:20]}...)")
+    return value
+
+
+def _loads(text: str) -> Any:
+    """Strict, bounded JSON: raises _BadJSON (a ValueError) with the reason for anything refused,
+    never RecursionError or int's digit-limit ValueError."""
+    if _too_deep(text, MAX_CALL_JSON_DEPTH):
+        raise _BadJSON("nested too deeply")
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_refuse_constant)
+    except _BadJSON:
+        raise
+    except json.JSONDecodeError as err:
+        raise _BadJSON(err.msg) from err
+    except RecursionError as err:     # unreachable past _too_deep; kept so no input can escape as one
+        raise _BadJSON("nested too deeply") from err
+    except ValueError as err:         # e.g. a float literal float() refuses
+        raise _BadJSON(str(err)[:200]) from err
+
+
+def _call_bodies(text: str) -> list[str]:
+    """The body of every complete `<tool_call>…</tool_call>`, in order (each the shortest, as a lazy
+    regex finds them), found with str.find: linear, where a regex rescans the rest of the text from
+    every unclosed opening."""
+    bodies = []
+    pos = 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if end < 0:          # no later opening is closed either
+            break
+        bodies.append(text[start + len(TOOL_CALL_OPEN): end])
+        pos = end + len(TOOL_CALL_CLOSE)
+    return bodies
+
+
 def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | ToolCallError]:
     """Every complete `<tool_call>…</tool_call>` in `text`, in order, parsed; an unclosed one is not a call.
 
     The body must be a JSON object with a string `name` of a configured tool and an object
     `arguments` (a JSON string holding an object is accepted too, as some models write it).
+    Never raises for any text: a call that cannot be read (not JSON, past MAX_CALL_JSON_DEPTH or
+    MAX_CALL_INT_DIGITS, NaN/Infinity) is a ToolCallError saying why.
     """
     calls: list[ToolCall | ToolCallError] = []
-    for body in _TOOL_CALL_RE.findall(text):
+    for body in _call_bodies(text):
         try:
-            obj = json.loads(body)
-        except (json.JSONDecodeError, RecursionError) as err:
-            msg = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
-            calls.append(ToolCallError(f"Error: the tool call is not valid JSON ({msg}); write "
+            obj = _loads(body)
+        except _BadJSON as err:
+            calls.append(ToolCallError(f"Error: the tool call is not valid JSON ({err}); write "
                                        f'{{"name": <tool name>, "arguments": {{...}}}} inside <tool_call></tool_call>.'))
             continue
         name = obj.get("name") if isinstance(obj, dict) else None
@@ -261,20 +343,24 @@ def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | To
                                        tool=UNKNOWN_TOOL))
             continue
         arguments = obj.get("arguments", {})
+        reason = ""
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
+                arguments = _loads(arguments)
+            except _BadJSON as err:
+                arguments, reason = None, "" if isinstance(err.__cause__, json.JSONDecodeError) else f" ({err})"
         if not isinstance(arguments, dict):
-            calls.append(ToolCallError(f'Error: the "arguments" of tool {name!r} must be a JSON object.', tool=name))
+            calls.append(ToolCallError(f'Error: the "arguments" of tool {name!r} must be a JSON object{reason}.',
+                                       tool=name))
             continue
         calls.append(ToolCall(name=name, arguments=arguments))
     return calls
 
 
 def has_answer(text: str) -> bool:
-    return _ANSWER_RE.search(text) is not None
+    """True when `text` holds a complete `<answer>…</answer>` (str.find: linear in the text)."""
+    start = text.find(ANSWER_OPEN)
+    return start >= 0 and text.find(ANSWER_CLOSE, start + len(ANSWER_OPEN)) >= 0
 
 
 def search_queries(call: ToolCall) -> list[str] | None:
@@ -411,7 +497,7 @@ class ChatFraming:
 
 
 __all__ = [
-    "BAD_QUERY_LIST_TEXT", "NO_RESULTS_TEXT", "SEARCH_TOOL_CLASSES", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN",
+    "BAD_QUERY_LIST_TEXT", "MAX_CALL_INT_DIGITS", "MAX_CALL_JSON_DEPTH", "NO_RESULTS_TEXT", "SEARCH_TOOL_CLASSES", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN",
     "TOOL_FORMATS", "TRUNCATE_SIDES", "UNKNOWN_TOOL", "ChatFraming", "SearchToolSettings", "ToolCall", "ToolCallError",
     "ToolConfig", "has_answer", "load_tool_config", "parse_tool_config", "parse_tool_calls", "render_bad_query_list",
     "render_call_error", "render_passages", "render_search_error", "render_search_results", "search_queries",

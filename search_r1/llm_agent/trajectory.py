@@ -99,6 +99,11 @@ def rollout_statistics(rows: Sequence[_Row], stats: Counter[str], timing: dict[s
         # Per tool: tools/<name>/{calls, errors, latency_ms} (errors: malformed or over-budget calls
         # and failed answers; calls of a name no tool has count under tools/_unknown).
         "tool_stats": {k: float(v) for k, v in sorted(stats.items()) if k.startswith("tools/")},
+        # Rows whose turn raised unexpectedly (a bug or an unmapped backend error): that row got an error
+        # observation and went on; by exception type, the messages are in the log.
+        "row_errors": int(stats["row_errors"]),
+        "row_error_types": {k.removeprefix("row_errors/"): int(v) for k, v in sorted(stats.items())
+                            if k.startswith("row_errors/")},
         "generated_tokens": int(stats["generated_tokens"]),
         "kept_tokens": int(stats["kept_tokens"]),
         "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},
