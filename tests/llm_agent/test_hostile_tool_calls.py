@@ -259,6 +259,10 @@ def test_an_unexpected_exception_answering_one_row_is_that_rows_counted_error(
     meta = out.meta_info
     assert meta["row_errors"] == 1 and meta["row_error_types"] == {"KeyError": 1}
     assert meta["tool_stats"]["tools/search/errors"] == 1.0 and meta["stop_reasons"][actions.ANSWERED] == 2
+    # ... and the trainer logs it
+    from verl.trainer.ppo.metric_utils import compute_env_metrics
+    metrics = compute_env_metrics(meta)
+    assert metrics["env/row_errors"] == 1.0 and metrics["env/row_errors/KeyError"] == 1.0
 
 
 # --- observations: a page's special-token text is text, not a control token ------------------------

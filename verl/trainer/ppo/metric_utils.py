@@ -196,10 +196,13 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
     for key in ("open_not_found", "open_failures"):
         if key in meta_info:
             metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
-    for key in ("search_failures", "obs_truncated", "context_cuts",
+    for key in ("search_failures", "obs_truncated", "context_cuts", "row_errors",
                 "tool_calls", "tool_call_errors", "tool_response_truncated"):   # (the last three: tool protocol)
         if key in meta_info:
             metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
+    for name, count in (meta_info.get("row_error_types") or {}).items():
+        # a row whose turn raised got an error observation instead (the batch went on): by exception type
+        metrics[f"env/row_errors/{name}"] = float(count)
     if "search_failures" in meta_info and "valid_search_stats" in meta_info:
         # valid_search_stats counts every search a row made, failed ones included
         searches = float(np.asarray(meta_info["valid_search_stats"], dtype=np.float64).sum())
