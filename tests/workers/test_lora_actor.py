@@ -181,3 +181,47 @@ def test_lora_actor_trains_only_the_adapter_and_the_reference_is_the_base(vllm_m
             close_group(wg, pool)
         if group2 is not None:
             close_group(*group2)
+
+
+@pytest.mark.slow   # two Ray CPU workers, HF engine: ~1 min on a 2-core CPU
+def test_a_continued_peft_adapter_is_the_policy_and_with_start_adapter_the_reference(tiny_model_dir, ray_cluster,
+                                                                                    tmp_path):
+    """lora_adapter_path with an rsLoRA + DoRA adapter PEFT saved: the workers' policy at step 0 is
+    PeftModel.from_pretrained's, and with ref.lora_reference=start_adapter the reference log-probs are the
+    starting policy's, before and after updates (base: the raw base, tested above)."""
+    from peft import PeftModel
+
+    from tests.utils.test_lora_saved import save_peft_adapter
+
+    adapter = tmp_path / "sft"
+    save_peft_adapter(tiny_model_dir, adapter, r=4, lora_alpha=8, use_rslora=True, use_dora=True,
+                      target_modules="all-linear")
+    cfg = lora_config(tiny_model_dir, **{"actor_rollout_ref.model.lora_adapter_path": str(adapter),
+                                         "actor_rollout_ref.ref.lora_reference": "start_adapter",
+                                         "actor_rollout_ref.rollout.name": "hf"})
+    wg, pool = make_group(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor_rollout_ref")
+    try:
+        data = fixed_batch(tiny_model_dir)
+        old = wg.compute_log_prob(data).batch[K.OLD_LOG_PROBS]
+        ref = wg.compute_ref_log_prob(data).batch[K.REF_LOG_PROB]
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                                                    dtype=torch.float32), str(adapter))
+        peft_actor = DataParallelPPOActor(copy.deepcopy(cfg.actor_rollout_ref.actor), peft_model, None,
+                                          use_remove_padding=True)
+        expected = peft_actor.compute_log_prob(DataProto(batch=data.batch.clone(), meta_info={
+            K.META_TEMPERATURE: 1.0, K.META_MICRO_BATCH_SIZE: 4, K.META_USE_DYNAMIC_BSZ: False}))[0]
+        torch.testing.assert_close(old, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)   # step 0: the reference is the starting policy
+        assert float((ref - base_log_probs(tiny_model_dir, cfg, data)).abs().max()) > 1e-2   # not the raw base
+
+        data.batch[K.OLD_LOG_PROBS] = old
+        data.batch[K.REF_LOG_PROB] = ref
+        for _ in range(2):
+            wg.update_actor(data)
+        new_old = wg.compute_log_prob(data).batch[K.OLD_LOG_PROBS]
+        new_ref = wg.compute_ref_log_prob(data).batch[K.REF_LOG_PROB]
+        torch.testing.assert_close(new_ref, ref, rtol=0, atol=1e-6)   # still the adapter the run started from
+        assert float((new_old - new_ref).abs().max()) > 1e-3          # the policy moved; the swap put it back
+        torch.testing.assert_close(wg.compute_log_prob(data).batch[K.OLD_LOG_PROBS], new_old, rtol=0, atol=0)
+    finally:
+        close_group(wg, pool)

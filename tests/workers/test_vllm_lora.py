@@ -199,10 +199,13 @@ def test_lora_sync_key_is_checked_and_names_itself() -> None:
     assert _checked() == [] and _checked(**{"actor_rollout_ref.rollout.lora_sync": "merged"}) == []
     bad = _checked(**{"actor_rollout_ref.rollout.lora_sync": "full"})
     assert len(bad) == 1 and "actor_rollout_ref.rollout.lora_sync='full' must be one of ['adapter', 'merged']" in bad[0]
-    head = _checked(**{"actor_rollout_ref.model.target_modules": ["q_proj", "lm_head"]})
-    assert len(head) == 1 and "['lm_head']" in head[0] and "lora_sync=merged" in head[0]
-    assert _checked(**{"actor_rollout_ref.model.target_modules": ["q_proj", "lm_head"],
-                       "actor_rollout_ref.rollout.lora_sync": "merged"}) == []
+    # LoRA on lm_head is refused in every mode (merged crashes too: tests/utils/test_lora_saved.py), not
+    # sent to lora_sync=merged
+    for mode in ("adapter", "merged"):
+        head = _checked_all(**{"actor_rollout_ref.model.target_modules": ["q_proj", "lm_head"],
+                               "actor_rollout_ref.rollout.lora_sync": mode})
+        assert len(head) == 1 and "['lm_head']" in head[0] and "is not supported" in head[0]
+        assert "lora_sync=merged" not in head[0]
     too_big = _checked(**{"actor_rollout_ref.model.lora_rank": 1024})
     assert len(too_big) == 1 and "up to 512" in too_big[0]
 
@@ -224,20 +227,26 @@ def test_a_continued_adapter_is_checked_by_its_own_config_in_adapter_mode(tmp_pa
         return _checked(**{"actor_rollout_ref.model.lora_adapter_path": path, **overrides})
 
     assert errors(_saved_adapter(tmp_path / "good")) == []
+    # an adapter on lm_head is refused in every mode, naming the file (tests/utils/test_lora_saved.py)
     head = _saved_adapter(tmp_path / "head", target_modules=["q_proj", "lm_head"])
-    (err,) = errors(head)
-    assert f"lora_adapter_path={head!r}" in err and os.path.join(head, ADAPTER_CONFIG) in err
-    assert "['lm_head']" in err and "actor_rollout_ref.rollout.lora_sync=adapter" in err and "lora_sync=merged" in err
-    assert errors(head, **{"actor_rollout_ref.rollout.lora_sync": "merged"}) == []   # merged serves it
-    assert errors(head, **{"actor_rollout_ref.rollout.name": "hf"}) == []
+    for mode in ("adapter", "merged"):
+        (err,) = _checked_all(**{"actor_rollout_ref.model.lora_adapter_path": head,
+                                 "actor_rollout_ref.rollout.lora_sync": mode})
+        assert f"lora_adapter_path={head!r}" in err and os.path.join(head, ADAPTER_CONFIG) in err
+        assert "['lm_head']" in err and "is not supported" in err and "lora_sync=merged" not in err
     # rollout.name=auto is the HF loop on CPU workers (nothing for vLLM to refuse), vLLM on GPUs
-    auto = {"actor_rollout_ref.rollout.name": "auto", "actor_rollout_ref.model.lora_adapter_path": head}
+    dora = _saved_adapter(tmp_path / "dora", use_dora=True)
+    auto = {"actor_rollout_ref.rollout.name": "auto", "actor_rollout_ref.model.lora_adapter_path": dora}
     assert _checked(False, **auto) == [] and len(_checked(True, **auto)) == 1
+    assert errors(dora, **{"actor_rollout_ref.rollout.lora_sync": "merged"}) == []   # merged serves DoRA
     bad = _saved_adapter(tmp_path / "bad", modules_to_save=["score"], use_dora=True, lora_bias=True, r=1024)
-    found = errors(bad)
-    assert len(found) == 4 and all("lora_adapter_path" in e and "lora_sync" in e for e in found)
-    for word in ("r=1024", "modules_to_save=['score']", "use_dora=true", "lora_bias=true"):
-        assert sum(word in e for e in found) == 1, word
+    found = _checked_all(**{"actor_rollout_ref.model.lora_adapter_path": bad})
+    assert len(found) == 4 and all("lora_adapter_path" in e for e in found)
+    # vLLM's limits name lora_sync; modules_to_save and lora_bias are refused in every mode
+    for word, names_sync in (("r=1024", True), ("use_dora=true", True), ("modules_to_save=['score']", False),
+                             ("lora_bias=True", False)):
+        (hit,) = [e for e in found if word in e]
+        assert ("lora_sync" in hit) == names_sync, hit
     # the config's own rank is not what the engine loads when continuing: only the saved r counts
     assert errors(_saved_adapter(tmp_path / "good"), **{"actor_rollout_ref.model.lora_rank": 1024}) == []
     broken = tmp_path / "broken"

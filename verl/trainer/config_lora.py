@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import re
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig
+
+logger = logging.getLogger(__name__)
 
 LORA_KEY = "actor_rollout_ref.model"
 
@@ -62,6 +66,8 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
         errors.append(f"{LORA_KEY}.lora_alpha={alpha!r} must be a number > 0")
     _module_names(model.get("target_modules"), f"{LORA_KEY}.target_modules", errors, allow_null=False)
     _module_names(model.get("exclude_modules"), f"{LORA_KEY}.exclude_modules", errors, allow_null=True)
+    if not adapter_path:   # a continued adapter's own target_modules win (_check_saved_adapter)
+        errors.extend(_embedding_targets(model.get("target_modules")))
     if adapter_path:
         from verl.utils.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -79,7 +85,51 @@ def check_lora(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[str]:
     if importlib.util.find_spec("peft") is None:
         errors.append(f"{LORA_KEY}.lora_rank={rank} needs Hugging Face PEFT, which is not installed: "
                       "`pip install peft -c requirements-lock.txt`")
+    errors.extend(_check_lora_reference(cfg, adapter_path))
     return errors
+
+
+def _embedding_targets(target: Any) -> list[str]:
+    """LoRA on embed_tokens / lm_head, refused in every mode (verl/utils/lora.py, EMBEDDING_MODULES); a
+    pattern string is checked against their usual full names (injection refuses any other match)."""
+    from verl.utils.lora import EMBEDDING_MODULES, EMBEDDING_REASON
+
+    if isinstance(target, str):
+        if target == "all-linear":   # PEFT leaves the output head out of all-linear
+            return []
+        try:
+            hit = [n for n in ("model.embed_tokens", "lm_head") if re.fullmatch(target, n)]
+        except re.error:
+            return []   # PEFT reports a bad pattern at injection
+    else:
+        hit = [n for n in (target or []) if isinstance(n, str) and n.rsplit(".", 1)[-1] in EMBEDDING_MODULES]
+    if not hit:
+        return []
+    return [f"{LORA_KEY}.target_modules={target!r} adapts {sorted(hit)}: {EMBEDDING_REASON}"]
+
+
+REFERENCE_KEY = "actor_rollout_ref.ref.lora_reference"
+LORA_REFERENCES = ("base", "start_adapter")
+
+
+def _check_lora_reference(cfg: DictConfig, adapter_path: Any) -> list[str]:
+    """actor_rollout_ref.ref.lora_reference; a start-up warning where the KL reference is the raw base while
+    the policy starts from a saved adapter (veRL's behaviour too)."""
+    reference = cfg.actor_rollout_ref.ref.get("lora_reference", "base")
+    if reference not in LORA_REFERENCES:
+        return [f"{REFERENCE_KEY}={reference!r} must be one of {list(LORA_REFERENCES)} (base: the model without "
+                "its adapter; start_adapter: the adapter of lora_adapter_path, frozen)"]
+    if reference == "start_adapter" and not adapter_path:
+        return [f"{REFERENCE_KEY}=start_adapter needs {LORA_KEY}.lora_adapter_path (without it the starting "
+                "adapter is the base model: lora_B starts at zero); use lora_reference=base"]
+    uses_reference = cfg.actor_rollout_ref.actor.get("use_kl_loss", False) or cfg.algorithm.get("use_kl_in_reward",
+                                                                                                 False)
+    if adapter_path and reference == "base" and uses_reference:
+        logger.warning("%s.lora_adapter_path=%s with %s=base: the KL reference is the base model WITHOUT the "
+                       "adapter you continue from (veRL does the same), so the KL term pulls the policy back "
+                       "towards the raw base; set %s=start_adapter to measure KL against the starting adapter",
+                       LORA_KEY, adapter_path, REFERENCE_KEY, REFERENCE_KEY)
+    return []
 
 
 SYNC_KEY = "actor_rollout_ref.rollout.lora_sync"
@@ -94,10 +144,11 @@ def _serves_adapter(cfg: DictConfig, has_gpu: bool | None = None) -> bool:
 
 
 def _check_saved_adapter(cfg: DictConfig, adapter_path: str, has_gpu: bool | None = None) -> list[str]:
-    """The continued adapter's own adapter_config.json (what the engine will load) under the adapter-mode
+    """The continued adapter's own adapter_config.json: the fields the actor's loader cannot rebuild
+    (verl/utils/lora.py, saved_adapter_errors), then what the engine will load under the adapter-mode
     rules: vLLM refuses these only at its first add_lora, after every rank has built its engine."""
-    from verl.utils.lora import ADAPTER_CONFIG
-    from verl.workers.rollout.vllm_lora import VLLM_LORA_RANKS, VLLM_UNSERVED_MODULES
+    from verl.utils.lora import ADAPTER_CONFIG, saved_adapter_errors
+    from verl.workers.rollout.vllm_lora import VLLM_LORA_RANKS
 
     path = os.path.join(adapter_path, ADAPTER_CONFIG)
     key = f"{LORA_KEY}.lora_adapter_path"
@@ -111,31 +162,25 @@ def _check_saved_adapter(cfg: DictConfig, adapter_path: str, has_gpu: bool | Non
                 "(global_step_N/hf) or PeftModel.save_pretrained wrote"]
     if str(saved.get("peft_type", "LORA")).upper() != "LORA":
         return [f"{key}={adapter_path!r}: {path} has peft_type={saved.get('peft_type')!r}, not a LoRA adapter"]
+    # what the actor's loader cannot rebuild as PeftModel.from_pretrained would, in every mode
+    errors = saved_adapter_errors(saved, f"{key}={adapter_path!r} ({path})")
     if not _serves_adapter(cfg, has_gpu):
-        return []
+        return errors
     fix = f"set {SYNC_KEY}=merged (full merged weights after each update) or continue from another adapter"
     where = f"{key}={adapter_path!r} ({path}) with {SYNC_KEY}=adapter"
-    errors = []
     rank = saved.get("r")
-    if isinstance(rank, int) and rank > VLLM_LORA_RANKS[-1]:
-        errors.append(f"{where}: its r={rank}, and vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; {fix}")
-    target = saved.get("target_modules")
-    names = [target] if isinstance(target, str) else list(target or [])
-    unserved = sorted(n for n in names if isinstance(n, str) and n.rsplit(".", 1)[-1] in VLLM_UNSERVED_MODULES)
-    if unserved:
-        errors.append(f"{where}: its target_modules hold {unserved}, which vLLM's LoRA does not serve; {fix}")
-    if saved.get("modules_to_save"):
-        errors.append(f"{where}: its modules_to_save={saved['modules_to_save']!r} (fully trained modules), which "
-                      f"vLLM's LoRA does not load; {fix}")
-    for flag in ("use_dora", "lora_bias"):
-        if saved.get(flag):
-            errors.append(f"{where}: its {flag}=true, which vLLM's LoRA does not serve; {fix}")
+    ranks = [rank, *(saved.get("rank_pattern") or {}).values()]
+    if all(isinstance(r, int) for r in ranks) and max(ranks) > VLLM_LORA_RANKS[-1]:
+        pattern = f" (rank_pattern up to {max(ranks)})" if max(ranks) != rank else ""
+        errors.append(f"{where}: its r={rank}{pattern}, and vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; {fix}")
+    if saved.get("use_dora"):
+        errors.append(f"{where}: its use_dora=true, which vLLM's LoRA does not serve; {fix}")
     return errors
 
 
 def _check_lora_sync(cfg: DictConfig, rank: int, has_gpu: bool | None = None) -> list[str]:
     """actor_rollout_ref.rollout.lora_sync: its value, and what the adapter path's vLLM cannot serve."""
-    from verl.workers.rollout.vllm_lora import LORA_SYNC_MODES, VLLM_LORA_RANKS, VLLM_UNSERVED_MODULES
+    from verl.workers.rollout.vllm_lora import LORA_SYNC_MODES, VLLM_LORA_RANKS
 
     key = SYNC_KEY
     mode = cfg.actor_rollout_ref.rollout.get("lora_sync", "adapter")
@@ -148,10 +193,4 @@ def _check_lora_sync(cfg: DictConfig, rank: int, has_gpu: bool | None = None) ->
     if rank > VLLM_LORA_RANKS[-1]:
         errors.append(f"{LORA_KEY}.lora_rank={rank} with {key}=adapter: vLLM serves LoRA ranks up to "
                       f"{VLLM_LORA_RANKS[-1]}; set {key}=merged")
-    target = cfg.actor_rollout_ref.model.get("target_modules")
-    names = [target] if isinstance(target, str) else list(target or [])
-    unserved = [n for n in names if isinstance(n, str) and n.rsplit(".", 1)[-1] in VLLM_UNSERVED_MODULES]
-    if unserved:
-        errors.append(f"{LORA_KEY}.target_modules={names!r} with {key}=adapter: vLLM's LoRA does not serve "
-                      f"{unserved}; set {key}=merged (full merged weights after each update) or leave them out")
     return errors

@@ -1,19 +1,21 @@
 """LoRA in ActorRolloutRefWorker (verl/workers/fsdp_workers.py), `actor_rollout_ref.model.lora_rank > 0`:
 the actor trains PEFT-style adapters over a frozen base (verl/utils/lora.py); the reference is the
-same module with its adapters off (no second model); a colocated vLLM engine gets either the adapter
+same module with its adapters off, or with the starting adapter swapped in (`ref.lora_reference`; no
+second model either way); a colocated vLLM engine gets either the adapter
 alone (`rollout.lora_sync=adapter`, served over the base it loaded once) or the merged weights.
 A pipeline's push picks its tensors in verl/workers/lora_push.py.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from verl.protocol import DataProto
 from verl.single_controller.base.decorator import Dispatch, register
-from verl.utils.lora import LoraSpec, adapter_disabled, adapter_state, merged_state
+from verl.utils.lora import FrozenAdapter, LoraSpec, adapter_disabled, adapter_state, merged_state
 
 
 class LoraRole:
@@ -21,6 +23,7 @@ class LoraRole:
     and rollout; `lora` is the actor's LoraSpec (None without LoRA)."""
 
     lora: LoraSpec | None = None
+    _start_adapter: FrozenAdapter | None = None   # ref.lora_reference=start_adapter, read at the first pass
 
     def _init_lora(self, model_cfg: Any) -> None:
         """In init_model, before the actor is built: PEFT's adapters in the actor; none elsewhere."""
@@ -28,12 +31,20 @@ class LoraRole:
 
     def _base_ref_log_prob(self, data: DataProto) -> torch.Tensor:
         """The reference's log-probs of a LoRA actor: no reference weights, the actor's base model with
-        its adapter bypassed."""
+        its adapter bypassed (ref.lora_reference=base), or with lora_adapter_path's adapter swapped in
+        (start_adapter)."""
         self._onload(self.actor_module, None, self.config.actor.fsdp_config)
-        with adapter_disabled(self.actor_module):
+        with self._lora_reference():
             log_probs, _ = self.actor.compute_log_prob(data)
         self._offload(self.actor_module, None, self.config.actor.fsdp_config)
         return log_probs
+
+    def _lora_reference(self) -> AbstractContextManager[None]:
+        if self.config.ref.get("lora_reference", "base") != "start_adapter":
+            return adapter_disabled(self.actor_module)
+        if self._start_adapter is None:   # from the file: a resumed run's reference is still its start
+            self._start_adapter = FrozenAdapter(self.lora, self.actor_module)
+        return self._start_adapter.swapped_in(self.actor_module)
 
     def _sync_lora_rollout(self) -> bool:
         """A colocated engine's weight load with LoRA (the actor onloaded); False without LoRA (the caller

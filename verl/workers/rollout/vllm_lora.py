@@ -32,8 +32,6 @@ logger = logging.getLogger(__name__)
 LORA_SYNC_MODES = ("adapter", "merged")
 # The ranks vLLM 0.32's LoRAConfig.max_lora_rank accepts (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Modules PEFT may target that vLLM's LoRA does not serve for a causal LM (use lora_sync=merged).
-VLLM_UNSERVED_MODULES = ("embed_tokens", "lm_head")
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -58,7 +56,7 @@ def lora_sync_mode(rollout_cfg: Any, lora: LoraSpec | None) -> str | None:
 def lora_engine_args(lora: LoraSpec) -> dict[str, Any]:
     """The `vllm.LLM` arguments that let the engine serve the actor's adapter (one at a time)."""
     # every request carries the adapter: no second set of CUDA graphs captured for LoRA-free batches
-    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank), "max_loras": 1,
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.max_rank), "max_loras": 1,
             "compilation_config": {"cudagraph_specialize_lora": False}}
 
 
