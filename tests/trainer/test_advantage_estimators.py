@@ -287,7 +287,7 @@ def test_dr_grpo_is_the_centred_score() -> None:
 
 
 def test_gpgs_alpha_is_the_papers_where_veRLs_nonzero_count_differs() -> None:
-    """docs/algorithms.md's example: groups [1,0,0], [0,0,0], [1,1,0]. The paper's alpha = B / (B - M) =
+    """The example in docs/algorithms.md (GPG): groups [1,0,0], [0,0,0], [1,1,0]. The paper's alpha = B / (B - M) =
     9 / 6 (M: the all-equal group's 3 rows); veRL's B / (nonzero scores) would be 9 / 3."""
     scores_B = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0])
     index = np.array(["a"] * 3 + ["b"] * 3 + ["c"] * 3, dtype=object)
