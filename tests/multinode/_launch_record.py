@@ -69,7 +69,9 @@ def run_recorded(script: str, tmp_path: Path, env: dict[str, str] | None = None,
     run_env = {k: v for k, v in os.environ.items() if k not in _DROP}
     path = os.environ["PATH"] if not real_python else f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"
     run_env.update(PATH=f"{fake_bin}:{path}", REC_DIR=str(rec), EXPERIMENT_NAME=str(tmp_path / "exp"),
-                   SEARCH_R1_VENV=str(REPO / ".venv") if real_python else str(fake_venv), SEARCH_R1_DIR=str(REPO))
+                   SEARCH_R1_VENV=str(REPO / ".venv") if real_python else str(fake_venv), SEARCH_R1_DIR=str(REPO),
+                   # an active venv: scripts/use_venv.sh then leaves PATH as it is (the stand-in python3 first)
+                   VIRTUAL_ENV=str(REPO / ".venv") if real_python else str(fake_venv))
     run_env.update(env or {})
     proc = subprocess.run(["bash", str(REPO / script), *args], env=run_env, capture_output=True, text=True,
                           timeout=300, cwd=REPO)
