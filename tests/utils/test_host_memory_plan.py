@@ -46,6 +46,18 @@ def _shape() -> ModelShape:
     return ModelShape.from_config(read_model_config(QWEN_7B)[0])
 
 
+def test_the_reference_is_offloaded_in_the_dtype_it_is_built_in() -> None:
+    """bf16 on GPU workers (half an fp32 copy: 7B over 16 ranks, 8 of them on the node), fp32 on CPU workers."""
+    cfg = _cfg(*OFFLOADED)
+    p, _ = _shape().causal_lm()
+    gpu = {m.name: m.param_bytes for m in _models(cfg, None, None)}
+    cpu = {m.name: m.param_bytes for m in _models(cfg, None, None, cpu_workers=True)}
+    assert gpu == {"actor": 4, "reference": 2, "critic": 4} and cpu == {"actor": 4, "reference": 4, "critic": 4}
+    training = {ph.name: ph for ph in plan_host_memory(cfg).phases}["training"].certain
+    assert training["reference params offloaded (bf16 shard x 8 ranks)"] * 2 == \
+        training["actor params offloaded (fp32 shard x 8 ranks)"] == 8 * -(-4 * p // 16)
+
+
 def test_offloaded_shards_of_the_nodes_ranks_are_its_host_memory_and_gradients_never_are() -> None:
     plan = plan_host_memory(_cfg(*OFFLOADED))
     phases = {p.name: p for p in plan.phases}
@@ -55,7 +67,8 @@ def test_offloaded_shards_of_the_nodes_ranks_are_its_host_memory_and_gradients_n
     shard = -(-4 * p // 16)                                   # fp32 over the 16 ranks of 2 nodes
     training = phases["training"].certain
     assert training["actor params offloaded (fp32 shard x 8 ranks)"] == 8 * shard
-    assert training["reference params offloaded (fp32 shard x 8 ranks)"] == 8 * shard
+    # the reference is built in bf16 on GPU workers (verl/utils/model.py frozen_weight_dtype): half the actor's
+    assert training["reference params offloaded (bf16 shard x 8 ranks)"] == 8 * -(-2 * p // 16)
     assert training["actor AdamW state offloaded (shard x 8 ranks)"] == 8 * -(-adamw_state_bytes(p, t) // 16)
     assert training["critic AdamW state offloaded (shard x 8 ranks)"] == 8 * -(-adamw_state_bytes(cp, ct) // 16)
     # grad_offload=true moves nothing: every step ends with zero_grad(set_to_none=True)

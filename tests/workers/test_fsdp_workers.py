@@ -189,3 +189,29 @@ def test_colocated_critic_fits_returns_beside_the_actor(tiny_model_dir, ray_clus
     finally:
         wg_dict.shutdown()
         pool.release()
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cuda", torch.bfloat16), ("cpu", torch.float32)])
+def test_the_reference_is_built_in_bf16_on_gpus_and_fp32_on_cpu(tiny_model_dir, device, dtype):
+    """What the worker hands its sharded loader for the reference, on the meta device (no GPU needed):
+    on CUDA the parameters in bf16, the dtype FSDP2 computes in (not an fp32 copy of weights nobody
+    trains), the rotary buffers still fp32; frozen either way."""
+    from types import SimpleNamespace
+
+    from verl.utils.sharded_init import parameters_on_meta
+
+    built = {}
+
+    def load_sharded(build, model_cfg, trainable):
+        with parameters_on_meta():
+            built["module"] = build()
+        built["trainable"] = trainable
+        return built["module"]
+
+    worker = SimpleNamespace(device=device, _load_sharded=load_sharded)
+    model_cfg = OmegaConf.create({"path": tiny_model_dir})
+    ref = ActorRolloutRefWorker._build_reference(worker, model_cfg, None, False)
+    assert ref is built["module"] and built["trainable"] is False
+    assert {p.dtype for p in ref.parameters()} == {dtype}
+    assert {p.device.type for p in ref.parameters()} == {"meta"}
+    assert {b.dtype for b in ref.buffers()} == {torch.float32}

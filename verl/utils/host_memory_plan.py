@@ -15,7 +15,8 @@ export. What a node's host holds, per phase, for its `n_gpus_per_node` worker ra
   in the stored dtype, on the host). No rank holds the whole model. The models are built one after the
   other; the offloaded shards of all of them are counted throughout.
 - training (between calls and during them): what `fsdp_config.*_offload` keeps on the host, for every
-  training rank of the node: fp32 parameter shards (param_offload) and AdamW state (optimizer_offload;
+  training rank of the node: parameter shards (param_offload: fp32, the reference's bf16 on GPU
+  workers) and AdamW state (optimizer_offload;
   AdamW creates it at the first step, this is after it). Gradients never: every step ends with
   `zero_grad(set_to_none=True)`, so grad_offload has nothing to move. vLLM's sleep between rollouts
   (verl/workers/rollout/vllm_rollout.py): without LoRA's adapter sync at level 2, no weights on the
@@ -56,6 +57,7 @@ from verl.utils.memory_plan import (
     BF16,
     FP32,
     GIB,
+    REF_BYTES,
     ModelShape,
     Phase,
     _shard,
@@ -115,9 +117,11 @@ class _Model:
     stored: int                 # bytes per element on disk
     param_offload: bool
     optimizer_offload: bool     # False for the reference (no optimizer)
+    param_bytes: int = FP32     # bytes per parameter element: fp32 masters; the reference bf16 on GPU workers
 
 
-def _models(cfg: Any, model_config: dict[str, Any] | None, critic_config: dict[str, Any] | None) -> list[_Model]:
+def _models(cfg: Any, model_config: dict[str, Any] | None, critic_config: dict[str, Any] | None,
+            cpu_workers: bool = False) -> list[_Model]:
     from verl.trainer.run_config import Algorithm
 
     algorithm = Algorithm.from_config(cfg)
@@ -130,8 +134,9 @@ def _models(cfg: Any, model_config: dict[str, Any] | None, critic_config: dict[s
     models = [_Model("actor", shape, p, t, stored_bytes(model_config), bool(afs.param_offload),
                      bool(afs.optimizer_offload))]
     if algorithm.need_reference_policy:
+        # the reference's parameters: bf16 on GPU workers (model.frozen_weight_dtype), fp32 on CPU ones
         models.append(_Model("reference", shape, p, t, stored_bytes(model_config),
-                             bool(arr.ref.fsdp_config.param_offload), False))
+                             bool(arr.ref.fsdp_config.param_offload), False, FP32 if cpu_workers else REF_BYTES))
     if algorithm.need_critic:
         if critic_config is None:
             critic_config, _ = read_model_config(str(cfg.critic.model.path))
@@ -161,7 +166,9 @@ def _offloaded(models: list[_Model], world: int, ranks: int, with_optimizer: boo
         if m.name == skip:
             continue
         if m.param_offload:
-            out[f"{m.name} params offloaded (fp32 shard x {ranks} ranks)"] = ranks * _shard(FP32 * m.params, world)
+            dtype = "fp32" if m.param_bytes == FP32 else "bf16"
+            out[f"{m.name} params offloaded ({dtype} shard x {ranks} ranks)"] = \
+                ranks * _shard(m.param_bytes * m.params, world)
         if with_optimizer and m.optimizer_offload:
             out[f"{m.name} AdamW state offloaded (shard x {ranks} ranks)"] = \
                 ranks * _shard(adamw_state_bytes(m.params, m.tensors), world)
@@ -325,7 +332,7 @@ def plan_host_memory(cfg: Any, model_config: dict[str, Any] | None = None, criti
     from verl.trainer.run_config import Pools
 
     pools = Pools.from_config(cfg)
-    models = _models(cfg, model_config, critic_config)
+    models = _models(cfg, model_config, critic_config, cpu_workers)
     world = pools.world_size
     ranks, rollout_ranks = node_ranks(cfg)
     actor = models[0]

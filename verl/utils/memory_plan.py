@@ -4,9 +4,10 @@
     plan.phase_gib()                     # {"actor_update": 41.2, ...} GiB per GPU
     plan.largest()                       # ("rollout", 52.0)
 
-What the workers hold (verl/workers/fsdp_workers.py, verl/utils/fsdp_utils.py): actor, reference
-and critic are loaded in fp32 and sharded with FSDP2 over all workers (bf16 compute, fp32 master
-copy); AdamW keeps two fp32 states per parameter plus one fp32 `step` tensor per parameter tensor.
+What the workers hold (verl/workers/fsdp_workers.py, verl/utils/fsdp_utils.py): actor and critic
+are loaded in fp32 and sharded with FSDP2 over all workers (bf16 compute, fp32 master copy); the
+reference, which nobody trains, in bf16 (`model.frozen_weight_dtype`: the dtype it computes in, no
+master copy); AdamW keeps two fp32 states per parameter plus one fp32 `step` tensor per parameter tensor.
 A model whose `fsdp_config.*_offload` is set lives on the host between calls and is loaded onto the
 GPU for its own phase (`_onload` / `_offload`): offload lowers what the *other* phases see, not its own.
 
@@ -55,6 +56,9 @@ ADAM_STATES_PER_PARAM, ADAM_STEP_BYTES = 2, 4
 ACT_FACTOR_H, ACT_FACTOR_I = 10, 4
 # The update's optimizer step (foreach AdamW): the fp32 temporary `_foreach_sqrt(exp_avg_sqs)`, one per parameter.
 ADAM_STEP_TEMPORARIES = 1
+# The reference policy's parameters on a GPU: bf16 (verl/utils/model.py frozen_weight_dtype).
+REF_BYTES = BF16
+REF_PARAMS = "reference params (bf16 shard)"
 # vLLM pads the vocabulary of its embeddings and LM head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE).
 VLLM_VOCAB_PADDING = 64
 
@@ -382,7 +386,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     if not afs.optimizer_offload:
         resident["actor AdamW state (shard)"] = actor_optim
     if with_ref_weights and not arr.ref.fsdp_config.param_offload:
-        resident["reference params (fp32 shard)"] = _shard(FP32 * p, world)
+        resident[REF_PARAMS] = _shard(REF_BYTES * p, world)
     if with_critic:
         cfs = cfg.critic.model.fsdp_config
         critic_params = _shard(FP32 * cp, world)
@@ -441,7 +445,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
         ref_tokens, ref_kept = tokens_of(bool(arr.ref.log_prob_use_dynamic_bsz),
                                          int(arr.ref.log_prob_max_token_len_per_gpu),
                                          "actor_rollout_ref.ref.log_prob_micro_batch_size", sp)
-        ref_params = ({"reference params (fp32 shard)": _shard(FP32 * p, world)} if with_ref_weights else
+        ref_params = ({REF_PARAMS: _shard(REF_BYTES * p, world)} if with_ref_weights else
                       {"actor params (fp32 shard)": actor_params})   # LoRA: the actor, adapter off
         phases.append(Phase("reference_log_prob", certain={
             **others("reference" if with_ref_weights else "actor params"), **ref_params,

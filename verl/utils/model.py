@@ -74,13 +74,23 @@ def load_causal_lm(path: str, override_config: Any = None, dtype: torch.dtype = 
 
 
 def build_causal_lm(path: str, override_config: Any = None, attn_implementation: str | None = None,
-                    use_remove_padding: bool = False) -> nn.Module:
-    """The policy's architecture in fp32 with its constructor's weights (none under
-    `sharded_init.parameters_on_meta`): the checkpoint is loaded separately."""
+                    use_remove_padding: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The policy's architecture with its parameters in `dtype` (fp32: the actor's master weights; the
+    reference's: `frozen_weight_dtype`) and its constructor's weights (none under
+    `sharded_init.parameters_on_meta`): the checkpoint is loaded separately, cast to `dtype`. Buffers
+    keep the dtype the model gives them (the rotary tables stay fp32)."""
     return _instantiate(
         lambda attn: AutoModelForCausalLM.from_config(load_model_config(path, override_config),
-                                                      dtype=torch.float32, **attn),
+                                                      dtype=dtype, **attn),
         attn_implementation, use_remove_padding, ACTOR_PACKING_KEY)
+
+
+def frozen_weight_dtype(device: str) -> torch.dtype:
+    """The dtype of a model nobody trains (the reference policy), as veRL builds it: on CUDA bf16, the
+    dtype FSDP2's mixed precision computes in (fsdp_utils.gpu_mixed_precision), so its forward uses the
+    values an fp32 copy would be cast to, for half the memory and none of an optimizer's need for fp32
+    masters; fp32 on CPU, where the workers compute in fp32."""
+    return torch.bfloat16 if device == "cuda" else torch.float32
 
 
 def _packing_refused_hint(attn_implementation: str, packing_key: str) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from verl.protocol import DataProto
 from verl.single_controller.base.decorator import Dispatch, register
@@ -32,7 +33,7 @@ from verl.utils import batch_keys as K
 from verl.utils import fsdp_utils
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.checkpoint.shared_dir import RankMarker, write_rank_marker
-from verl.utils.model import build_causal_lm, get_model_flops_info
+from verl.utils.model import build_causal_lm, frozen_weight_dtype, get_model_flops_info
 from verl.utils.tokenizer import eos_token_ids
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.critic_worker import CriticWorker
@@ -131,9 +132,7 @@ class ActorRolloutRefWorker(RolloutRole, WeightPushRole, LoraRole, FSDPWorkerBas
         if self._is_ref and self.lora is not None:
             self.ref_policy = self.actor   # compute_ref_log_prob: the actor with its adapter disabled
         elif self._is_ref:
-            self.ref_module = self._load_sharded(
-                lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad),
-                model_cfg, trainable=False)
+            self.ref_module = self._build_reference(model_cfg, attn, use_rmpad)
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.ref_module, None,
                                                    use_remove_padding=use_rmpad, sp_group=self._sp.sp_group)
             self._offload(self.ref_module, None, self.config.ref.fsdp_config)
@@ -147,6 +146,15 @@ class ActorRolloutRefWorker(RolloutRole, WeightPushRole, LoraRole, FSDPWorkerBas
         # rollout ranks (and agree within a tensor-parallel engine, whose ranks must sample the same
         # tokens) and follow the run's seed (rollout.seed defaults to trainer.seed).
         torch.manual_seed(self._sampling_seed())
+
+    def _build_reference(self, model_cfg: Any, attn: str | None, use_rmpad: bool) -> nn.Module:
+        """The frozen reference, sharded, its parameters in `frozen_weight_dtype(device)`: bf16 on GPUs
+        (half an fp32 copy's memory, on the GPU and under ref.param_offload on the host; the same
+        log-probs, FSDP2 computing in bf16 either way), fp32 on CPU."""
+        dtype = frozen_weight_dtype(self.device)
+        return self._load_sharded(
+            lambda: build_causal_lm(model_cfg.path, model_cfg.get("override_config"), attn, use_rmpad, dtype=dtype),
+            model_cfg, trainable=False)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
