@@ -19,8 +19,10 @@ from tests.scripts.demo.test_run_demo import tiny_args
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# A stand-in python3: no GPU (`python3 -c` probe fails), and `python3 -m ...` records its arguments.
+# A stand-in python3: no GPU (`python3 -c` probe fails), every module found (use_venv.sh's `python3 -`
+# lookup prints no missing one), and `python3 -m ...` records its arguments.
 FAKE_PYTHON = """#!/bin/sh
+[ "$1" = "-" ] && exit 0
 [ "$1" = "-m" ] || exit 1
 printf "%s\\n" "$@" > "$REC"
 """
@@ -33,7 +35,8 @@ def demo_argv(script: str, tmp_path: Path, *args: str) -> list[str]:
     (fake_bin / "python3").write_text(FAKE_PYTHON)
     (fake_bin / "python3").chmod(0o755 | stat.S_IEXEC)
     env = {k: v for k, v in os.environ.items() if k != "BASE_MODEL"}
-    env.update(PATH=f"{fake_bin}{os.pathsep}{env['PATH']}", REC=str(rec))
+    # an active venv: scripts/use_venv.sh then leaves PATH as it is (the stand-in python3 first)
+    env.update(PATH=f"{fake_bin}{os.pathsep}{env['PATH']}", REC=str(rec), VIRTUAL_ENV=str(tmp_path))
     proc = subprocess.run(["bash", script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     argv = rec.read_text().splitlines()
