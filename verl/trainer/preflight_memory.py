@@ -1,6 +1,7 @@
 """Preflight's memory checks (verl/trainer/preflight.py runs them): the per-GPU plan
-(verl/utils/memory_plan.py) against `trainer.gpu_memory_gib`, the per-node host plan
-(verl/utils/host_memory_plan.py) against `trainer.host_memory_gib`, and the checkpoint folder's disk."""
+(verl/utils/memory_plan.py) plus `trainer.gpu_memory_reserve_gib` against `trainer.gpu_memory_gib`,
+the per-node host plan (verl/utils/host_memory_plan.py) against `trainer.host_memory_gib`, and the
+checkpoint folder's disk."""
 
 from __future__ import annotations
 
@@ -27,10 +28,17 @@ def _existing_parent(path: Path) -> Path:
 
 
 def device_memory_gib(cfg: DictConfig) -> tuple[float | None, str]:
-    """(GiB per GPU, where it came from): trainer.gpu_memory_gib, else this machine's CUDA device."""
+    """(GiB per GPU, where it came from): trainer.gpu_memory_gib, else this machine's CUDA device. A
+    card's marketed size ("80") is read as the GiB such a card exposes (memory_plan.EXPOSED_GIB)."""
+    from verl.utils.memory_plan import EXPOSED_GIB
+
     value = OmegaConf.select(cfg, "trainer.gpu_memory_gib", default=None)
     if value is not None:
-        return float(value), "trainer.gpu_memory_gib"
+        gib = float(value)
+        if gib in EXPOSED_GIB:
+            return EXPOSED_GIB[gib], (f"trainer.gpu_memory_gib={gib:g}: an '{gib:g} GB' card exposes "
+                                      f"{EXPOSED_GIB[gib]:g} GiB")
+        return gib, "trainer.gpu_memory_gib"
     from verl.utils.device import is_cuda_available
 
     if is_cuda_available():
@@ -51,11 +59,31 @@ def planned_elsewhere(cfg: DictConfig) -> bool:
     return cfg.trainer.device == "cuda" or OmegaConf.select(cfg, "trainer.gpu_memory_gib", default=None) is not None
 
 
+def gpu_reserve_gib(cfg: DictConfig, report: PreflightReport) -> float:
+    """trainer.gpu_memory_reserve_gib: GiB per GPU every verdict keeps free (memory_plan.DEFAULT_GPU_RESERVE_GIB
+    when unset); a bad value is an error naming the key (and the default is counted)."""
+    from verl.utils.memory_plan import DEFAULT_GPU_RESERVE_GIB, RESERVE_KEY
+
+    value = OmegaConf.select(cfg, RESERVE_KEY, default=None)
+    if value is None:
+        return DEFAULT_GPU_RESERVE_GIB
+    try:
+        gib = float(value)
+    except (TypeError, ValueError):
+        gib = -1.0
+    if isinstance(value, bool) or not gib >= 0:
+        report.error(f"{RESERVE_KEY}={value!r} must be a number of GiB per GPU >= 0 (default "
+                     f"{DEFAULT_GPU_RESERVE_GIB:g}: the CUDA context, NCCL and cuBLAS workspaces, allocator slack)",
+                     RESERVE_KEY)
+        return DEFAULT_GPU_RESERVE_GIB
+    return gib
+
+
 def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> MemoryPlan | None:
     """The per-GPU plan against the GPU's memory (`fits`); the checkpoint folder and its disk (an
     error where the run writes its checkpoints, a warning when planning a GPU run from a machine
     without GPUs: its disk is not the run's). Returns the plan (None when there is none)."""
-    from verl.utils.memory_plan import GIB, plan_memory
+    from verl.utils.memory_plan import GIB, RESERVE_KEY, plan_memory
 
     ckpt_dir = Path(str(cfg.trainer.default_local_dir))
     parent = _existing_parent(ckpt_dir)
@@ -93,9 +121,12 @@ def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> MemoryPla
                               "has no GPU to read it from" + ("" if report.gpu_run else
                                                               "; CPU workers: no GPU memory applies"))
     else:
-        report.fits = largest <= gib
-        report.fit_message = (f"largest phase {name} {largest:.1f} GiB {'<=' if report.fits else '>'} {gib:.1f} GiB "
-                              f"({source})")
+        reserve = report.gpu_reserve_gib = gpu_reserve_gib(cfg, report)
+        need = max(p.total for p in plan.phases) / GIB + reserve
+        report.fits = need <= gib
+        report.fit_message = (f"largest phase {name} {largest:.1f} GiB + reserve {reserve:g} GiB ({RESERVE_KEY}: "
+                              f"CUDA context, NCCL/cuBLAS workspaces, allocator slack) = {need:.1f} GiB "
+                              f"{'<=' if report.fits else '>'} {gib:.1f} GiB ({source})")
         if not report.fits:
             report.fit_message += (": set actor_rollout_ref.actor.fsdp_config.param_offload / optimizer_offload, "
                                    "more GPUs (trainer.n_gpus_per_node, trainer.nnodes), smaller micro-batches, "

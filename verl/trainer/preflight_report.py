@@ -30,6 +30,7 @@ class PreflightReport:
     world_size: int = 0
     fits: bool | None = None
     fit_message: str = ""
+    gpu_reserve_gib: float | None = None          # GiB per GPU the verdict kept free (trainer.gpu_memory_reserve_gib)
     gpu_run: bool = True
     memory_plan_gib: dict[str, float] = field(default_factory=dict)
     largest_phase: str | None = None
@@ -56,6 +57,7 @@ class PreflightReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "fits": self.fits, "fit_message": self.fit_message, "world_size": self.world_size,
+                "gpu_reserve_gib": self.gpu_reserve_gib,
                 "errors": self.errors, "warnings": self.warnings, "memory_plan_gib": self.memory_plan_gib,
                 "largest_phase": self.largest_phase, "host_fits": self.host_fits, "host_message": self.host_message,
                 "host_memory_plan_gib": self.host_memory_plan_gib, "host_largest_phase": self.host_largest_phase,

@@ -46,6 +46,19 @@ from verl.utils.memory_plan_lora import lora_actor_bytes, lora_counts, lora_note
 
 GIB = 1024 ** 3
 FP32, BF16 = 4, 2
+# What a GPU needs beyond a plan's bytes, kept free by every verdict (`trainer.gpu_memory_reserve_gib`):
+# - the caching allocator's slack, reserved minus allocated at a phase's peak (fragmentation, blocks
+#   rounded up): measured on an H200, at most 1.52 GiB (tests/utils/gpu_measurements/memory_plan_*_h200.json,
+#   Qwen2.5-3B's update: 63.43 GB reserved, 61.79 GB allocated);
+# - memory outside torch's allocator: the CUDA context and its kernels, cuBLAS/cuDNN handles, NCCL's
+#   communicator buffers. Not in those files (torch cannot see it): an estimate until a GPU check measures it.
+ALLOCATOR_SLACK_GIB = 1.52
+OUTSIDE_ALLOCATOR_GIB = 1.0
+DEFAULT_GPU_RESERVE_GIB = 2.6     # the two above, rounded up; ppo_trainer.yaml's default
+RESERVE_KEY = "trainer.gpu_memory_reserve_gib"
+# A card sold as "80 GB" exposes less: torch reports 79.1 GiB total on an H100 80GB (a little more on an
+# A100 80GB). `trainer.gpu_memory_gib` given as the marketed figure is read as what the card exposes.
+EXPOSED_GIB = {80: 79.1}
 # AdamW (torch.optim.AdamW, not fused/capturable) state per parameter tensor: exp_avg and
 # exp_avg_sq like the parameter (fp32), and `step`, a 0-dim fp32 tensor.
 ADAM_STATES_PER_PARAM, ADAM_STEP_BYTES = 2, 4
