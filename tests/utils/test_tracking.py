@@ -32,8 +32,8 @@ def test_jsonl_appends_across_a_resume(tmp_path: Path) -> None:
 
 
 def test_unknown_backend_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'mlflow'"):
-        Tracking("p", "e", ["jsonl", "mlflow"], log_dir=tmp_path)
+    with pytest.raises(ValueError, match="'neptune'"):
+        Tracking("p", "e", ["jsonl", "neptune"], log_dir=tmp_path)
 
 
 def test_tensorboard_backend_writes_event_files(tmp_path: Path) -> None:

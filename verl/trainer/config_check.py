@@ -25,6 +25,7 @@ from verl.trainer.config_open_tag import check_open_tag
 from verl.trainer.config_schema import ConfigError, raise_if, undeclared_keys, unknown_key_message
 from verl.trainer.run_config import CRITIC_FORWARD_MICRO, RunConfig
 from verl.utils.attention import FLASH_ATTN_INSTALL
+from verl.utils.tracking_backends import PACKAGES
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,7 @@ KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # Logger backends that need a package: backend -> (module to find, how to install it).
-LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
-    "wandb": ("wandb", "pip install -e .[wandb]"),
-    "tensorboard": ("tensorboard", "pip install tensorboard"),
-}
+LOGGER_PACKAGES: dict[str, tuple[str, str]] = PACKAGES
 ASYNC_TP_MESSAGE = ("the async rollout steps each rank's engine on its own; a TP group's ranks would diverge; "
                     "use mode=sync or tensor_model_parallel_size=1")
 

@@ -21,9 +21,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer.config_schema import OPTIONAL_TRAINER_KEYS, ConfigError
+from verl.utils.tracking import BACKENDS as LOGGERS
 
 PIPELINES = ("sync", "one_step_off", "async")
-LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 DEVICES = ("auto", "cuda", "cpu")
 
 # One setting, two names: Search-R1's global micro-batch (rows over all workers) and veRL's

@@ -1,8 +1,11 @@
 """Experiment tracking: one `log(metrics, step)` call fans out to the chosen backends.
 
-Backends: console (one line per step), jsonl (`<log_dir>/metrics.jsonl`, one JSON
-object per step with a "step" field -- the demo's plot reads it), wandb (lazy
-import; `WANDB_MODE=offline` works with no network) and tensorboard (lazy import).
+Backends (`trainer.logger`, veRL's names): console (one line per step), jsonl
+(`<log_dir>/metrics.jsonl`, one JSON object per step with a "step" field -- the demo's plot
+reads it; `file` is veRL's name for it and writes the same file), wandb (`WANDB_MODE=offline`
+works with no network), tensorboard, and mlflow, swanlab, trackio, clearml
+(verl/utils/tracking_backends.py: local or offline unless told otherwise). Every backend but
+console and jsonl imports its package when the run starts, and says how to install it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
+from verl.utils.tracking_backends import OPTIONAL_BACKENDS, import_backend
+
+BACKENDS = ("console", "jsonl", "file", "wandb", "tensorboard", *OPTIONAL_BACKENDS)
 JSONL_NAME = "metrics.jsonl"
 
 
@@ -62,11 +67,7 @@ class _Jsonl:
 
 class _Wandb:
     def __init__(self, project_name: str, experiment_name: str, config: Any, log_dir: Path) -> None:
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ImportError("trainer.logger contains 'wandb' but the wandb package is not installed "
-                              "(pip install wandb)") from exc
+        wandb = import_backend("wandb")
         self.wandb = wandb
         self.run = wandb.init(project=project_name, name=experiment_name, config=config, dir=str(log_dir))
 
@@ -118,15 +119,21 @@ class Tracking:
 
             config = OmegaConf.to_container(config, resolve=True)
         self.backends: dict[str, Any] = {}
-        for name in names:
-            if name == "console":
-                self.backends[name] = _Console()
-            elif name == "jsonl":
-                self.backends[name] = _Jsonl(self.log_dir)
-            elif name == "wandb":
-                self.backends[name] = _Wandb(project_name, experiment_name, config, self.log_dir)
-            elif name == "tensorboard":
-                self.backends[name] = _Tensorboard(self.log_dir)
+        try:
+            for name in dict.fromkeys("jsonl" if n == "file" else n for n in names):   # file: the jsonl file
+                if name == "console":
+                    self.backends[name] = _Console()
+                elif name == "jsonl":
+                    self.backends[name] = _Jsonl(self.log_dir)
+                elif name == "wandb":
+                    self.backends[name] = _Wandb(project_name, experiment_name, config, self.log_dir)
+                elif name == "tensorboard":
+                    self.backends[name] = _Tensorboard(self.log_dir)
+                else:
+                    self.backends[name] = OPTIONAL_BACKENDS[name](project_name, experiment_name, config, self.log_dir)
+        except BaseException:
+            self.finish()   # the backends already started (an open file, a run) end here
+            raise
 
     def log(self, data: dict[str, Any], step: int) -> None:
         for backend in self.backends.values():
