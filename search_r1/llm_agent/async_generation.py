@@ -22,8 +22,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from search_r1.llm_agent.generation import LLMGenerationManager
+from search_r1.llm_agent.generation import LLMGenerationManager, tools_kwargs_of
 from search_r1.llm_agent.trajectory import _Row, _TurnResult
+from verl.utils import batch_keys as K
 
 # Request seed = f(call seed, row, turn): what a row samples does not depend on timing.
 _ROW_STRIDE = 1_000_003
@@ -44,9 +45,10 @@ class AsyncAgentLoop:
         self.client = client
         self.eos_token_ids = eos_token_ids
 
-    async def _act(self, res: _TurnResult, stats: Counter[str]) -> str | list[str]:
+    async def _act(self, res: _TurnResult, stats: Counter[str], row: _Row | None = None) -> str | list[str]:
         """The observation answering the turn's action; its queries go in one request of this
-        trajectory's own, and a failed request becomes an observation (counted)."""
+        trajectory's own, and a failed request becomes an observation (counted). Tool protocol: the
+        other tools' calls run concurrently on this event loop, with `row`'s instances."""
         from search_r1.search.client import RetrievalError
 
         if self.manager._open is not None and res.action.kind == "open":   # the open tag: a blocking call
@@ -64,8 +66,8 @@ class AsyncAgentLoop:
             if hits is not None and len(hits) != len(queries):
                 raise ValueError(f"retrieval returned {len(hits)} result lists for {len(queries)} queries")
         others = None
-        if self.manager._tool is not None:   # tools other than search: blocking calls, off the event loop
-            others = await asyncio.to_thread(self.manager._tool.run_others, res, stats)
+        if self.manager._tool is not None:   # tools other than search: their async execute (blocking ones in threads)
+            others = await self.manager._tool.run_calls(res, stats, row)
         return self.manager._observation_for(res, hits, error, stats, others)
 
     async def trajectory(self, row: _Row, index: int, call_seed: int) -> Counter[str]:
@@ -74,6 +76,8 @@ class AsyncAgentLoop:
         stats: Counter[str] = Counter()
         retrieval_s = 0.0
         previous = None          # this trajectory's last completion: its next request follows it
+        if manager._tool is not None:
+            await manager._tool.start_row(row, stats)
         for turn in range(manager._turn_limit()):
             is_final = turn == config.max_turns
             row.stop_reason = manager._stop_before_turn(row)
@@ -91,26 +95,34 @@ class AsyncAgentLoop:
             observation = None
             if manager._runs_action(row, res, is_final):
                 start = time.perf_counter()
-                observation = await self._act(res, stats)
+                observation = await self._act(res, stats, row)
                 retrieval_s += time.perf_counter() - start
             stats["generated_tokens"] += res.generated
             stats["kept_tokens"] += len(res.kept_ids)
             manager._apply_turn(row, res, observation, is_final, stats, log_probs)
             if not row.active:
                 break
+        if manager._tool is not None:
+            await manager._tool.finish_row(row, stats)
         stats["retrieval_ms"] += round(retrieval_s * 1000)
         return stats
 
-    async def run(self, prompts: Sequence[list[int]], call_seed: int) -> tuple[list[_Row], list[Counter[str]]]:
+    async def run(self, prompts: Sequence[list[int]], call_seed: int, fields: Sequence[dict] | None = None
+                  ) -> tuple[list[_Row], list[Counter[str]]]:
+        """`fields`: each row's non-tensor fields (its extra_info.tools_kwargs are its tools' kwargs)."""
         rows = [_Row(prompt_ids=list(ids)) for ids in prompts]
+        for row, row_fields in zip(rows, fields or [{}] * len(rows), strict=True):
+            row.tools_kwargs = tools_kwargs_of(row_fields.get(K.EXTRA_INFO) or {})
         stats = await asyncio.gather(*(self.trajectory(row, i, call_seed) for i, row in enumerate(rows)))
         return rows, list(stats)
 
 
 def run_shard(tokenizer: Any, config: Any, step_engine: Any, prompts: Sequence[list[int]], call_seed: int,
-              eos_token_ids: frozenset[int]) -> tuple[list[_Row], list[Counter[str]], int]:
+              eos_token_ids: frozenset[int], fields: Sequence[dict] | None = None
+              ) -> tuple[list[_Row], list[Counter[str]], int]:
     """Worker side: roll out `prompts` with one coroutine each; returns (rows, per-row counters,
-    engine steps). `config` is the driver's GenerationConfig."""
+    engine steps). `config` is the driver's GenerationConfig; `fields` each row's non-tensor fields
+    (generation.row_fields)."""
     from verl.workers.rollout.async_engine import AsyncEngine
 
     manager = LLMGenerationManager(tokenizer, None, config)
@@ -125,7 +137,7 @@ def run_shard(tokenizer: Any, config: Any, step_engine: Any, prompts: Sequence[l
                                           max_retries=config.retrieval_max_retries,
                                           pool_size=config.retrieval_concurrency)
         try:
-            rows, stats = await AsyncAgentLoop(manager, engine, client, eos_token_ids).run(prompts, call_seed)
+            rows, stats = await AsyncAgentLoop(manager, engine, client, eos_token_ids).run(prompts, call_seed, fields)
         finally:
             if client is not None:
                 await client.aclose()

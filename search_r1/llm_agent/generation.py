@@ -62,6 +62,24 @@ AGENT_ROWS = "agent_rows"
 AGENT_STATS = "agent_stats"
 
 
+def row_fields(batch: Any, n_rows: int) -> list[dict[str, Any]]:
+    """Each row's non-tensor fields (extra_info, raw_prompt, agent_name, ...; veRL passes them to an agent
+    loop's run as keywords), {} for a batch without any."""
+    columns = (getattr(batch, "non_tensor_batch", None) or {}) if batch is not None else {}
+    return [{key: values[i] for key, values in columns.items()} for i in range(n_rows)]
+
+
+def row_extra_infos(gen_batch: Any, n_rows: int) -> list[dict]:
+    """Each row's `extra_info` (a dict; {} when the batch carries none)."""
+    return [dict(f[K.EXTRA_INFO]) if isinstance(f.get(K.EXTRA_INFO), dict) else {} for f in row_fields(gen_batch, n_rows)]
+
+
+def tools_kwargs_of(extra_info: dict) -> dict:
+    """veRL's `extra_info.tools_kwargs`: per tool name, its create/execute/calc_reward/release kwargs."""
+    kwargs = extra_info.get("tools_kwargs") if isinstance(extra_info, dict) else None
+    return dict(kwargs) if isinstance(kwargs, dict) else {}
+
+
 def eos_token_ids(meta: dict[str, Any]) -> frozenset[int]:
     eos = meta[K.META_EOS_TOKEN_ID]
     return frozenset(int(e) for e in eos) if isinstance(eos, list | tuple) else frozenset({int(eos)})
@@ -351,6 +369,8 @@ class LLMGenerationManager:
                 raise ValueError(f"prompt of row {i} has {total} tokens; max_start_length is "
                                  f"{self.config.max_start_length} (filter over-long prompts in the dataset)")
         rows = [_Row(prompt_ids=ids) for ids in real_tokens(initial_input_ids.long(), prompt_mask)]
+        for row, info in zip(rows, row_extra_infos(gen_batch, len(rows)), strict=True):
+            row.tools_kwargs = tools_kwargs_of(info)
         return rows, prompt_mask
 
     def run_llm_loop(self, gen_batch: Any, initial_input_ids: torch.Tensor) -> Any:
@@ -365,7 +385,7 @@ class LLMGenerationManager:
         self._log_probs_match_actor = True
         with self._engines_awake():
             if self.config.mode == "async":
-                return self._run_async(initial_input_ids.long(), prompt_mask, meta)
+                return self._run_async(initial_input_ids.long(), prompt_mask, meta, gen_batch)
             return self._run_sync(rows, initial_input_ids.long(), prompt_mask, meta)
 
     @contextmanager
@@ -388,6 +408,8 @@ class LLMGenerationManager:
         stats: Counter[str] = Counter()
         timing = {"generate": 0.0, "retrieval": 0.0}
         versions: list[list[int]] | None = None if self.turn_version is None else [[] for _ in rows]
+        if self._tool is not None:
+            self._tool.start_rows(rows, stats)
 
         for turn in range(self._turn_limit()):
             is_final = turn == self.config.max_turns
@@ -423,12 +445,17 @@ class LLMGenerationManager:
             hits, error = self._retrieve(queries)
             timing["retrieval"] += time.perf_counter() - start
             stats["search_failures"] += sum(self._n_searches(results[k][0]) for k in running) if hits is None else 0
+            others = self._run_tools(rows, active, results, running, stats)
             observations: dict[int, str | list[str]] = {}
             position = 0
             for k in running:
                 res = results[k][0]
                 row_hits = None if hits is None else hits[position: position + len(res.queries)]
-                observations[k] = self._observation_for(res, row_hits, error, stats)
+                if isinstance(others.get(k), BaseException):   # the row's tool calls raised: its failure answers
+                    self._row_error("answering the turn", others[k], stats)
+                    observations[k] = self._tool.failed_answers(res, others[k], stats)
+                else:
+                    observations[k] = self._observation_for(res, row_hits, error, stats, others.get(k))
                 position += len(res.queries)
 
             for k, (i, (res, lps)) in enumerate(zip(active, results, strict=True)):
@@ -438,6 +465,8 @@ class LLMGenerationManager:
                 if versions is not None:   # the turn(s) just appended were sampled by `version`
                     versions[i] += [version] * (len(rows[i].turns) - len(versions[i]))
 
+        if self._tool is not None:
+            self._tool.finish_rows(rows, stats)
         output = self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
         if versions is not None:
             width = output.batch[K.RESPONSES].shape[-1]
@@ -446,13 +475,24 @@ class LLMGenerationManager:
             output.batch[K.TOKEN_VERSIONS] = right_pad(per_token, -1, width)
         return output
 
-    def _run_async(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, meta: dict[str, Any]) -> Any:
+    def _run_tools(self, rows: list[_Row], active: list[int], results: list, running: list[int],
+                   stats: Counter[str]) -> dict[int, dict[int, str] | BaseException]:
+        """Tool protocol, sync loop: the calls of tools other than search of every running row of the turn,
+        at once (tool_turns.ToolTurns.run_turn); by position k in `active`."""
+        if self._tool is None or not running:
+            return {}
+        answers = self._tool.run_turn([(rows[active[k]], results[k][0]) for k in running], stats)
+        return dict(zip(running, answers, strict=True))
+
+    def _run_async(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, meta: dict[str, Any],
+                   gen_batch: Any = None) -> Any:
         """Each rollout worker runs its shard's trajectories as coroutines
         (`generate_trajectories`); the rows come back whole and are composed here."""
         from verl.protocol import DataProto
 
         batch = DataProto.from_dict(
             tensors={K.INPUT_IDS: prompts, K.ATTENTION_MASK: prompt_mask},
+            non_tensors=dict(getattr(gen_batch, "non_tensor_batch", None) or {}),
             meta_info={**meta, META_AGENT_CONFIG: dataclasses.asdict(self.config)})
         start = time.perf_counter()
         out = self.actor_rollout_wg.generate_trajectories(batch)

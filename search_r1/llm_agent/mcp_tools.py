@@ -27,7 +27,7 @@ import os
 import threading
 from typing import Any
 
-from search_r1.llm_agent.tool_results import ToolFailure
+from search_r1.llm_agent.tool_results import CallTool, ToolFailure
 from search_r1.llm_agent.tool_results import tool_result as _result
 
 TRANSPORTS = ("stdio", "http")
@@ -156,15 +156,15 @@ def list_tool_schemas(config: dict, where: str) -> list[dict]:
     return [_schema(t) for t in listed]
 
 
-class MCPTool:
-    """Calls one tool of an MCP server; its answer's text blocks, joined, are the tool message."""
+class MCPTool(CallTool):
+    """Calls one tool of an MCP server (the tool its schema names); its answer's text blocks, joined,
+    are the tool message."""
 
     KEYS = ("transport", "command", "url", "env", "cwd", "tools")
 
-    def __init__(self, name: str, config: dict) -> None:
-        self.name = name
-        self.config = config
-        self.timeout = float(config.get("timeout", 30))
+    def __init__(self, config: Any, tool_schema: Any = None) -> None:
+        super().__init__(config, tool_schema)
+        self.timeout = float(self.config.get("timeout", 30))
 
     def call(self, arguments: dict) -> str:
         conn = connection(self.config)

@@ -14,6 +14,11 @@ each tool here as plain JSON (`{name, class_name, config}`), so it travels to ro
 Every tool's `config:` may set `max_calls_per_row` (calls one trajectory may make of it) and
 `timeout` (seconds). API keys are read from the environment variable the config names
 (`api_key_env`), never from the YAML, and never appear in a tool message, an error or a log.
+
+Each is a `verl.tools.base_tool.BaseTool` (veRL's interface, through `tool_results.CallTool`): the rollout calls every
+tool, these and a user's own, through `create` / `execute` / `calc_reward` / `release`; these answer
+with a blocking `call(arguments) -> str` run in a thread. A `ToolFailure` raised by any tool's
+`execute` is the error message the model reads (`{"result": "Error: ..."}`), counted as that tool's error.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Any
 
 import requests
 
-from search_r1.llm_agent.tool_results import DocumentNotFound, ToolFailure, redact
+from search_r1.llm_agent.tool_results import CallTool, DocumentNotFound, ToolFailure, as_schema, redact
 from search_r1.llm_agent.tool_results import tool_result as _result
 from search_r1.search import documents
+from verl.tools.base_tool import BaseTool
 
 COMMON_KEYS = ("max_calls_per_row", "timeout")
 
@@ -80,18 +86,18 @@ def _render_web_hits(per_query: list[list[tuple[str, str, str]]], key: str) -> s
     return _result(redact("\n---\n".join(blocks), [key]))
 
 
-class SerperSearchTool:
+class SerperSearchTool(CallTool):
     """Google results through Serper (POST {base_url}/search, `X-API-KEY` header, `{"q", "num"}`;
     answer `{"organic": [{"title", "link", "snippet"}]}`)."""
 
     KEYS = ("base_url", "api_key_env", "topk")
 
-    def __init__(self, name: str, config: dict) -> None:
-        self.name = name
+    def __init__(self, config: Any, tool_schema: Any = None) -> None:
+        super().__init__(config, tool_schema)
+        config = self.config
         self.base_url = str(config.get("base_url", "https://google.serper.dev")).rstrip("/")
         self.topk = int(config.get("topk", 3))
         self.timeout = float(config.get("timeout", 30))
-        self.config = config
 
     def call(self, arguments: dict) -> str:
         key = _api_key(self.config, "SERPER_API_KEY")
@@ -104,19 +110,19 @@ class SerperSearchTool:
         return _render_web_hits(per_query, key)
 
 
-class TavilySearchTool:
+class TavilySearchTool(CallTool):
     """Web results through Tavily (POST {base_url}/search, `Authorization: Bearer` header,
     `{"query", "max_results"}`; answer `{"results": [{"title", "url", "content"}]}`)."""
 
     KEYS = ("base_url", "api_key_env", "topk", "search_depth")
 
-    def __init__(self, name: str, config: dict) -> None:
-        self.name = name
+    def __init__(self, config: Any, tool_schema: Any = None) -> None:
+        super().__init__(config, tool_schema)
+        config = self.config
         self.base_url = str(config.get("base_url", "https://api.tavily.com")).rstrip("/")
         self.topk = int(config.get("topk", 3))
         self.timeout = float(config.get("timeout", 30))
         self.depth = str(config.get("search_depth", "basic"))
-        self.config = config
 
     def call(self, arguments: dict) -> str:
         key = _api_key(self.config, "TAVILY_API_KEY")
@@ -130,7 +136,7 @@ class TavilySearchTool:
         return _render_web_hits(per_query, key)
 
 
-class OpenTool:
+class OpenTool(CallTool):
     """`open`: `{"doc_id": ..., "page": 1}` reads a corpus passage from the retrieval server
     (POST /open); `{"url": ..., "page": 1}` fetches a web page (`fetcher: direct`, with
     `max_bytes` and `timeout` for the whole fetch, search_r1.search.web_fetch; or `fetcher: jina`, a
@@ -142,8 +148,9 @@ class OpenTool:
             "allow_private_addresses", "max_retries", "backoff_factor")
     FETCHERS = ("none", "direct", "jina")
 
-    def __init__(self, name: str, config: dict) -> None:
-        self.name = name
+    def __init__(self, config: Any, tool_schema: Any = None) -> None:
+        super().__init__(config, tool_schema)
+        config = self.config
         url = config.get("retrieval_service_url")
         self.open_url = None if not url else str(url).rstrip("/").removesuffix("/retrieve") + "/open"
         self.page_size = int(config.get("page_size", documents.DEFAULT_PAGE_SIZE))
@@ -158,10 +165,9 @@ class OpenTool:
         self.max_retries = int(config.get("max_retries", 3))
         self.backoff_factor = float(config.get("backoff_factor", 0.5))
         if self.max_retries < 0 or self.backoff_factor < 0:
-            raise ValueError(f"open tool {name!r}: max_retries ({self.max_retries}) and backoff_factor "
+            raise ValueError(f"open tool {self.name!r}: max_retries ({self.max_retries}) and backoff_factor "
                              f"({self.backoff_factor}) must be >= 0")
         self._session: requests.Session | None = None
-        self.config = config
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_session": None}   # sockets do not travel; rebuilt on first use
@@ -270,9 +276,25 @@ def check_config(class_name: str, config: dict, where: str) -> None:
                              f"fetcher (direct, jina) for URLs")
 
 
+def tool_class(class_name: str) -> type:
+    """The class a tool config's `class_name` names: a built-in (BACKENDS), else any importable class or
+    a `path/to/file.py:Class` (verl/tools/utils/tool_registry.py)."""
+    if class_name in BACKENDS:
+        return BACKENDS[class_name]()
+    from verl.tools.utils.tool_registry import get_tool_class
+
+    return get_tool_class(class_name)
+
+
+def build_tool(entry: dict, schema: Any = None) -> BaseTool:
+    """The tool object answering calls of one configured tool (`{name, class_name, config}`), built as veRL
+    builds one: `cls(config, tool_schema)`."""
+    return tool_class(entry["class_name"])(config=dict(entry["config"]), tool_schema=as_schema(schema, entry["name"]))
+
+
 def build_backend(entry: dict) -> Any:
-    """The object answering calls of one configured tool (`{name, class_name, config}`)."""
-    return BACKENDS[entry["class_name"]]()(entry["name"], entry["config"])
+    """`build_tool` without a schema (a built-in's name only)."""
+    return build_tool(entry)
 
 
 def run_call(backend: Any, arguments: dict) -> tuple[str, bool]:
@@ -283,5 +305,5 @@ def run_call(backend: Any, arguments: dict) -> tuple[str, bool]:
         return _result(f"Error: {err}"), False
 
 
-__all__ = ["BACKENDS", "COMMON_KEYS", "DocumentNotFound", "OpenTool", "SerperSearchTool", "TavilySearchTool", "ToolFailure",
-           "build_backend", "check_config", "run_call"]
+__all__ = ["BACKENDS", "COMMON_KEYS", "CallTool", "DocumentNotFound", "OpenTool", "SerperSearchTool", "TavilySearchTool",
+           "ToolFailure", "as_schema", "build_backend", "build_tool", "check_config", "run_call", "tool_class"]

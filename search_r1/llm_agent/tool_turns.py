@@ -12,7 +12,13 @@ manager's, shared with the tag protocol. What differs, and lives here:
   search call's `query_list` goes into the turn's one retrieval request (sync: one request
   for all rows). Each call is answered by a `tool` message: veRL SearchTool's text for the
   hits, or an error message for a malformed call (counted in `tool_call_errors`), cut to
-  `max_tool_response_length` characters as veRL cuts it.
+  `max_tool_response_length` characters as veRL cuts it. Every other tool is a
+  `verl.tools.base_tool.BaseTool` (the built-ins and the user's own alike) with veRL's lifetime:
+  `create` once per trajectory (its `extra_info.tools_kwargs[name].create_kwargs`), `execute` per
+  call (a turn's calls concurrently; sync mode: every row's calls of the turn at once, on a loop
+  thread), `calc_reward` and `release` when the trajectory ends. Step rewards and `calc_reward`
+  are kept on the row (`tool_rewards`, `reward_scores`) and summed in `tools/<name>/reward`; an
+  exception from a tool is that call's error message, counted, never the batch's.
 - **Append.** The observation is the chat template's own text between the turns (tools.
   ChatFraming): end of the assistant turn (unless the model wrote EOS), the tool messages,
   the next assistant opening; tokenized once, masked; when it is over `max_obs_length`
@@ -28,17 +34,45 @@ manager's, shared with the tag protocol. What differs, and lives here:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from search_r1.llm_agent import actions, tool_backends, tools
 from search_r1.llm_agent.actions import Action
 from search_r1.llm_agent.generation_config import GenerationConfig
+from search_r1.llm_agent.loop_thread import LoopThread
 from search_r1.llm_agent.token_text import TokenText
+from search_r1.llm_agent.tool_results import ToolFailure
 from search_r1.llm_agent.trajectory import _Row, _TurnResult
 from search_r1.search.schema import Hit
+
+logger = logging.getLogger(__name__)
+# Names a tool's own metrics may not take in tools/<name>/... (they are this module's counters).
+RESERVED_TOOL_METRICS = ("calls", "errors", "latency_ms", "latency_ms_mean", "reward", "create_errors")
+
+
+def _tool_kwargs(row: _Row, name: str, stage: str) -> dict:
+    """veRL's per-row kwargs of one tool stage: extra_info.tools_kwargs[name][stage] (create_kwargs, ...)."""
+    per_tool = row.tools_kwargs.get(name) if isinstance(row.tools_kwargs, dict) else None
+    kwargs = per_tool.get(stage) if isinstance(per_tool, dict) else None
+    return dict(kwargs) if isinstance(kwargs, dict) else {}
+
+
+def _unpack(result: Any, name: str) -> tuple[str, float | None, dict]:
+    """(text, step reward, metrics) of what `execute` returned (veRL: (ToolResponse, float, dict))."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise TypeError(f"tool {name!r}: execute returned {type(result).__name__}; expected (ToolResponse, reward, "
+                        "metrics)")
+    response, reward, metrics = result
+    if getattr(response, "image", None) or getattr(response, "video", None):
+        raise TypeError(f"tool {name!r} answered an image or video; rollouts here are text-only")
+    text = response if isinstance(response, str) else getattr(response, "text", None)
+    return (text or ""), (None if reward is None else float(reward)), (metrics if isinstance(metrics, dict) else {})
 
 
 class ToolTurns:
@@ -53,7 +87,9 @@ class ToolTurns:
         self.search_name = self.tool_config.search_name
         self.show_doc_ids = bool((self.tool_config.search or {}).get("show_doc_ids", False))
         self._others = {entry["name"]: entry for entry in self.tool_config.others}
-        self._backends: dict[str, Any] = {}     # built on first call (MCP tools connect then)
+        self._schemas = {schema["function"]["name"]: schema for schema in self.tool_config.schemas}
+        self._tools: dict[str, Any] = {}        # BaseTools, built on first use (MCP tools connect on their first call)
+        self._loop_thread = LoopThread()        # the sync loop's tool coroutines run there
         framing_len = len(self._observation_ids([""], ended_with_eos=False)[0])
         if framing_len >= config.max_obs_length:
             raise ValueError(f"max_obs_length ({config.max_obs_length}) leaves no room for a tool answer: the chat "
@@ -121,26 +157,111 @@ class ToolTurns:
         """Well-formed search calls of the turn (each sends all of its queries)."""
         return sum(self._is_search(c) and tools.search_queries(c) is not None for c in res.calls)
 
-    def _backend(self, name: str) -> Any:
-        if name not in self._backends:
-            self._backends[name] = tool_backends.build_backend(self._others[name])
-        return self._backends[name]
+    def _tool(self, name: str) -> Any:
+        """The BaseTool answering `name` (built on first use, in the process that runs the rollout)."""
+        if name not in self._tools:
+            self._tools[name] = tool_backends.build_tool(self._others[name], self._schemas.get(name))
+        return self._tools[name]
 
-    def run_others(self, res: _TurnResult, stats: Counter[str]) -> dict[int, str]:
-        """The answers of the turn's calls of tools other than search, by call position (blocking:
-        the async loop runs this in a thread). Latency and failures are counted per tool."""
-        out: dict[int, str] = {}
-        for i, call in enumerate(res.calls):
-            if isinstance(call, tools.ToolCall) and call.name in self._others:
-                start = time.perf_counter()
-                try:
-                    text, ok = tool_backends.run_call(self._backend(call.name), call.arguments)
-                except Exception as err:   # a tool that failed to start (e.g. an MCP server) answers an error
-                    text, ok = tools.tool_result(f"Error: tool {call.name!r} failed ({type(err).__name__})"), False
-                stats[f"tools/{call.name}/latency_ms"] += round((time.perf_counter() - start) * 1000, 3)
-                stats[f"tools/{call.name}/errors"] += int(not ok)
-                out[i] = text
-        return out
+    async def start_row(self, row: _Row, stats: Counter[str]) -> None:
+        """Create each tool's instance for the trajectory (veRL: once, when it starts; with the row's
+        create_kwargs). A tool that cannot start answers its calls with an error (counted there)."""
+        async def create(name: str) -> None:
+            try:
+                instance_id, _ = await self._tool(name).create(row.request_id, **_tool_kwargs(row, name, "create_kwargs"))
+                row.tool_instances[name] = instance_id
+            except Exception as err:   # noqa: BLE001 - the tool's failure, not the batch's
+                stats[f"tools/{name}/create_errors"] += 1
+                logger.warning("tool %r: create failed (%s: %s); its calls get an error", name, type(err).__name__, err)
+
+        await asyncio.gather(*(create(name) for name in self._others))
+
+    async def finish_row(self, row: _Row, stats: Counter[str]) -> None:
+        """calc_reward, then release, of each instance the trajectory holds; the rewards go to
+        `row.reward_scores` (veRL's reward_scores) and `tools/<name>/reward`."""
+        async def finish(name: str, instance_id: str) -> None:
+            tool = self._tool(name)
+            try:
+                reward = await tool.calc_reward(instance_id, **_tool_kwargs(row, name, "calc_reward_kwargs"))
+                if reward is not None:
+                    row.reward_scores[name] = float(reward)
+                    stats[f"tools/{name}/reward"] += float(reward)
+            except Exception as err:   # noqa: BLE001
+                stats[f"tools/{name}/errors"] += 1
+                logger.warning("tool %r: calc_reward failed (%s: %s)", name, type(err).__name__, err)
+            try:
+                await tool.release(instance_id, **_tool_kwargs(row, name, "release_kwargs"))
+            except Exception as err:   # noqa: BLE001
+                logger.warning("tool %r: release failed (%s: %s)", name, type(err).__name__, err)
+
+        held, row.tool_instances = dict(row.tool_instances), {}
+        await asyncio.gather(*(finish(name, instance_id) for name, instance_id in held.items()))
+
+    async def _execute(self, row: _Row, call: tools.ToolCall, stats: Counter[str]) -> str:
+        """One call's tool message; its step reward and metrics go to the row and `stats`."""
+        name = call.name
+        start = time.perf_counter()
+        ok, reward, metrics = False, None, {}
+        try:
+            instance_id = row.tool_instances.get(name)
+            if instance_id is None:          # the tool failed to start (start_row): its error, again
+                self._tool(name)
+                raise RuntimeError(f"tool {name!r} has no instance")
+            result = await self._tool(name).execute(instance_id, call.arguments,
+                                                    **_tool_kwargs(row, name, "execute_kwargs"))
+            text, reward, metrics = _unpack(result, name)
+            ok = True
+        except ToolFailure as err:
+            text = tools.tool_result(f"Error: {err}")
+        except Exception as err:   # noqa: BLE001 - a tool that failed (to start, or in execute) answers an error
+            text = tools.tool_result(f"Error: tool {name!r} failed ({type(err).__name__})")
+            logger.warning("tool %r failed (%s: %s); the call is answered with an error", name, type(err).__name__, err)
+        stats[f"tools/{name}/latency_ms"] += round((time.perf_counter() - start) * 1000, 3)
+        stats[f"tools/{name}/errors"] += int(not ok)
+        if reward is not None:
+            row.tool_rewards.append(reward)
+            stats[f"tools/{name}/reward"] += reward
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                stats[f"tools/{name}/{'metric_' if key in RESERVED_TOOL_METRICS else ''}{key}"] += float(value)
+        return text
+
+    async def run_calls(self, res: _TurnResult, stats: Counter[str], row: _Row | None = None) -> dict[int, str]:
+        """The answers of the turn's calls of tools other than search, by call position, run concurrently.
+        Without `row` (one turn on its own) the instances are created and released around the calls."""
+        positions = [i for i, call in enumerate(res.calls)
+                     if isinstance(call, tools.ToolCall) and call.name in self._others]
+        if not positions:
+            return {}
+        own = row is None
+        if own:
+            row = _Row(prompt_ids=[])
+            await self.start_row(row, stats)
+        texts = await asyncio.gather(*(self._execute(row, res.calls[i], stats) for i in positions))
+        if own:
+            await self.finish_row(row, Counter())
+        return dict(zip(positions, texts, strict=True))
+
+    def run_others(self, res: _TurnResult, stats: Counter[str], row: _Row | None = None) -> dict[int, str]:
+        """`run_calls` from blocking code (the loop thread runs the coroutines)."""
+        return self._loop_thread.run(self.run_calls(res, stats, row))
+
+    def run_turn(self, turns: Sequence[tuple[_Row, _TurnResult]], stats: Counter[str]
+                 ) -> list[dict[int, str] | BaseException]:
+        """The sync loop's turn: every row's calls at once; a row whose calls raised gets its exception."""
+        async def all_rows() -> list[Any]:
+            return await asyncio.gather(*(self.run_calls(res, stats, row) for row, res in turns),
+                                        return_exceptions=True)
+
+        return self._loop_thread.run(all_rows()) if turns else []
+
+    def start_rows(self, rows: Sequence[_Row], stats: Counter[str]) -> None:
+        if self._others:
+            self._loop_thread.run(_gather(self.start_row(row, stats) for row in rows))
+
+    def finish_rows(self, rows: Sequence[_Row], stats: Counter[str]) -> None:
+        if any(row.tool_instances for row in rows):
+            self._loop_thread.run(_gather(self.finish_row(row, stats) for row in rows))
 
     def is_final(self, row: _Row) -> bool:
         """True when the turn being taken is the row's last: its calls are not run (veRL's limits)."""
@@ -246,6 +367,10 @@ class ToolTurns:
     def remaining(self, row: _Row) -> int:
         """Tokens the row may still generate (veRL's response budget over all turns)."""
         return max(0, int(self.config.max_total_response_length) - row.response_len)
+
+
+async def _gather(coros: Any) -> None:
+    await asyncio.gather(*coros)
 
 
 def turn_limit(config: GenerationConfig) -> int:

@@ -86,6 +86,13 @@ class ToolConfig:
         """The name the model calls the search tool by (the schema's `function.name`)."""
         return None if self.search is None else self.search["name"]
 
+    def search_entry(self) -> dict:
+        """The search tool as a `{name, class_name, config}` entry (verl.tools.search_tool.SearchTool)."""
+        if self.search is None:
+            raise ValueError(f"{self.source}: no search tool is configured")
+        config = {k: v for k, v in self.search.items() if k != "name"}
+        return {"name": self.search["name"], "class_name": SEARCH_TOOL_CLASSES[0], "config": config}
+
     def search_settings(self) -> SearchToolSettings | None:
         if self.search is None:
             return None
@@ -127,14 +134,15 @@ def _add_schema(schemas: list[dict], schema: Any, where: str) -> None:
     schemas.append(schema)
 
 
-def _other_tools(class_name: Any, config: dict, schema: Any, where: str) -> list[tuple[dict, dict]]:
+def _other_tools(class_name: Any, config: dict, schema: Any, where: str,
+                 base_dir: str | Path | None = None) -> list[tuple[dict, dict]]:
     """({name, class_name, config}, schema) of each tool a non-search entry declares (an MCP entry
-    declares its server's tools, their schemas listed from the server unless tool_schema is given)."""
+    declares its server's tools, their schemas listed from the server unless tool_schema is given;
+    any other class is a `verl.tools.base_tool.BaseTool` of the user's, `_user_tool`)."""
     from search_r1.llm_agent import tool_backends
 
     if class_name not in tool_backends.BACKENDS:
-        raise ValueError(f"{where}.class_name: {class_name!r} is not a tool this project runs; supported: "
-                         f"{list(SEARCH_TOOL_CLASSES) + list(tool_backends.BACKENDS)}")
+        return [_user_tool(class_name, config, schema, where, base_dir)]
     tool_backends.check_config(class_name, config, where)
     if class_name.endswith(".MCPTool"):
         from search_r1.llm_agent import mcp_tools
@@ -149,8 +157,55 @@ def _other_tools(class_name: Any, config: dict, schema: Any, where: str) -> list
     return [({"name": name, "class_name": class_name, "config": config}, schema)]
 
 
-def parse_tool_config(data: Any, source: str = "<tool config>") -> ToolConfig:
-    """Validate a tool config (the YAML's content) and return it; errors name `source` and the key."""
+def _user_tool(class_name: Any, config: dict, schema: Any, where: str,
+               base_dir: str | Path | None) -> tuple[dict, dict]:
+    """A tool class of the user's: importable here (a dotted name, or `path/to/file.py:Class`, relative to
+    the tool config's folder), a BaseTool, `config.type` native; its schema from the YAML, else from the
+    class (`get_openai_tool_schema()` of an instance built without one, as veRL allows)."""
+    from search_r1.llm_agent.tool_results import as_schema
+    from verl.tools.base_tool import BaseTool
+    from verl.tools.utils.tool_registry import ToolClassError, get_tool_class, resolve_class_name
+
+    if not isinstance(class_name, str):
+        raise ValueError(f"{where}.class_name: expected a class (my_module.MyTool or path/to/file.py:MyTool), "
+                         f"got {class_name!r}")
+    builtins = list(SEARCH_TOOL_CLASSES) + tool_backends_names()
+    resolved = resolve_class_name(class_name, base_dir)
+    try:
+        cls = get_tool_class(resolved, f"{where}.class_name")
+    except ToolClassError as err:
+        raise ValueError(f"{where}.class_name: {class_name!r} is not a tool this project can load ({err.reason}); "
+                         f"built-in tools: {builtins}") from err
+    if not issubclass(cls, BaseTool):
+        raise ValueError(f"{where}.class_name: {class_name!r} is not a tool this project can load: not a "
+                         f"verl.tools.base_tool.BaseTool subclass; built-in tools: {builtins}")
+    kind = config.get("type", "native")
+    if kind != "native":
+        raise ValueError(f"{where}.config.type: only 'native' tools load by class_name here, got {kind!r} (an MCP "
+                         "server's tools: class_name search_r1.llm_agent.mcp_tools.MCPTool)")
+    if schema is None:
+        try:
+            given = cls(config=dict(config), tool_schema=None).get_openai_tool_schema()
+            schema = given.model_dump(exclude_unset=True, exclude_none=True) if hasattr(given, "model_dump") else given
+        except Exception as err:   # noqa: BLE001 - the class could not give one: the YAML must
+            raise ValueError(f"{where}.tool_schema: required ({class_name} gives no schema of its own: "
+                             f"{type(err).__name__}: {err})") from err
+    try:
+        name = as_schema(schema).function.name
+    except ValueError as err:
+        raise ValueError(f"{where}.tool_schema: not an OpenAI function tool ({err})") from err
+    return {"name": name, "class_name": resolved, "config": config}, schema
+
+
+def tool_backends_names() -> list[str]:
+    from search_r1.llm_agent import tool_backends
+
+    return list(tool_backends.BACKENDS)
+
+
+def parse_tool_config(data: Any, source: str = "<tool config>", base_dir: str | Path | None = None) -> ToolConfig:
+    """Validate a tool config (the YAML's content) and return it; errors name `source` and the key.
+    `base_dir`: where a tool class's relative file path is read from (the YAML's folder)."""
     data = _plain(data)
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list) or not data["tools"]:
         raise ValueError(f"{source}: expected a top-level 'tools:' list with at least one tool")
@@ -170,7 +225,7 @@ def parse_tool_config(data: Any, source: str = "<tool config>") -> ToolConfig:
         if not isinstance(config, dict):
             raise ValueError(f"{where}.config: expected a mapping")
         if class_name not in SEARCH_TOOL_CLASSES:
-            for entry, schema in _other_tools(class_name, config, tool.get("tool_schema"), where):
+            for entry, schema in _other_tools(class_name, config, tool.get("tool_schema"), where, base_dir):
                 _add_schema(schemas, schema, where)
                 budget = config.get("max_calls_per_row")
                 if budget is not None:
@@ -217,7 +272,7 @@ def load_tool_config(path: str | Path) -> ToolConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML: {err}") from err
-    return parse_tool_config(data, source=str(path))
+    return parse_tool_config(data, source=str(path), base_dir=path.resolve().parent)
 
 
 # --- a turn's tool calls ------------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from uuid import uuid4
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.actions import Action
@@ -33,6 +34,14 @@ class _Row:
     # Response position from which the policy sampled from a rolling context that had dropped
     # older turns (-1: never). Old log-probs and the update see the full sequence instead.
     cut_from: int = -1
+    # Tools (veRL's BaseTool lifetime, tool_turns.py): the trajectory's id (each tool's instance id), the
+    # row's extra_info.tools_kwargs, the instances created, the step rewards of execute in call order
+    # (veRL's `tool_rewards`) and each tool's calc_reward at the end (veRL's `reward_scores`).
+    request_id: str = field(default_factory=lambda: uuid4().hex)
+    tools_kwargs: dict = field(default_factory=dict)
+    tool_instances: dict[str, str] = field(default_factory=dict)
+    tool_rewards: list[float] = field(default_factory=list)
+    reward_scores: dict[str, float] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -97,8 +106,10 @@ def rollout_statistics(rows: Sequence[_Row], stats: Counter[str], timing: dict[s
         "tool_call_errors": int(stats["tool_call_errors"]),
         "tool_response_truncated": int(stats["tool_response_truncated"]),
         # Per tool: tools/<name>/{calls, errors, latency_ms} (errors: malformed or over-budget calls
-        # and failed answers; calls of a name no tool has count under tools/_unknown).
-        "tool_stats": {k: float(v) for k, v in sorted(stats.items()) if k.startswith("tools/")},
+        # and failed answers; calls of a name no tool has count under tools/_unknown); the tool's own
+        # numeric metrics summed; tools/<name>/reward: its step rewards and calc_reward per row (mean).
+        "tool_stats": {k: float(v) / (max(1, len(rows)) if k.endswith("/reward") else 1)
+                       for k, v in sorted(stats.items()) if k.startswith("tools/")},
         # Rows whose turn raised unexpectedly (a bug or an unmapped backend error): that row got an error
         # observation and went on; by exception type, the messages are in the log.
         "row_errors": int(stats["row_errors"]),

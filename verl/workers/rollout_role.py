@@ -204,7 +204,7 @@ class RolloutRole:
         call_seed = int(torch.randint(0, 2**31 - 1, (1,)))
         with self._in_generation_phase():
             rows, stats, _ = run_shard(self.tokenizer, gen_config, self.rollout.step_engine(meta), ids, call_seed,
-                                       generation.eos_token_ids(meta))
+                                       generation.eos_token_ids(meta), generation.row_fields(prompts, len(ids)))
         return DataProto.from_dict(
             tensors={"num_turns": torch.tensor([row.n_turns for row in rows], dtype=torch.long)},
             non_tensors={generation.AGENT_ROWS: rows, generation.AGENT_STATS: [dict(c) for c in stats]},
