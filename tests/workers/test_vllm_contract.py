@@ -83,7 +83,7 @@ class FakeLLM:
         self.log.append(f"wake_up:{','.join(tags or ['all'])}")
 
     def collective_rpc(self, method: str, kwargs: dict) -> None:
-        list(kwargs["weights_iterator"])   # consumes the stream, as vLLM's loader does
+        self.loaded = list(kwargs["weights_iterator"])   # consumes the stream, as vLLM's loader does
         self.log.append(method)
 
     def reset_prefix_cache(self) -> bool:
@@ -403,3 +403,50 @@ def test_only_the_collecting_rank_of_an_engine_returns_rows(monkeypatch: pytest.
         outs.append(worker.generate_sequences(_prompts()))
     assert len(outs[0]) == 2 and K.RESPONSES in outs[0].batch.keys()
     assert outs[1].batch is None and outs[1].meta_info == {"x": 1}
+
+
+def test_the_colocated_sync_is_the_pipelined_push_cast_per_shard_with_a_tied_weight_gathered_once(
+        fake_vllm: Any, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: str) -> None:
+    """The actor's weights reach its own vLLM engine as a pipeline's push reaches a rollout pool's
+    (weight_sync.local_push): each tensor cast to the engine's dtype before its gather, the tied
+    lm_head gathered once and handed to the engine under both names, the same tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.workers import weight_sync
+
+    worker = _worker(monkeypatch, 0, 1, 1)
+    worker.device, worker._weights_version = "cpu", 4
+    actor = worker.actor_module = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert actor.lm_head.weight is actor.model.embed_tokens.weight   # fp32 masters, tied head
+    worker.rollout = vLLMRollout(None, _rollout_config(), _Tok(), "/m")
+    llm = FakeLLM.instances[0]
+    llm.llm_engine.model_config = SimpleNamespace(dtype=torch.bfloat16)   # a GPU engine's weights
+    gathers: list[torch.dtype] = []
+    gather = weight_sync.full_tensor
+    monkeypatch.setattr(weight_sync, "full_tensor", lambda t: gathers.append(t.dtype) or gather(t))
+
+    worker._load_rollout_weights()
+    manifest = weight_sync.push_manifest(actor, torch.bfloat16)
+    assert [name for name, _ in llm.loaded] == manifest.load_names
+    loaded = dict(llm.loaded)
+    assert loaded["lm_head.weight"] is loaded["model.embed_tokens.weight"]
+    assert {tensor.dtype for _, tensor in llm.loaded} == {torch.bfloat16}
+    assert gathers == [torch.bfloat16] * len(manifest.tensors)        # cast first; one gather per distinct tensor
+    n_params = sum(p.numel() for p in actor.parameters())             # the tied tensor once
+    assert worker.rollout.last_sync_bytes == manifest.nbytes == 2 * n_params
+    assert worker.rollout.synced_version == 4
+    for name, tensor in actor.state_dict().items():
+        assert torch.equal(loaded[name], tensor.to(torch.bfloat16)), name
+    worker._load_rollout_weights()                                    # same version: nothing moves
+    assert llm.log.count("reload_weights") == 1
+
+
+def test_the_engine_refuses_shards_it_would_gather_itself(fake_vllm: Any) -> None:
+    rollout = vLLMRollout(None, _rollout_config(), _Tok(), "/m")
+
+    class Shard(SimpleNamespace):
+        def full_tensor(self) -> torch.Tensor:
+            raise AssertionError("gathered outside the push")
+
+    with pytest.raises(TypeError, match="model.w is a DTensor shard.*weight_sync.local_push"):
+        rollout.sync_weights([("model.w", Shard())], version=1)

@@ -15,7 +15,7 @@ import torch
 
 from verl.protocol import DataProto
 from verl.single_controller.base.decorator import Dispatch, register
-from verl.utils.lora import FrozenAdapter, LoraSpec, adapter_disabled, adapter_state, merged_state
+from verl.utils.lora import FrozenAdapter, LoraSpec, adapter_disabled, adapter_state
 
 
 class LoraRole:
@@ -46,18 +46,14 @@ class LoraRole:
             self._start_adapter = FrozenAdapter(self.lora, self.actor_module)
         return self._start_adapter.swapped_in(self.actor_module)
 
-    def _sync_lora_rollout(self) -> bool:
-        """A colocated engine's weight load with LoRA (the actor onloaded); False without LoRA (the caller
-        sends the actor's full weights)."""
-        if getattr(self.rollout, "lora_sync", None) == "adapter":
-            # LoRA, lora_sync=adapter: only the adapter travels (the engine keeps the frozen base it loaded)
-            self.rollout.sync_adapter(adapter_state(self.actor_module), version=self._weights_version)
-            return True
-        if self.lora is not None:
-            # LoRA, lora_sync=merged: vLLM loads the merged weights (W + scaling * B @ A)
-            self.rollout.sync_weights(merged_state(self.actor_module), version=self._weights_version)
-            return True
-        return False
+    def _sync_lora_adapter(self) -> bool:
+        """A colocated engine's weight load under lora_sync=adapter (the actor onloaded): only the adapter
+        travels, the engine keeps the frozen base it loaded. False otherwise: the caller pushes the full
+        weights (with LoRA merged: W + scaling * B @ A, verl/workers/lora_push.py)."""
+        if getattr(self.rollout, "lora_sync", None) != "adapter":
+            return False
+        self.rollout.sync_adapter(adapter_state(self.actor_module), version=self._weights_version)
+        return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def lora_report(self) -> dict[str, Any]:

@@ -237,12 +237,20 @@ class RolloutRole:
                 self.rollout.sleep()
 
     def _load_rollout_weights(self) -> None:
-        """Load the actor's weights into the engine unless it already has this version. Every rank
-        streams the same parameters in the same order (gathering a shard is a collective).
-        With LoRA, what the engine takes is the LoRA role's (verl/workers/lora_role.py)."""
+        """Load the actor's weights into the engine unless it already has this version. The tensors
+        are a pipeline push's (weight_sync.local_push over lora_push's state: the actor's weights, or a
+        LoRA actor's merged ones): each shard cast to the engine's dtype before its gather, a tied
+        tensor gathered once; every rank streams them in the same order (a gather is a collective).
+        lora_sync=adapter sends the adapter alone instead (verl/workers/lora_role.py)."""
+        from verl.workers.lora_push import lora_push_manifest, lora_push_state, push_mode
+        from verl.workers.weight_sync import local_push
+
         fsdp_cfg = self.config.actor.fsdp_config
         if self.rollout.synced_version != self._weights_version:
             self._onload(self.actor_module, None, fsdp_cfg)
-            if not self._sync_lora_rollout():
-                self.rollout.sync_weights(self.actor_module.state_dict().items(), version=self._weights_version)
+            if not self._sync_lora_adapter():
+                mode = push_mode(self.lora, adapter_engine=False)   # full, or LoRA's merged weights
+                manifest = lora_push_manifest(self.actor_module, self.rollout.weight_dtype, mode)
+                self.rollout.sync_weights(local_push(lora_push_state(self.actor_module, mode), manifest),
+                                          version=self._weights_version)
             self._offload(self.actor_module, None, fsdp_cfg)

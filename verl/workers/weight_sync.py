@@ -20,6 +20,10 @@ the sender's host, apart from each pool's default group:
     manifest = push_manifest(actor_module, dtype=torch.bfloat16)
     sent = send_state(group, push_state(actor_module), manifest, "cuda")     # the sender (every train rank calls it)
     stream = ReceivedTensors(group, manifest, "cuda"); engine.load(stream); stream.finish()   # a receiver
+
+A colocated engine (the rollout in the actor's own workers) takes the same tensors the same way,
+without the broadcast: `local_push(push_state(actor_module), manifest)` is the stream its weight
+load reads (verl/workers/rollout_role.py), in the engine's dtype, a tied tensor gathered once.
 """
 
 from __future__ import annotations
@@ -149,27 +153,48 @@ class WeightSyncGroup:
         self.group.broadcast(tensor, 0).wait()
 
 
+def gathered_state(state: Iterable[tuple[str, torch.Tensor]], manifest: PushManifest
+                   ) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """(spec, full tensor) per manifest entry: each tensor of `state` cast to the manifest's dtype and
+    gathered whole (every rank of the train pool iterates it in the same order: the gather is a
+    collective). The cast is the shard's, before the gather (the same values as casting the gathered
+    tensor: rounding is per element), so the gather moves and holds the push's dtype: one full tensor
+    in it at a time, plus this rank's cast shard. A tensor tied to others (a tied lm_head is the
+    embedding) is in `state` once, so it is gathered once. Raises when `state` is not the manifest's."""
+    for (name, tensor), spec in zip(state, manifest.tensors, strict=True):
+        full = full_tensor(tensor.to(manifest.dtype))
+        if name != spec.name or tuple(full.shape) != spec.shape:
+            raise RuntimeError(f"weight push: the actor's tensor {name} {tuple(full.shape)} is not the manifest's "
+                               f"{spec.name} {spec.shape} (the module changed since the manifest was made)")
+        yield spec, full
+
+
 @torch.no_grad()
 def send_state(group: WeightSyncGroup | None, state: Iterable[tuple[str, torch.Tensor]], manifest: PushManifest,
                device: str) -> int:
-    """Each tensor of `state` cast to the manifest's dtype and gathered whole (every rank of the train
-    pool calls this, in the same order: the gather is a collective), then broadcast by the group's
-    rank 0 (the train pool's rank 0; `group` is None on the pool's other ranks). The cast is the
-    shard's, before the gather (the same values as casting the gathered tensor: rounding is per
-    element), so the gather moves and holds the push's dtype: one full tensor in it at a time, plus
-    this rank's cast shard. Returns the bytes sent (0 on the other ranks)."""
+    """`gathered_state` (every rank of the train pool calls this, in the same order), each full tensor
+    broadcast by the group's rank 0 (the train pool's rank 0; `group` is None on the pool's other
+    ranks). Returns the bytes sent (0 on the other ranks)."""
     sent = 0
-    for (name, tensor), spec in zip(state, manifest.tensors, strict=True):
-        full = full_tensor(tensor.to(manifest.dtype))
+    for _, full in gathered_state(state, manifest):
         if group is None:
             continue
-        if name != spec.name or tuple(full.shape) != spec.shape:
-            raise RuntimeError(f"weight push: the actor's tensor {name} {tuple(full.shape)} is not the manifest's "
-                               f"{spec.name} {spec.shape} (the module changed since the group was joined)")
         buffer = full.to(device).contiguous()
         group.broadcast(buffer)
         sent += buffer.numel() * buffer.element_size()
     return sent
+
+
+@torch.no_grad()
+def local_push(state: Iterable[tuple[str, torch.Tensor]], manifest: PushManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """A colocated engine's weight load (the rollout in the actor's own workers, no group): the push's
+    tensors as the (name, tensor) stream the engine's loader takes, straight from `gathered_state`
+    (cast per shard, gathered once each); a tensor with aliases is handed out again under each, the
+    same tensor (vLLM reloads a tied lm_head as a layer of its own), as `ReceivedTensors` does on a
+    rollout pool. Every rank iterates it whole (the gathers are collectives)."""
+    for spec, full in gathered_state(state, manifest):
+        for name in (spec.name, *spec.aliases):
+            yield name, full
 
 
 class ReceivedTensors:

@@ -3,7 +3,9 @@
 The engine is built once per worker with random weights (`load_format=dummy`; with LoRA's
 lora_sync=adapter it loads the base from the model path instead, below); before a generation phase
 the actor's current weights are streamed into it (`sync_weights`), one full tensor at a time, under
-the Hugging Face checkpoint names vLLM's loaders expect. On a pipeline's
+the Hugging Face checkpoint names vLLM's loaders expect, through the pipelines' push path
+(verl/workers/weight_sync.py `local_push`: each shard cast to the engine's dtype before its gather, a
+tied lm_head gathered once and handed over under both names). On a pipeline's
 rollout pool (verl/workers/rollout_pool.py) it loads the model path's weights instead, and each
 weight push from the train pool streams through `sync_weights` as it arrives. Nothing is
 re-tokenized: prompts go in as `prompt_token_ids` (left padding stripped), and the ids vLLM
@@ -123,13 +125,16 @@ def hf_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> It
     """(name, full tensor) under the names of the model's HF checkpoint, one at a time.
 
     FSDP2 keeps the module's own names; wrappers that torch adds (activation checkpointing,
-    torch.compile) insert a component that is not in the checkpoint, so it is dropped. A
-    DTensor shard is gathered to the full tensor only when its turn comes."""
+    torch.compile) insert a component that is not in the checkpoint, so it is dropped. The tensors
+    come whole: the actor's shards are cast and gathered by the push (weight_sync.local_push, or a
+    pool's ReceivedTensors), never here, so there is one gather path and it moves the engine's dtype."""
     from verl.workers.weight_sync import checkpoint_name
 
     for name, tensor in named_tensors:
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield checkpoint_name(name), full.detach()
+        if hasattr(tensor, "full_tensor"):
+            raise TypeError(f"vLLM weight load: {name} is a DTensor shard; stream the actor's weights through "
+                            "verl.workers.weight_sync.local_push (cast per shard, gathered once each)")
+        yield checkpoint_name(name), tensor.detach() if tensor.requires_grad else tensor   # an alias stays the same tensor
 
 
 @contextmanager
@@ -289,8 +294,10 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> bool:
         """Load the actor's weights into the engine; skipped when `version` was synced already.
 
-        Returns whether weights were loaded. Tensors are streamed, never collected: peak extra
-        memory is one full parameter. The prefix cache holds KV of the old weights: it is reset."""
+        `named_tensors`: full tensors, in the engine's dtype, a tied one again under each alias (the
+        worker's weight_sync.local_push, or a pool's ReceivedTensors). Returns whether weights were
+        loaded. Tensors are streamed, never collected: peak extra memory is one full parameter. The
+        prefix cache holds KV of the old weights: it is reset. `last_sync_bytes` counts each tensor once."""
         if version is not None and version == self.synced_version:
             return False
         if self.adapter_sync is not None:
@@ -299,12 +306,15 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         sent = [0]
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in named_tensors:
-                sent[0] += tensor_bytes([tensor])
+            previous = None
+            for name, tensor in hf_checkpoint_names(named_tensors):
+                if tensor is not previous:   # a tied tensor comes again under its alias: counted once
+                    sent[0] += tensor_bytes([tensor])
+                previous = tensor
                 yield name, tensor
 
         self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": hf_checkpoint_names(counted()), "is_checkpoint_format": True})
+            "weights_iterator": counted(), "is_checkpoint_format": True})
         self.weight_loads += 1
         self.last_sync_bytes = sent[0]
         if self.llm.reset_prefix_cache() is False:
