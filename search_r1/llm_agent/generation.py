@@ -41,6 +41,7 @@ from search_r1.llm_agent import actions
 from search_r1.llm_agent.actions import Action
 from search_r1.llm_agent.generation_config import GenerationConfig
 from search_r1.llm_agent.open_tag import OpenTag
+from search_r1.llm_agent.row_outputs import attach_row_outputs
 from search_r1.llm_agent.tensor_helper import (
     left_pad,
     masked_rows,
@@ -468,6 +469,7 @@ class LLMGenerationManager:
         if self._tool is not None:
             self._tool.finish_rows(rows, stats)
         output = self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
+        attach_row_outputs(output, rows)
         if versions is not None:
             width = output.batch[K.RESPONSES].shape[-1]
             per_token = [[v for (policy, obs), v in zip(row.turns, vs, strict=True) for _ in range(len(policy) + len(obs))]
@@ -508,7 +510,9 @@ class LLMGenerationManager:
         # Generation and retrieval overlap: 'generate' is the rollout's wall time, 'retrieval'
         # the mean time a trajectory waited for the retriever.
         timing = {"generate": wall, "retrieval": stats.pop("retrieval_ms", 0) / 1000.0 / max(1, len(rows))}
-        return self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
+        output = self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
+        attach_row_outputs(output, rows)
+        return output
 
     def _apply_turn(self, row: _Row, res: _TurnResult, search_obs: str | list[str] | None, is_final: bool,
                     stats: Counter[str], sampled_log_probs: list[float] | None = None) -> None:

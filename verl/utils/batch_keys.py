@@ -39,6 +39,19 @@ DATA_SOURCE = "data_source"          # e.g. "nq"; selects the scorer
 REWARD_MODEL = "reward_model"        # {"style": "rule", "ground_truth": {"target": [...]}}
 EXTRA_INFO = "extra_info"            # {"split": ..., "index": ...}
 INDEX = "index"                      # row index in the source data set
+# What tools, agent loops and interactions leave on a row (veRL's names; a custom reward function reads the
+# rewards in its extra_info: tool_rewards, turn_scores, rollout_reward_scores, num_turns; docs/agent.md)
+AGENT_NAME = "agent_name"            # str: the agent loop that rolls the row out (veRL's data column)
+RAW_PROMPT = "raw_prompt"            # list[dict]: the row's chat messages (data.return_raw_chat; agent loops)
+TOOL_REWARDS = "tool_rewards"        # list[float]: the step rewards of its tools' execute, in call order
+REWARD_SCORES = "reward_scores"      # dict: tool name -> its calc_reward when the trajectory ended
+TURN_SCORES = "turn_scores"          # list[float]: an interaction's score for each user turn
+NUM_TURNS = "__num_turns__"          # int: assistant turns + environment turns + 1 (veRL's count)
+AGENT_EXTRA_FIELDS = "agent_extra_fields"      # dict: an agent loop's AgentLoopOutput.extra_fields
+ROLLOUT_REWARD_SCORE = "rollout_reward_score"  # float | None: an agent loop's own reward_score (replaces the
+                                               #   reward function's score for that row, as veRL's rm_scores)
+AGENT_KEYS = frozenset({AGENT_NAME, RAW_PROMPT, TOOL_REWARDS, REWARD_SCORES, TURN_SCORES, NUM_TURNS,
+                        AGENT_EXTRA_FIELDS, ROLLOUT_REWARD_SCORE})
 
 # --- meta_info[...] -----------------------------------------------------------
 META_EOS_TOKEN_ID = "eos_token_id"
@@ -63,6 +76,8 @@ TENSOR_KEYS = frozenset({
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS,
 })
 NON_TENSOR_KEYS = frozenset({UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX})
+
+NON_TENSOR_KEYS = NON_TENSOR_KEYS | AGENT_KEYS
 
 
 def check_known_keys(keys: list[str] | set[str], where: str) -> None:

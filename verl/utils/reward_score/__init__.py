@@ -86,5 +86,13 @@ def get_scorer(data_source: str, format_aware: bool = False) -> Scorer:
     return qa_em_format.compute_score_em if format_aware else qa_em.compute_score_em
 
 
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
+                          **kwargs: Any) -> float:
+    """veRL's default reward function, by data source (a custom reward function may call it): the
+    built-in rule of `get_scorer` (EM; the search_r1_like rule for `searchR1_*` rows)."""
+    del extra_info, kwargs   # veRL's signature; the rule reads the text and the ground truth only
+    return float(get_scorer(str(data_source))(solution_str, ground_truth))
+
+
 __all__ = ["SEARCH_R1_LIKE_DATA_SOURCES", "SEARCH_R1_LIKE_PREFIX", "SUPPORTED_DATA_SOURCES", "TAG_DATA_SOURCES",
-           "FormatScoreConfig", "RewardBreakdown", "get_scorer", "validate_data_sources"]
+           "FormatScoreConfig", "RewardBreakdown", "default_compute_score", "get_scorer", "validate_data_sources"]

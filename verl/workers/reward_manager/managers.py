@@ -45,6 +45,24 @@ def load_custom_reward_fn(node: Any) -> Callable[..., Any] | None:
     return fn
 
 
+# What a rollout leaves on a row (batch_keys.AGENT_KEYS) -> the extra_info key veRL's reward loop gives it.
+ROLLOUT_FIELDS = {K.TOOL_REWARDS: "tool_rewards", K.TURN_SCORES: "turn_scores",
+                  K.REWARD_SCORES: "rollout_reward_scores", K.NUM_TURNS: "num_turns"}
+
+
+def with_rollout_fields(extra_info: Any, data: DataProto, row: int) -> dict:
+    """A row's extra_info as a custom reward function sees it, as veRL passes it: a copy with the rollout's
+    step rewards (`tool_rewards`, in call order), each tool's `calc_reward` (`rollout_reward_scores`), an
+    interaction's scores (`turn_scores`) and `num_turns` added, those the batch carries."""
+    info = dict(extra_info) if isinstance(extra_info, dict) else {}
+    for key, name in ROLLOUT_FIELDS.items():
+        column = data.non_tensor_batch.get(key)
+        if column is not None:
+            value = column[row]
+            info[name] = int(value) if key == K.NUM_TURNS else (dict(value) if isinstance(value, dict) else list(value))
+    return info
+
+
 def _as_score(value: Any, where: str) -> tuple[float, dict[str, float]]:
     """(score, extra numeric entries) from a custom function's float or {"score": ..., ...}."""
     if isinstance(value, dict):
@@ -101,8 +119,8 @@ class _ScoringManager(RewardManager):
                 raise KeyError(f"row {row}: non-tensor '{K.REWARD_MODEL}' has no 'ground_truth' key")
             ground_truths.append(reward_model["ground_truth"])
         infos = data.non_tensor_batch.get(K.EXTRA_INFO)
-        extra_infos = [dict(info) if isinstance(info, dict) else {} for info in infos] if infos is not None \
-            else [{} for _ in sources]
+        extra_infos = [with_rollout_fields(info if infos is not None else {}, data, row)
+                       for row, info in enumerate(infos if infos is not None else sources)]
         return sources, policy_texts, response_texts, ground_truths, extra_infos
 
     def _custom_scores(self, sources: list[str], texts: list[str], ground_truths: list[Any],
