@@ -88,6 +88,10 @@ class DemoSettings:
     tool_sft_lr: float = 2e-3
     tool_sft_batch_size: int = 16
     tool_warmstart_dir: str = "example/demo_warmstart_tool"
+    # demo.agent=openai: the tool protocol's world and warm start, rolled out by an agent written with plain
+    # `openai` calls (example/openai_agents/search_agent.py) through the trainer's OpenAI-compatible endpoint
+    # (docs/demo.md "Your own agent"); outputs under outputs/demo_openai.
+    agent: str = ""                   # "" | openai
     # demo.world=browse (docs/demo.md "Browse world"): search shows snippets without the answer,
     # which sits in the page `<open> doc_id </open>` returns (one-hop questions only). Its warm
     # start continues the tag warm start's SFT on browse demonstrations, a share of which open.
@@ -123,6 +127,8 @@ class DemoSettings:
 
 
 PROTOCOLS = ("tags", "tool")
+AGENTS = ("", "openai")
+AGENT_OUTPUT_DIR = "outputs/demo_openai"   # demo.agent=openai (the tool demo's data and warm start)
 # Where each protocol's demo keeps its data and outputs unless demo.data_dir / demo.output_dir
 # are given: the two demos never read each other's cached parquet or checkpoints.
 PROTOCOL_DIRS = {"tags": ("data/demo", "outputs/demo"), "tool": ("data/demo_tool", "outputs/demo_tool"),
@@ -166,7 +172,16 @@ def split_args(argv: list[str]) -> tuple[DemoSettings, list[str]]:
     if settings.world == "browse" and settings.protocol != "tags":
         raise SystemExit("demo.world=browse runs in the tag protocol (its open tag); drop demo.protocol="
                          f"{settings.protocol}")
+    if settings.agent not in AGENTS:
+        raise SystemExit(f"demo.agent takes {' or '.join(a for a in AGENTS if a)}, got {settings.agent!r}")
+    if settings.agent:
+        if "protocol" in given and settings.protocol != "tool":
+            raise SystemExit(f"demo.agent={settings.agent} runs on the tool protocol's world; drop demo.protocol="
+                             f"{settings.protocol}")
+        settings.protocol = "tool"
     data_dir, output_dir = PROTOCOL_DIRS[settings.variant]
+    if settings.agent:
+        output_dir = AGENT_OUTPUT_DIR
     if "data_dir" not in given:
         settings.data_dir = data_dir
     if "output_dir" not in given:

@@ -133,6 +133,14 @@ TOOL_RL_OVERRIDES = (
     "actor_rollout_ref.actor.optim.lr=2e-4",
 )
 TOOL_CONFIG_FILE = "search_tool_config.yaml"   # under demo.output_dir
+# `demo.agent=openai`: the tool demo's keys, rolled out by example/openai_agents/search_agent.py through the
+# trainer's OpenAI-compatible endpoint (openai_agent.*); the agent gets the row's chat messages
+# (data.return_raw_chat) and finds the demo's retrieval server in SEARCH_R1_RETRIEVAL_URL.
+OPENAI_AGENT_FILE = REPO_ROOT / "example" / "openai_agents" / "search_agent.py"
+AGENT_RL_OVERRIDES = (
+    f"openai_agent.path={OPENAI_AGENT_FILE}",
+    "data.return_raw_chat=true",
+)
 
 
 
@@ -255,6 +263,9 @@ def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: 
         overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in tool_keys]
         overrides += [*TOOL_RL_OVERRIDES, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config_path(s)}",
                       f"trainer.experiment_name=demo-{algorithm}-tool"]
+    if s.agent == "openai":
+        overrides = [o for o in overrides if not o.startswith("trainer.experiment_name=")]
+        overrides += [*AGENT_RL_OVERRIDES, f"trainer.experiment_name=demo-{algorithm}-openai"]
     if s.world == "browse":
         browse_keys = {o.partition("=")[0] for o in BROWSE_RL_OVERRIDES}
         overrides = [o for o in overrides if o.lstrip("+").partition("=")[0] not in browse_keys]
@@ -338,6 +349,8 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
                           settings.topk, out_dir / "retrieval_server.log", snippets) as url:
         if settings.protocol == "tool":
             write_tool_config(tool_config_path(settings), url, settings.topk)
+        if settings.agent:
+            os.environ["SEARCH_R1_RETRIEVAL_URL"] = url    # where the demo's agent searches
         config = compose_config(rl_overrides(settings, paths, user_overrides, url, algorithm))
         rl_start = time.time()
         history = run_ppo(config)
@@ -353,7 +366,7 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
     from scripts.plot_metrics import PANELS, plot_metrics
 
     panels = PANELS + CRITIC_PANELS if algorithm == "ppo" else PANELS
-    shown = _shown(algorithm, settings.protocol, settings.world)
+    shown = _shown(algorithm, settings.protocol, settings.world, settings.agent)
     plot_path = plot_metrics(metrics_path, out_dir / "training_curves.png",
                              title=f"Search-R1 offline demo ({shown})", panels=panels)
     hf_model_dir = str(ckpt_root / f"global_step_{step}" / "hf")
@@ -381,7 +394,9 @@ def _opens(metrics: dict) -> float | None:
     return None if value is None else float(value)
 
 
-def _shown(algorithm: str, protocol: str, world: str) -> str:
+def _shown(algorithm: str, protocol: str, world: str, agent: str = "") -> str:
+    if agent:
+        return f"{algorithm.upper()}, {agent} agent"
     if world == "browse":
         return f"{algorithm.upper()}, browse world"
     return f"{algorithm.upper()}, tool calls" if protocol == "tool" else algorithm.upper()

@@ -381,6 +381,11 @@ class LLMGenerationManager:
         'do_sample'/'temperature'; `initial_input_ids` is the prompt (last columns of
         input_ids) that becomes 'prompts'.
         """
+        if self.config.openai_agent is not None:   # the user's agent via the OpenAI endpoint (openai_endpoint/)
+            from search_r1.llm_agent.openai_endpoint.rollout import agent_rollout
+
+            with self._engines_awake():
+                return agent_rollout(self, gen_batch, self._generation_meta(gen_batch))
         rows, prompt_mask = self._initial_rows(gen_batch, initial_input_ids)
         meta = self._generation_meta(gen_batch)
         self._log_probs_match_actor = True

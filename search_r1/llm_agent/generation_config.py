@@ -59,6 +59,9 @@ class GenerationConfig:
     open_tag: bool = False
     max_opens: int = 2                 # opens one row may run (each also takes a turn of max_turns)
     open_page_size: int = 1000         # characters of one page of an opened document
+    # openai_agent.*: the user's own agent through the OpenAI-compatible endpoint instead of the protocols'
+    # loops (search_r1/llm_agent/openai_endpoint/rollout.py; docs/agent.md "Train an agent you already wrote").
+    openai_agent: dict | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tags", "tool"):

@@ -135,6 +135,33 @@ def test_dr_grpos_gradient_scale_does_not_move_with_the_steps_longest_row():
     torch.testing.assert_close(short, torch.full((3,), -1.0 / 64 / 2))
 
 
+def test_the_critics_value_loss_gets_the_same_constant_divisor():
+    """The critic's loss_agg_mode follows the actor's: under seq-mean-token-sum-norm its value loss gets the
+    run's bound too, so a row's value gradient does not move with the step's longest row either."""
+    from verl.trainer.ppo.core_algos import compute_value_loss
+
+    cfg = compose_config([SUM_NORM, "do_search=false", "data.max_response_length=64"])
+    assert cfg.critic.loss_scale_factor is None
+    assert config_errors(cfg) == []
+    critic = cfg.critic
+    assert critic.loss_agg_mode == "seq-mean-token-sum-norm" and critic.loss_scale_factor == 64
+
+    def row_gradient(other_len: int) -> torch.Tensor:
+        width = max(3, other_len)
+        mask = torch.zeros(2, width)
+        mask[0, :3], mask[1, :other_len] = 1.0, 1.0
+        vpreds = torch.zeros(2, width, requires_grad=True)
+        loss, _ = compute_value_loss(vpreds, torch.ones(2, width), torch.zeros(2, width), mask, 10.0,
+                                     critic.loss_agg_mode, critic.loss_scale_factor)
+        loss.backward()
+        return vpreds.grad[0, :3]
+
+    short, long = row_gradient(5), row_gradient(40)
+    torch.testing.assert_close(short, long, rtol=0, atol=0)
+    # d/dv 0.5 (v - 1)^2 = -1 at v = 0, / factor 64 / 2 rows
+    torch.testing.assert_close(short, torch.full((3,), -1.0 / 64 / 2))
+
+
 def test_geo_mean_with_per_token_advantages_is_refused_with_the_reason(tiny_model_dir):
     found = errors(f"{LOSS_KEY}=geo_mean", "algorithm.adv_estimator=gae", f"critic.model.path={tiny_model_dir}")
     assert found == [f"{LOSS_KEY}=geo_mean needs one advantage per sequence (GMPO averages a row's advantages); "

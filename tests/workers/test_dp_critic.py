@@ -100,3 +100,23 @@ def test_token_mean_value_loss_over_uneven_micro_batches_is_the_mini_batch_token
         # The same gradient up to fp32 summation order (~1e-7 relative); a row-weighted
         # token-mean would move it by tens of percent.
         torch.testing.assert_close(b, a, atol=1e-7 + 1e-4 * float(a.abs().max()), rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_critic_passes_its_loss_scale_factor_to_the_value_loss(tiny_model_dir, monkeypatch):
+    """critic.loss_scale_factor (set at start-up under seq-mean-token-sum-norm) reaches compute_value_loss."""
+    from verl.trainer.ppo import core_algos
+
+    seen = []
+    real = core_algos.compute_value_loss
+
+    def recording(*args, **kwargs):
+        seen.append(args[6] if len(args) > 6 else kwargs.get("loss_scale_factor"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core_algos, "compute_value_loss", recording)
+    worker = critic(tiny_model_dir, False, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=96)
+    data = make_ppo_batch(worker.critic_module.config.vocab_size, batch_size=6, prompt_len=8, response_len=6, seed=3)
+    data.meta_info[K.META_MICRO_BATCH_SIZE] = 2
+    data.batch[K.VALUES] = worker.compute_values(copy.copy(data))
+    worker.update_critic(copy.copy(data))
+    assert seen and set(seen) == {96}

@@ -49,21 +49,25 @@ def load_custom_algorithms(cfg: DictConfig) -> list[str]:
 
 
 def resolve_loss_scale_factor(cfg: DictConfig) -> int | None:
-    """With loss_agg_mode=seq-mean-token-sum-norm and actor.loss_scale_factor null, set the factor (in
-    `cfg`) to the widest padded response the run can produce (memory_plan.response_length_bound:
-    data.max_response_length, or (max_turns + 1) turns and max_turns observations with <search> tags).
-    The divisor must not move between steps: the padded width a micro-batch has is its step's longest
-    row, so the fallback of agg_loss (loss_mask.shape[-1]) would rescale every row's gradient with one
-    long row elsewhere in the batch. -> the value set, None when nothing was."""
+    """With loss_agg_mode=seq-mean-token-sum-norm and loss_scale_factor null (the actor's, and the critic's
+    value loss), set the factor (in `cfg`) to the widest padded response the run can produce
+    (memory_plan.response_length_bound: data.max_response_length, or (max_turns + 1) turns and max_turns
+    observations with <search> tags). The divisor must not move between steps: the padded width a
+    micro-batch has is its step's longest row, so the fallback of agg_loss (loss_mask.shape[-1]) would
+    rescale every row's gradient with one long row elsewhere in the batch. -> the value set, None when
+    nothing was."""
     from verl.utils.memory_plan import response_length_bound
 
-    actor = cfg.actor_rollout_ref.actor
-    if actor.get("loss_agg_mode", "token-mean") != SUM_NORM or actor.get("loss_scale_factor") is not None:
-        return None
-    bound = response_length_bound(cfg)
-    OmegaConf.update(cfg, "actor_rollout_ref.actor.loss_scale_factor", bound, force_add=False)
-    logger.info("actor_rollout_ref.actor.loss_scale_factor=null with loss_agg_mode=%s: set to %d, the run's "
-                "response length bound (constant across steps)", SUM_NORM, bound)
+    bound = None
+    for prefix in ("actor_rollout_ref.actor", "critic"):
+        node = OmegaConf.select(cfg, prefix)
+        if node is None or node.get("loss_agg_mode", "token-mean") != SUM_NORM \
+                or node.get("loss_scale_factor") is not None:
+            continue
+        bound = response_length_bound(cfg)
+        OmegaConf.update(cfg, f"{prefix}.loss_scale_factor", bound, force_add=True)
+        logger.info("%s.loss_scale_factor=null with loss_agg_mode=%s: set to %d, the run's response length "
+                    "bound (constant across steps)", prefix, SUM_NORM, bound)
     return bound
 
 

@@ -14,8 +14,6 @@ Sampling is the engine's (the trainer's rollout settings: what the actor's log-p
 under); a request's `temperature` / `top_p` are checked, not applied, and counted (`sampling_ignored`).
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import logging
@@ -26,9 +24,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from search_r1.llm_agent.async_generation import request_seed
 from search_r1.llm_agent.openai_endpoint import chat
@@ -248,7 +243,12 @@ class Endpoint:
 
 
 def build_app(endpoint: Endpoint) -> Any:
-    """The FastAPI app serving `endpoint` (errors OpenAI-shaped; nothing a client sends raises out)."""
+    """The FastAPI app serving `endpoint` (errors OpenAI-shaped; nothing a client sends raises out).
+    (No `from __future__ import annotations` in this module: FastAPI reads the handlers' annotations, and
+    `Request` is imported here, so the module imports without the web stack.)"""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
     app = FastAPI(title="search-r1 OpenAI-compatible rollout endpoint", docs_url=None, redoc_url=None)
 
     def error(err: APIError) -> JSONResponse:

@@ -381,13 +381,16 @@ def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor,
 
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
                        response_mask: torch.Tensor, cliprange_value: float,
-                       loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2).  -> (vf_loss, vf_clipfrac)"""
+                       loss_agg_mode: str = "token-mean",
+                       loss_scale_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2).  -> (vf_loss, vf_clipfrac)
+    `loss_scale_factor`: seq-mean-token-sum-norm's constant divisor (critic.loss_scale_factor)."""
     mask = response_mask.to(vpreds.dtype)
     vpred_clipped = tf.clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = (vpreds - returns).square()
     clipped = (vpred_clipped - returns).square()
-    vf_loss = 0.5 * tf.agg_loss(torch.max(unclipped, clipped), mask, loss_agg_mode)
+    vf_loss = 0.5 * tf.agg_loss(torch.max(unclipped, clipped), mask, loss_agg_mode,
+                                loss_scale_factor=loss_scale_factor)
     vf_clipfrac = tf.masked_mean(torch.gt(clipped, unclipped).to(mask.dtype), mask)
     return vf_loss, vf_clipfrac
 

@@ -285,6 +285,11 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                 output = self.rollout_wg.generate_sequences(gen_batch)
         gen_meta = {**output.meta_info, **phase_meta}
         output.meta_info = {}
+        if self.config.get("openai_agent") and self.config.openai_agent.get("path"):
+            from search_r1.llm_agent.openai_endpoint.rollout import select_samples
+
+            # openai_agent: failed rows dropped, split ones repeated (docs/agent.md "Train an agent you already wrote")
+            batch = select_samples(batch, gen_meta)
         batch = batch.union(output)
         batch.meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] = bool(
             gen_meta.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True))

@@ -90,6 +90,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     tag protocol's and does not bound a tool-protocol row.
     """
     from search_r1.llm_agent.generation import GenerationConfig
+    from search_r1.llm_agent.openai_endpoint.rollout import settings_dict
     from verl.trainer.config_open_tag import open_tag_settings
 
     data, rollout = config.data, config.actor_rollout_ref.rollout
@@ -98,7 +99,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
         max_turns=int(config.max_turns), max_obs_length=int(data.max_obs_length), num_gpus=world_size,
         no_think_rl=bool(config.algorithm.no_think_rl), retrieval_max_retries=int(config.retriever.max_retries),
         topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
-        mode=str(rollout.get("mode", "sync")),
+        mode=str(rollout.get("mode", "sync")), openai_agent=settings_dict(config),
         serve_app=str(config.retriever.serve_app_name) if protocol.serve_retriever else None)
     if not protocol.tool:
         return GenerationConfig(

@@ -133,7 +133,7 @@ class DataParallelPPOCritic:
                     vpreds = self._forward_micro_batch(micro)
                     vf_loss, vf_clipfrac = core_algos.compute_value_loss(
                         vpreds, micro[K.RETURNS], micro[K.VALUES], response_mask,
-                        float(cfg.cliprange_value), loss_agg_mode)
+                        float(cfg.cliprange_value), loss_agg_mode, cfg.get("loss_scale_factor"))
                     # Token share (token-mean) or row share (seq-mean modes) of the mini-batch.
                     share = tf.micro_batch_share(response_mask, mini_tokens, tf.rows_with_tokens(response_mask),
                                                  mini_rows, loss_agg_mode, dp_size)
