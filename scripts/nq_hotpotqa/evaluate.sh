@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Evaluate a checkpoint: greedy validation only (+trainer.val_only=true); EM, token F1 and (with a
-# judge) judge accuracy per data source -> JSON (scripts/nq_hotpotqa/eval_report.py).
+# judge) judge accuracy per data source -> JSON (scripts/nq_hotpotqa/eval_report.py). With --n K, K
+# sampled responses per question (rollout.val_kwargs) and ASearcher's avg@K and pass@K per source too.
 #
 #   BASE_MODEL=verl_checkpoints/my-run/global_step_1000/hf DATA_DIR=data/nq_hotpotqa_train \
-#       bash scripts/nq_hotpotqa/evaluate.sh [extra Hydra overrides...]
+#       bash scripts/nq_hotpotqa/evaluate.sh [--n K] [extra Hydra overrides...]
 #
 # Environment (all optional except BASE_MODEL):
 #   BASE_MODEL      HF folder or hub id of the model to evaluate, or a LoRA adapter folder (adapter_config.json:
@@ -17,6 +18,7 @@
 #   RETRIEVER_URL   a running retrieval server (default http://127.0.0.1:8000/retrieve)
 #   N_GPUS          GPUs (or CPU workers) per node (default: all visible GPUs, else 1)
 #   ROLLOUT_NAME    rollout engine: auto (default: vllm with a GPU and vllm, else hf) | hf | vllm
+#   VAL_TEMPERATURE, VAL_TOP_P   the sampling of --n K > 1 (default 0.6, ASearcher's evaluation temperature, and 1.0)
 # Any extra argument is passed to the trainer as a Hydra override (later ones win).
 set -euo pipefail
 # the repository's .venv when no virtual environment is active; a clear stop when the packages are missing
@@ -39,6 +41,27 @@ else
     DEVICE=cpu
 fi
 
+# --n K: K sampled responses per question; every other argument is a Hydra override
+N_SAMPLES=1
+ARGS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --n) N_SAMPLES=${2:-}; shift $(( $# > 1 ? 2 : 1 )) ;;
+        --n=*) N_SAMPLES=${1#--n=}; shift ;;
+        *) ARGS+=("$1"); shift ;;
+    esac
+done
+if ! [[ "$N_SAMPLES" =~ ^[1-9][0-9]*$ ]]; then
+    echo "evaluate.sh: --n takes the number of responses sampled per question (1 or more), got '${N_SAMPLES}'" >&2
+    exit 2
+fi
+SAMPLE_OVERRIDES=""
+if [ "$N_SAMPLES" -gt 1 ]; then
+    SAMPLE_OVERRIDES="actor_rollout_ref.rollout.val_kwargs.n=${N_SAMPLES} actor_rollout_ref.rollout.val_kwargs.do_sample=true"
+    SAMPLE_OVERRIDES+=" actor_rollout_ref.rollout.val_kwargs.temperature=${VAL_TEMPERATURE:-0.6}"
+    SAMPLE_OVERRIDES+=" actor_rollout_ref.rollout.val_kwargs.top_p=${VAL_TOP_P:-1.0}"
+fi
+
 JUDGE_OVERRIDES=""
 if [ -n "${JUDGE_URL:-}" ]; then
     if [ -z "${JUDGE_MODEL:-}" ]; then
@@ -49,8 +72,8 @@ if [ -n "${JUDGE_URL:-}" ]; then
 fi
 
 export OUTPUT_JSON
-# shellcheck disable=SC2086  # JUDGE_OVERRIDES: zero or two words
-python3 - $JUDGE_OVERRIDES "$@" <<PY
+# shellcheck disable=SC2086  # JUDGE_OVERRIDES, SAMPLE_OVERRIDES: zero or more words
+python3 - $JUDGE_OVERRIDES $SAMPLE_OVERRIDES ${ARGS[@]+"${ARGS[@]}"} <<PY
 import json, os, sys
 from verl.trainer.main_ppo import compose_config, run_ppo
 

@@ -218,8 +218,11 @@ class LLMGenerationManager:
         meta = dict(gen_batch.meta_info)
         meta[K.META_EOS_TOKEN_ID] = meta.get(K.META_EOS_TOKEN_ID, self.tokenizer.eos_token_id)
         meta[K.META_PAD_TOKEN_ID] = meta.get(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
-        # Validation is greedy whatever the batch says: same data, same score.
-        meta[K.META_DO_SAMPLE] = False if self.is_validation else bool(meta.get(K.META_DO_SAMPLE, True))
+        # Validation is greedy whatever the batch says (same data, same score), unless the trainer marked the
+        # batch as its validation rollout (meta 'validate'): then rollout.val_kwargs.do_sample decided.
+        sampled_validation = self.is_validation and bool(meta.get(K.META_VALIDATE, False))
+        meta[K.META_DO_SAMPLE] = (bool(meta.get(K.META_DO_SAMPLE, False)) if sampled_validation
+                                  else not self.is_validation and bool(meta.get(K.META_DO_SAMPLE, True)))
         meta[K.META_TEMPERATURE] = float(meta.get(K.META_TEMPERATURE, 1.0))
         meta[K.META_RESPONSE_LENGTH] = self.config.max_response_length
         meta[K.META_STOP] = list(self.config.stop)

@@ -97,7 +97,7 @@ SMALL = ["trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_
     (["actor_rollout_ref.rollout.name=trtllm"], "actor_rollout_ref.rollout.name='trtllm' is unknown"),
     (["actor_rollout_ref.rollout.mode=fast"], "actor_rollout_ref.rollout.mode='fast' is unknown"),
     (["actor_rollout_ref.rollout.mode=async", "do_search=false"], "mode=async runs the multi-turn search loop"),
-    (["trainer.logger=[console,mlflow]"], "unknown backend 'mlflow'"),
+    (["trainer.logger=[console,neptune]"], "unknown backend 'neptune'"),
     (["data.max_start_length=5000"], "data.max_start_length=5000 < data.max_prompt_length=4096"),
     (["+trainer.val_only=maybe"], "trainer.val_only='maybe'"),
     (["+trainer.preflight=soon"], "trainer.preflight='soon' must be a bool"),

@@ -126,7 +126,8 @@ def test_one_grpo_step_uses_kl_loss_and_validates_greedily_per_data_source(
     history, ckpt = _run(tiny_model_dir, tmp_path, "grpo",
                          ["trainer.test_freq=1"], val_before_train=True, n_agent=3)
     before, step = history
-    assert before["step"] == 0 and set(before) == {"step", f"val/test_score/{TOY_DATA_SOURCE}"}
+    assert before["step"] == 0 and set(before) == {"step", f"val/test_score/{TOY_DATA_SOURCE}",
+                                                   f"val-core/{TOY_DATA_SOURCE}/reward/mean@1"}
     assert step["step"] == 1
     _finite(step, "actor/kl_loss")
     assert not any(k.startswith("critic/values") for k in step)
@@ -266,7 +267,7 @@ def test_validation_is_greedy_and_scores_every_row(tiny_model_dir: str, tmp_path
     calls = trainer.actor_rollout_wg.generate_calls
     assert [len(c) for c in calls] == [4, 3]
     assert all(c.meta_info["do_sample"] is False for c in calls)
-    assert val == {f"val/test_score/{TOY_DATA_SOURCE}": 1.0}
+    assert val == {f"val/test_score/{TOY_DATA_SOURCE}": 1.0, f"val-core/{TOY_DATA_SOURCE}/reward/mean@1": 1.0}
     assert trainer._validate() == val
 
 

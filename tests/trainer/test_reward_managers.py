@@ -211,6 +211,10 @@ def test_validation_reports_row_metrics_per_source_and_sums_judge_counters(tiny_
     trainer = _scripted_trainer(tiny_model_dir, tmp_path, n_val=7)   # batches of 4 and 3
     trainer.val_reward_fn = WithRowMetrics(trainer.tokenizer)
     val = trainer._validate()
+    assert val.pop(f"val-aux/{TOY_DATA_SOURCE}/f1/mean@1") == 0.5   # veRL's names too (test_sampled_validation.py)
+    assert {k for k in val if k.startswith("val-")} == {f"val-core/{TOY_DATA_SOURCE}/reward/mean@1",
+                                                        f"val-aux/{TOY_DATA_SOURCE}/judge/mean@1"}
+    val = {k: v for k, v in val.items() if not k.startswith("val-")}
     assert val == {f"val/test_score/{TOY_DATA_SOURCE}": 1.0, f"val/test_f1/{TOY_DATA_SOURCE}": 0.5,
                    f"val/test_judge/{TOY_DATA_SOURCE}": pytest.approx(3 / 7),    # rows 1, 3 of 4; row 1 of 3
                    "val/reward/judge_calls": 4.0, "val/reward/judge_cache_hits": 2.0}

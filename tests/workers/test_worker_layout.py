@@ -23,7 +23,8 @@ ACTOR_METHODS = {
 }
 CRITIC_METHODS = {"compute_values", "init_model", "load_checkpoint", "save_checkpoint", "update_critic"}
 WORKERS = Path(fsdp_workers.__file__).parent
-BASE_METHODS = {"get_dist_info", "get_mesh_rank", "get_rank_zero_addr_port"}   # every Worker's
+BASE_METHODS = {"get_dist_info", "get_mesh_rank", "get_rank_zero_addr_port",   # every Worker's
+                "start_profile", "stop_profile"}
 
 
 def test_workers_keep_their_registered_methods_and_dispatch() -> None:

@@ -291,6 +291,28 @@ def check_rollout(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list
     return errors
 
 
+def check_profiler(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
+    """global_profiler: the tool, the steps it profiles and where the traces go."""
+    from verl.utils.profiler import ProfilerConfig
+
+    return ProfilerConfig.errors(cfg)
+
+
+def check_val_kwargs(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
+    """rollout.val_kwargs: validation's samples per prompt and their sampling (veRL's keys)."""
+    from verl.trainer.ppo.rollout_setup import ValKwargs
+
+    rollout = cfg.actor_rollout_ref.rollout
+    errors = ValKwargs.errors(rollout)
+    if not errors:
+        val = ValKwargs.from_config(rollout)
+        if val.n > 1 and not (val.do_sample and val.temperature > 0):
+            logger.warning("actor_rollout_ref.rollout.val_kwargs.n=%d with greedy decoding (do_sample=%s, "
+                           "temperature=%g): the %d samples of a prompt are the same rollout",
+                           val.n, val.do_sample, val.temperature, val.n)
+    return errors
+
+
 def check_max_model_len(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list[str]:
     """vLLM's context (`rollout.max_model_len`, veRL's key) must hold the prompt and the response budget."""
     rollout = cfg.actor_rollout_ref.rollout
@@ -551,6 +573,8 @@ RULES: tuple[Rule, ...] = (
     check_dynamic_sampling,
     check_bypass_mode,
     check_rollout,
+    check_val_kwargs,
+    check_profiler,
     check_max_model_len,
     check_multi_turn,
     check_tensor_parallel,

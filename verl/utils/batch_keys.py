@@ -58,6 +58,9 @@ META_EOS_TOKEN_ID = "eos_token_id"
 META_PAD_TOKEN_ID = "pad_token_id"
 META_DO_SAMPLE = "do_sample"         # False = greedy (validation)
 META_TEMPERATURE = "temperature"
+META_TOP_P = "top_p"                 # override rollout.top_p / top_k for this call (sampled validation)
+META_TOP_K = "top_k"
+META_VALIDATE = "validate"           # True: the trainer's validation rollout (its sampling: rollout.val_kwargs)
 META_RESPONSE_LENGTH = "response_length"  # max new tokens for this generation call
 META_STOP = "stop"                   # list[str] stop strings for this generation call
 META_MICRO_BATCH_SIZE = "micro_batch_size"

@@ -24,6 +24,7 @@ from typing import Any
 
 from verl.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor, unpad_dataproto
 from verl.utils.batch_keys import META_METRICS
+from verl.utils.profiler import profiled_range
 
 # veRL's attribute name, kept so tools that inspect veRL workers keep working.
 MAGIC_ATTR = "attrs_3141562937"
@@ -283,7 +284,8 @@ def register(
         def inner(*args: Any, **kwargs: Any) -> Any:
             if materialize_futures:
                 args, kwargs = _materialize_futures(args, kwargs)
-            return func(*args, **kwargs)
+            with profiled_range(func.__name__):   # names the call in a worker's global_profiler trace
+                return func(*args, **kwargs)
 
         setattr(inner, MAGIC_ATTR, spec)
         return inner

@@ -163,3 +163,18 @@ class Worker:
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def get_rank_zero_addr_port(self) -> tuple[str | None, str | None]:
         return self.get_master_addr_port()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, save_path: str, step: int, group: str) -> None:
+        """global_profiler (tool torch): record this process's torch activity until `stop_profile`, for the
+        chrome trace <save_path>/step_<step>/<group>_rank<rank>.json (verl/utils/profiler.py)."""
+        from verl.utils.profiler import TorchTrace, trace_path
+
+        trace = self.__dict__.setdefault("_torch_trace", TorchTrace())
+        trace.start(trace_path(save_path, step, f"{group}_rank{self.rank}"))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self) -> str | None:
+        """Stop the recording `start_profile` began and write its trace; returns the file (None: none began)."""
+        trace = self.__dict__.get("_torch_trace")
+        return trace.stop() if trace is not None else None

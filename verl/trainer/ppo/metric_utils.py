@@ -12,14 +12,16 @@ import numpy as np
 import torch
 
 from verl.utils import batch_keys as K
+from verl.utils.profiler import profiled_range
 
 
 @contextmanager
 def timer(name: str, timing_s: dict[str, float]) -> Iterator[None]:
-    """Add the wall time of the block to timing_s[name]."""
+    """Add the wall time of the block to timing_s[name]; the block is the range `name` in a global_profiler trace."""
     start = time.perf_counter()
     try:
-        yield
+        with profiled_range(name):
+            yield
     finally:
         timing_s[name] = timing_s.get(name, 0.0) + time.perf_counter() - start
 
@@ -200,6 +202,9 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
                 "tool_calls", "tool_call_errors", "tool_response_truncated"):   # (the last three: tool protocol)
         if key in meta_info:
             metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
+    for key, value in (meta_info.get("agent_loop_stats") or {}).items():
+        # agent loops: rows each loop rolled out (agent_loop/<name>/rows), responses cut to the bound
+        metrics[f"env/{key}"] = float(value)
     for name, count in (meta_info.get("row_error_types") or {}).items():
         # a row whose turn raised got an error observation instead (the batch went on): by exception type
         metrics[f"env/row_errors/{name}"] = float(count)

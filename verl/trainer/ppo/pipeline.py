@@ -344,8 +344,10 @@ class PipelinedTraining:
                 if taken is None:
                     continue
                 batch, metrics, timing = taken
+            self._profiler.begin(self.global_step + 1)   # global_profiler: the training side of the step
             with mu.timer("step", timing):
                 batch = self._train_on(batch, metrics, timing)
+            self._profiler.end(self.global_step)
             metrics = self._step_metrics(batch, metrics, timing)
             # the pass over the data of the step's (last) batch: batch j of a run drawn in pass j // batches a pass
             metrics["train/epoch"] = float(item.index // len(self.train_dataloader))

@@ -40,13 +40,16 @@ from verl.trainer.ppo.resource_pools import ResourcePoolManager, Role
 from verl.trainer.ppo.reward_shaping import OverlongBuffer, score_rollouts
 from verl.trainer.ppo.rollout_setup import (
     GEN_INPUT_KEYS,
+    ValKwargs,
     check_search_failures,
     generation_config,
     trim_shared_left_padding,
 )
+from verl.trainer.ppo.validation_metrics import rows_infos, validation_metrics
 from verl.trainer.run_config import RunConfig
 from verl.utils import batch_keys as K
 from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
+from verl.utils.profiler import ProfilerConfig, StepProfiler
 from verl.utils.tokenizer import eos_token_ids
 from verl.utils.tracking import Tracking
 
@@ -103,6 +106,8 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         self.history: list[dict[str, float]] = []
         self._worker_groups: list[Any] = []
         self._gen_managers: dict[bool, Any] = {}
+        # global_profiler (tool torch): chrome traces of the chosen steps, driver and workers (verl/utils/profiler.py)
+        self._profiler = StepProfiler(ProfilerConfig.from_config(config), self._profiled_groups)
         self._create_dataloaders()
         self._flops_counter = self._make_flops_counter()
         self._peak_flops = 0.0   # per worker, asked of the workers once they exist (init_workers)
@@ -216,15 +221,19 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
             pool.release()
 
     # ------------------------------------------------------------------ generation
-    def _gen_meta(self, validation: bool) -> dict[str, Any]:
+    def _gen_meta(self, validation: bool, greedy: bool = False) -> dict[str, Any]:
+        """A generate call's meta_info: the rollout's sampling; greedy for ReMax's baseline (`greedy`);
+        for validation, rollout.val_kwargs' (greedy by default)."""
         rollout = self.config.actor_rollout_ref.rollout
         meta = {
             K.META_EOS_TOKEN_ID: list(self._eos_token_ids),
             K.META_PAD_TOKEN_ID: self.tokenizer.pad_token_id,
-            K.META_DO_SAMPLE: bool(rollout.do_sample) and not validation,
+            K.META_DO_SAMPLE: bool(rollout.do_sample) and not (validation or greedy),
             K.META_TEMPERATURE: float(rollout.temperature),
             K.META_RESPONSE_LENGTH: int(self.config.data.max_response_length),
         }
+        if validation:
+            meta.update(ValKwargs.from_config(rollout).sampling_meta())
         if self.config.do_search:
             meta[K.META_STOP] = list(rollout.stop)
         return meta
@@ -272,7 +281,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         returns (batch with the rollout keys, generation meta_info). `greedy`: sampling off on the
         training path (ReMax's baseline rollout)."""
         gen_batch = batch.pop(batch_keys=list(GEN_INPUT_KEYS))
-        gen_batch.meta_info = self._gen_meta(validation or greedy)
+        gen_batch.meta_info = self._gen_meta(validation, greedy)
         phase_meta: dict[str, Any] = {}
         with self._engines_awake(phase_meta, validation, step):
             if self.config.do_search:
@@ -477,9 +486,13 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> dict[str, float]:
-        """Greedy generation on every validation row; mean score per data source."""
+        """Generation on every validation row, rollout.val_kwargs.n samples each (greedy by default); the
+        mean score per data source, and veRL's val-core / val-aux metrics over the samples of each prompt."""
         scores: list[torch.Tensor] = []
         sources: list[str] = []
+        uids: list[str] = []
+        answers: list[str | None] = []   # the val reward's extracted answer per row (maj@k votes on it)
+        n_samples = ValKwargs.from_config(self.config.actor_rollout_ref.rollout).n
         gen_metrics: list[dict[str, float]] = []
         row_metrics: list[dict[str, float]] = []   # the val reward's per-row F1 / judge verdict, if it keeps them
         judge_counts: dict[str, float] = {}
@@ -490,6 +503,8 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
             for batch in tqdm(self.val_dataloader, desc="validation", unit="batch", leave=False,
                               disable=not self.config.trainer.progress_bar):
                 batch.non_tensor_batch[K.UID] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+                if n_samples > 1:   # the samples of a prompt share its uid
+                    batch = batch.repeat(repeat_times=n_samples, interleave=True)
                 batch, gen_meta = self._generate(batch, validation=True)
                 gen_metrics.append(mu.compute_env_metrics(gen_meta))
                 scores_BR = self.val_reward_fn(batch)
@@ -497,6 +512,9 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                     scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
                 scores.append(scores_BR.sum(-1).float().cpu())
                 sources.extend(batch.non_tensor_batch[K.DATA_SOURCE].tolist())
+                uids.extend(batch.non_tensor_batch[K.UID].tolist())
+                breakdowns = getattr(self.val_reward_fn, "last_breakdowns", None) or [None] * len(batch)
+                answers.extend(getattr(b, "answer", None) for b in breakdowns)
                 row_metrics.extend(getattr(self.val_reward_fn, "last_row_metrics", None) or [{}] * len(batch))
                 for key, value in (getattr(self.val_reward_fn, "last_metrics", None) or {}).items():
                     if key in JUDGE_COUNTS:   # the judge's calls, cache hits and failures over the pass
@@ -505,6 +523,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
             return {}
         metrics = mu.score_by_data_source(torch.cat(scores), sources)
         metrics.update(mu.row_metrics_by_data_source(row_metrics, sources))
+        metrics.update(validation_metrics(sources, uids, rows_infos(torch.cat(scores).tolist(), row_metrics, answers)))
         metrics.update({f"val/{key}": value for key, value in judge_counts.items()})
         for key in {k for m in gen_metrics for k in m}:
             values = [m[key] for m in gen_metrics if key in m]
@@ -512,6 +531,13 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         return metrics
 
     # ------------------------------------------------------------------ loop
+    def _profiled_groups(self) -> list[tuple[str, Any]]:
+        """The worker groups whose processes a profiled step traces (a colocated critic shares the actor's)."""
+        groups = [("actor_rollout", self.actor_rollout_wg)]
+        if self._rollout_pool_wg is not None:
+            groups.append(("rollout", self._rollout_pool_wg))
+        return groups
+
     def _tracker(self) -> Tracking:
         trainer = self.config.trainer
         backends = [trainer.logger] if isinstance(trainer.logger, str) else list(trainer.logger)
@@ -547,7 +573,9 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                 for batch in self.train_dataloader:
                     drawn += 1
                     # dynamic sampling: None while the step's groups are still being collected
+                    self._profiler.begin(self.global_step + 1)
                     metrics = self._sampling_step(batch) if self.run.sampling.enable else self.train_step(batch)
+                    self._profiler.end(self.global_step)
                     if metrics is None:
                         continue
                     metrics["train/epoch"] = float(epoch)
@@ -569,4 +597,5 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         finally:
             if self._producer is not None:
                 self._producer.stop()
+            self._profiler.abort()   # a step that failed midway still leaves its traces
             tracker.finish()

@@ -4,10 +4,12 @@ batch carries, and the stop when too many searches failed.
     gen_config = generation_config(config, world_size)       # GenerationConfig for LLMGenerationManager
     batch = trim_shared_left_padding(batch)                   # prompt columns that are padding everywhere
     check_search_failures(metrics, config, "rollout of step 3")   # SearchFailureError past the bound
+    val = ValKwargs.from_config(config.actor_rollout_ref.rollout)  # validation's samples and sampling
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
@@ -37,6 +39,53 @@ def trim_shared_left_padding(batch: DataProto) -> DataProto:
         if key in batch.batch.keys():
             batch.batch[key] = batch.batch[key][:, shared:].contiguous()
     return batch
+
+
+@dataclass(frozen=True)
+class ValKwargs:
+    """`actor_rollout_ref.rollout.val_kwargs` (veRL's keys and defaults): validation rolls out `n` samples of
+    each prompt, sampled when `do_sample` at temperature / top_p / top_k (top_k -1 or 0: off), else greedy.
+    The defaults (n=1, greedy) keep validation deterministic (DESIGN §4.4); n > 1 adds veRL's mean@n,
+    best@k, worst@k and maj@k (verl/trainer/ppo/validation_metrics.py)."""
+
+    n: int = 1
+    do_sample: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def from_config(cls, rollout: Any) -> ValKwargs:
+        node = rollout.get("val_kwargs") or {}
+        return cls(n=int(node.get("n", 1)), do_sample=bool(node.get("do_sample", False)),
+                   temperature=float(node.get("temperature", 0.0)), top_p=float(node.get("top_p", 1.0)),
+                   top_k=int(node.get("top_k", -1) if node.get("top_k") is not None else -1))
+
+    @staticmethod
+    def errors(rollout: Any) -> list[str]:
+        """What is wrong with `rollout.val_kwargs`, each naming its key."""
+        node, key = rollout.get("val_kwargs") or {}, "actor_rollout_ref.rollout.val_kwargs"
+        errors = []
+        n = node.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            errors.append(f"{key}.n={n!r} must be an int >= 1 (samples per validation prompt)")
+        if not isinstance(node.get("do_sample", False), bool):
+            errors.append(f"{key}.do_sample={node.get('do_sample')!r} must be true or false")
+        temperature, top_p, top_k = node.get("temperature", 0.0), node.get("top_p", 1.0), node.get("top_k", -1)
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
+            errors.append(f"{key}.temperature={temperature!r} must be a number >= 0")
+        if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+            errors.append(f"{key}.top_p={top_p!r} must be in (0, 1]")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            errors.append(f"{key}.top_k={top_k!r} must be an int >= -1 (-1 or 0: off)")
+        return errors
+
+    def sampling_meta(self) -> dict[str, Any]:
+        """The meta_info of a validation generate call: greedy as before unless do_sample."""
+        meta: dict[str, Any] = {K.META_VALIDATE: True, K.META_DO_SAMPLE: self.do_sample}
+        if self.do_sample:
+            meta.update({K.META_TEMPERATURE: self.temperature, K.META_TOP_P: self.top_p, K.META_TOP_K: self.top_k})
+        return meta
 
 
 class SearchFailureError(RuntimeError):
