@@ -48,6 +48,10 @@ EXTRAS = {
     # Mutation testing (scripts/mutation.py, docs/testing.md); not in requirements-lock.txt: the script
     # installs it into the test venv with the lock as constraints, so no locked version moves.
     "mutation": ["mutmut==3.8.1"],
+    # An agent framework for example/openai_agents/smolagents_agent.py (imported only by that agent): the one
+    # of LangGraph, smolagents and the OpenAI Agents SDK that installs beside requirements-lock.txt's pins
+    # with no new dependency (docs/agent.md "Train an agent you already wrote").
+    "agents": ["smolagents>=1.20"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
@@ -61,6 +65,8 @@ EXTRAS = {
         # llama.cpp); gguf is what transformers reads the file with.
         "gguf>=0.10",
         "mkdocs==1.6.1",     # tests/test_docs_site.py: `mkdocs build --strict` checks every docs link and anchor
+        "openai>=1.40",      # tests/llm_agent/test_openai_endpoint.py drives the OpenAI endpoint with the official SDK
+        "smolagents>=1.20",  # tests/llm_agent/test_openai_agents.py runs the framework example (the agents extra)
     ],
 }
 

@@ -183,3 +183,23 @@ def test_batched_client_sends_one_engine_call_per_wave() -> None:
     assert calls == [(3, 7)]
     assert [len(c.token_ids) for c in completions] == [2, 7, 4]
     assert Counter(len(c.log_probs) for c in completions) == Counter({2: 1, 7: 1, 4: 1})
+
+
+def test_the_smolagents_example_runs_through_the_endpoint(engine, retrieval_url, monkeypatch) -> None:
+    """example/openai_agents/smolagents_agent.py (a framework agent, run in a thread as smolagents blocks)
+    completes a row through the endpoint; its re-rendered history shows as prefix breaks, every completion a
+    sample of the row."""
+    pytest.importorskip("smolagents")
+    from search_r1.llm_agent.openai_endpoint.engines import StepEngineClient
+
+    monkeypatch.setenv("SEARCH_R1_RETRIEVAL_URL", retrieval_url)
+    tok, step_engine = engine
+    endpoint = Endpoint(tok, StepEngineClient(step_engine, 96), EndpointLimits(max_prompt_length=1500,
+                                                                               max_response_length=400),
+                        frozenset([tok.eos_token_id]))
+    settings = agents.AgentSettings(path=str(EXAMPLE.parent / "smolagents_agent.py"), timeout=300)
+    results, counters = agents.run_agents(agents.load_agent(settings), endpoint,
+                                          _rows(["Where was Eldriqui Kabel born?"]), settings)
+    (result,) = results
+    assert result.error is None and "answer" in result.output
+    assert counters["completions"] >= 2 and counters["samples"] == counters["prefix_breaks"] + 1
