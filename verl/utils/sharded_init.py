@@ -28,6 +28,14 @@ Host-memory contract (verl/utils/memory_plan.py plans from it). Beyond its own s
   until they are copied to `device`.
 So no rank ever holds the whole model; at most one full tensor in fp32 (the largest, usually the
 embedding: vocab x hidden x 4 bytes) beyond its shard, on rank 0 and every other rank alike.
+
+Names (verl/utils/checkpoint/name_map.py, the one place they differ by architecture): a parameter is
+read under its own name, or the name its checkpoint stores it under (Mixtral's `block_sparse_moe`).
+A fused expert parameter of transformers 5's MoE models ((E, 2I, H) gate_up_proj, (E, H, I)
+down_proj) is read as its pieces, the checkpoint's per-expert tensors, each one broadcast alone as
+any other tensor is; a rank copies a piece only when its expert is in the rank's FSDP2 shard (dim 0
+is the expert dimension), into that expert's rows. So the largest broadcast of an MoE checkpoint is
+still one stored tensor, never a layer's fused experts.
 Parameter construction on the meta device allocates each parameter's CPU storage for an
 instant, never written, so never resident (the same trick as accelerate's init_empty_weights).
 """
@@ -48,6 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from verl.utils.checkpoint.hf_weights import HFWeights, TensorMeta
+from verl.utils.checkpoint.name_map import NameMap, Piece
 from verl.utils.fsdp_utils import apply_fsdp2
 
 logger = logging.getLogger(__name__)
@@ -108,7 +117,9 @@ def load_sharded_model(build: Callable[[], nn.Module], path: str, mesh: Any, dev
     entries = _state_entries(module)
     prefix = str(getattr(module, "base_model_prefix", "") or "")
     rename = _adapter_checkpoint_name if adapter is not None else (lambda name: name)
-    sources = {entry.names[0]: _checkpoint_name([rename(n) for n in entry.names], manifest, prefix)
+    names_map = NameMap.of(getattr(module, "config", None))
+    sources = {entry.names[0]: _checkpoint_source([rename(n) for n in entry.names], tuple(entry.tensor.shape),
+                                                  manifest, prefix, names_map)
                for entry in entries}
     _check_missing([e for e in entries if adapter is None or not _is_adapter(e.names[0])], sources, prefix, path)
     fresh = _FreshWeights(module, [name for name, ckpt in sources.items()
@@ -125,6 +136,14 @@ def load_sharded_model(build: Callable[[], nn.Module], path: str, mesh: Any, dev
         for entry in _state_entries(module):
             target = entry.tensor
             ckpt_name = sources[entry.names[0]]
+            if isinstance(ckpt_name, list):   # a fused expert parameter, piece by piece
+                for piece in ckpt_name:
+                    full = _receive(weights, piece.name, manifest[piece.name], torch.device(device), group, src,
+                                    report)
+                    report.loaded.append(piece.name)
+                    _copy_piece_into(target, full, piece, entry.names[0])
+                    del full
+                continue
             if ckpt_name is not None:
                 full = _receive(weights, ckpt_name, manifest[ckpt_name], torch.device(device), group, src, report)
                 report.loaded.append(ckpt_name)
@@ -195,6 +214,22 @@ def _checkpoint_name(names: list[str], manifest: dict[str, TensorMeta], prefix: 
     return None
 
 
+def _checkpoint_source(names: list[str], shape: tuple[int, ...], manifest: dict[str, TensorMeta], prefix: str,
+                       names_map: NameMap) -> str | list[Piece] | None:
+    """Where a model tensor known by `names` (of `shape`) is in the checkpoint: one stored tensor
+    (under a name of its own or the one `names_map` says the checkpoint uses), the per-expert pieces
+    of a fused expert parameter, or None (not there)."""
+    found = _checkpoint_name([c for name in names for c in names_map.candidates(name)], manifest, prefix)
+    if found is not None:
+        return found
+    for name in names:
+        for candidate in [name] + ([name.removeprefix(prefix + "."), f"{prefix}.{name}"] if prefix else []):
+            pieces = names_map.pieces(candidate, shape, manifest)
+            if pieces is not None:
+                return pieces
+    return None
+
+
 def _check_missing(entries: list[_Entry], sources: dict[str, str | None], prefix: str, path: str) -> None:
     """A missing head (outside the backbone `prefix`) is initialised fresh, as from_pretrained does;
     a missing backbone parameter means the checkpoint does not fit the architecture."""
@@ -207,8 +242,8 @@ def _check_missing(entries: list[_Entry], sources: dict[str, str | None], prefix
     if missing_backbone:
         raise ValueError(f"{path}: the checkpoint has no weight for {len(missing_backbone)} parameter(s) of the "
                          f"model's backbone, e.g. {missing_backbone[:3]}: the folder's weights do not match its "
-                         "config.json (or the architecture renames its checkpoint keys, which this loader "
-                         "does not support)")
+                         "config.json (or the architecture renames its checkpoint keys in a way the loader's "
+                         "name map, verl/utils/checkpoint/name_map.py, does not list)")
     if missing_heads:
         logger.info("%s: %s not in the checkpoint; initialised fresh (seeded, identical on every rank)",
                     path, missing_heads)
@@ -273,6 +308,29 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor, name: str) -> None:
     if piece.shape != local.shape:
         raise RuntimeError(f"{name}: this rank's slice {tuple(piece.shape)} != its FSDP shard {tuple(local.shape)}")
     local.copy_(piece)
+
+
+def _copy_piece_into(target: torch.Tensor, stored: torch.Tensor, piece: Piece, name: str) -> None:
+    """One expert's stored tensor into its place in fused parameter `target` when this rank's shard
+    holds that expert (FSDP2 shards dim 0, the experts, in torch.chunk's split), cast to its dtype."""
+    local = target
+    start = 0
+    if isinstance(target, DTensor):
+        placements = target.placements
+        if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+            raise NotImplementedError(f"{name}: sharded as {placements}; fused experts load into FSDP2's Shard(0)")
+        mesh = target.device_mesh
+        per_rank = -(-target.shape[0] // mesh.size())   # torch.chunk's chunk size
+        start = mesh.get_local_rank() * per_rank
+        local = target.to_local()
+    index = piece.expert - start
+    if not 0 <= index < local.shape[0]:
+        return   # another rank's expert
+    region = local[index] if piece.rows is None else local[index, piece.rows[0]:piece.rows[1]]
+    if tuple(region.shape) != tuple(stored.shape):
+        raise ValueError(f"{name}: the checkpoint's {piece.name} {tuple(stored.shape)} does not fit expert "
+                         f"{piece.expert}'s {tuple(region.shape)} (an override_config that changes shapes?)")
+    region.copy_(stored)
 
 
 # --------------------------------------------------------------------------- weights not in the checkpoint

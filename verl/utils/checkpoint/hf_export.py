@@ -3,7 +3,10 @@
 Parameters are gathered one at a time (`full_tensor()`, a collective every rank
 joins) and rank 0 appends each to the current safetensors shard, writing the
 shard out once it passes `max_shard_mb`. Peak host memory is about one shard,
-never the whole model. The folder loads with `AutoModelForCausalLM.from_pretrained`.
+never the whole model. The folder loads with `AutoModelForCausalLM.from_pretrained`. Tensors are
+written under the names `save_pretrained` writes (verl/utils/checkpoint/name_map.py): transformers
+5's fused experts split back into the per-expert tensors of the model's Hub checkpoints, which
+every loader (vLLM's, older transformers', this project's) reads.
 
 Export dtype (`export_dtype`), first match wins:
 1. the `dtype` argument;
@@ -32,6 +35,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+
+from verl.utils.checkpoint.name_map import NameMap
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -134,6 +139,7 @@ def export_hf_model(module: nn.Module, tokenizer: Any, out_dir: str, dtype: torc
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     config = module.config
+    names_map = NameMap.of(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     for name, tensor in (module.state_dict().items() if state is None else state):
         if tied and name.endswith("lm_head.weight"):
@@ -144,7 +150,9 @@ def export_hf_model(module: nn.Module, tokenizer: Any, out_dir: str, dtype: torc
         if writer is None:
             del full
             continue
-        writer.add(name, full.to(dtype) if dtype is not None and full.is_floating_point() else full)
+        # Stored as save_pretrained stores it: fused experts split per expert (checkpoint/name_map.py).
+        for stored_name, part in names_map.to_checkpoint(name, full):
+            writer.add(stored_name, part.to(dtype) if dtype is not None and part.is_floating_point() else part)
     if writer is not None:
         writer.flush()
         writer.write_index()

@@ -315,6 +315,10 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
 
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": counted(), "is_checkpoint_format": True})
+        if self.device != "cuda":   # vLLM-CPU skips its MoE prepack on a reload (verl/workers/rollout/vllm_moe.py)
+            from verl.workers.rollout.vllm_moe import repack_cpu_moe_experts
+
+            self.llm.apply_model(repack_cpu_moe_experts)
         self.weight_loads += 1
         self.last_sync_bytes = sent[0]
         if self.llm.reset_prefix_cache() is False:
