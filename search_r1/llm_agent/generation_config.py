@@ -68,6 +68,9 @@ class GenerationConfig:
             raise ValueError(f"GenerationConfig.protocol must be 'tags' or 'tool', got {self.protocol!r}")
         if self.open_tag:
             self._check_open_tag()
+    # data.apply_chat_template_kwargs (veRL's key): the chat template's variables (Qwen3's enable_thinking), so
+    # the tool protocol's turns open the next assistant turn as the prompt opened the first.
+    chat_template_kwargs: dict | None = None
         if self.protocol == "tool":
             self._check_tool_settings()
         if self.serve_app:

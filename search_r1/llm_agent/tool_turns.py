@@ -83,7 +83,7 @@ class ToolTurns:
         self.config = config
         self.tool_config = tools.ToolConfig.from_dict(config.tool_config or {})
         self.tool_names = self.tool_config.tool_names
-        self.framing = tools.ChatFraming(text.tokenizer, self.tool_config.schemas)
+        self.framing = tools.ChatFraming(text.tokenizer, self.tool_config.schemas, config.chat_template_kwargs)
         self.search_name = self.tool_config.search_name
         self.show_doc_ids = bool((self.tool_config.search or {}).get("show_doc_ids", False))
         self._others = {entry["name"]: entry for entry in self.tool_config.others}
@@ -102,8 +102,9 @@ class ToolTurns:
         text = decode(sampled)
         kept = sampled
         close = tools.TOOL_CALL_CLOSE
-        if self.config.max_parallel_calls == 1 and close in text and text[text.index(close) + len(close):]:
-            kept = self.text.shortest_prefix(sampled, lambda prefix: close in prefix)
+        outside = tools.outside_reasoning(text)   # a call drafted inside <think>…</think> is no call
+        if self.config.max_parallel_calls == 1 and close in outside and outside[outside.index(close) + len(close):]:
+            kept = self.text.shortest_prefix(sampled, lambda prefix: close in tools.outside_reasoning(prefix))
             text = decode(kept)
         calls = tuple(tools.parse_tool_calls(text, self.tool_names)[: self.config.max_parallel_calls])
         queries = self._queries(calls)

@@ -28,6 +28,7 @@ from typing import Any
 from search_r1.search.schema import Hit
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 # Bounds on the JSON a policy writes in a call (docs/agent.md "Hostile inputs"): past them the call is an
 # error the model reads, not an exception (deep nesting is a RecursionError in json and in everything that
@@ -372,8 +373,28 @@ def _call_bodies(text: str) -> list[str]:
     return bodies
 
 
+def outside_reasoning(text: str) -> str:
+    """`text` without its reasoning, as Qwen3's reasoning parser reads a turn: each `<think>…</think>`
+    span dropped, an unclosed `<think>` drops the rest (the model is still thinking), and a `</think>`
+    before any `<think>` (a template that opens the reasoning in the prompt) drops what precedes it.
+    The kept pieces are joined by newlines, so no tag forms across a dropped span. Linear (str.find)."""
+    first_close, first_open = text.find(THINK_CLOSE), text.find(THINK_OPEN)
+    pos = first_close + len(THINK_CLOSE) if first_close >= 0 and (first_open < 0 or first_close < first_open) else 0
+    kept = []
+    while (start := text.find(THINK_OPEN, pos)) >= 0:
+        kept.append(text[pos:start])
+        end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
+        if end < 0:
+            return "\n".join(kept)
+        pos = end + len(THINK_CLOSE)
+    kept.append(text[pos:])
+    return "\n".join(kept)
+
+
 def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | ToolCallError]:
-    """Every complete `<tool_call>…</tool_call>` in `text`, in order, parsed; an unclosed one is not a call.
+    """Every complete `<tool_call>…</tool_call>` in `text` outside its reasoning (`outside_reasoning`: a
+    call a thinking model drafts inside `<think>…</think>` is not made), in order, parsed; an unclosed
+    one is not a call.
 
     The body must be a JSON object with a string `name` of a configured tool and an object
     `arguments` (a JSON string holding an object is accepted too, as some models write it).
@@ -381,7 +402,7 @@ def parse_tool_calls(text: str, tool_names: Sequence[str]) -> list[ToolCall | To
     MAX_CALL_INT_DIGITS, NaN/Infinity) is a ToolCallError saying why.
     """
     calls: list[ToolCall | ToolCallError] = []
-    for body in _call_bodies(text):
+    for body in _call_bodies(outside_reasoning(text)):
         try:
             obj = _loads(body)
         except _BadJSON as err:
@@ -496,7 +517,11 @@ class ChatFraming:
     prompt of the next assistant turn.
     """
 
-    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None) -> None:
+    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        # chat_template_kwargs: data.apply_chat_template_kwargs (veRL's key), e.g. Qwen3's enable_thinking,
+        # so the next assistant turn opens as the prompt's did.
+        self._template_kwargs = dict(chat_template_kwargs or {})
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tool calling (multi_turn.enable) needs a tokenizer with a chat template that renders "
                              f"tools and 'tool' messages; {getattr(tokenizer, 'name_or_path', tokenizer)!r} has none")
@@ -516,7 +541,8 @@ class ChatFraming:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self._tokenizer.apply_chat_template(messages, tools=self._tools, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   **self._template_kwargs)
 
     def tool_block(self, texts: Sequence[str]) -> str:
         """The tool messages and the next assistant turn's opening, as rendered after an assistant turn."""
@@ -553,8 +579,8 @@ class ChatFraming:
 
 __all__ = [
     "BAD_QUERY_LIST_TEXT", "MAX_CALL_INT_DIGITS", "MAX_CALL_JSON_DEPTH", "NO_RESULTS_TEXT", "SEARCH_TOOL_CLASSES", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN",
-    "TOOL_FORMATS", "TRUNCATE_SIDES", "UNKNOWN_TOOL", "ChatFraming", "SearchToolSettings", "ToolCall", "ToolCallError",
+    "THINK_CLOSE", "THINK_OPEN", "TOOL_FORMATS", "TRUNCATE_SIDES", "UNKNOWN_TOOL", "ChatFraming", "SearchToolSettings", "ToolCall", "ToolCallError",
     "ToolConfig", "has_answer", "load_tool_config", "parse_tool_config", "parse_tool_calls", "render_bad_query_list",
-    "render_call_error", "render_passages", "render_search_error", "render_search_results", "search_queries",
+    "outside_reasoning", "render_call_error", "render_passages", "render_search_error", "render_search_results", "search_queries",
     "tool_result", "truncate_tool_response",
 ]

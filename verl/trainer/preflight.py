@@ -179,10 +179,12 @@ def check_data(cfg: DictConfig, run: RunConfig, report: PreflightReport) -> None
                               "verl/utils/reward_score", key)
             over = "not counted (no tokenizer on this machine for the model path)"
             if tokenizer is not None:
-                from verl.utils.dataset.rl_dataset import prompt_to_text
+                from verl.utils.dataset.rl_dataset import chat_template_kwargs, prompt_to_text
 
                 try:
-                    lengths = [len(tokenizer(prompt_to_text(p, tokenizer), add_special_tokens=False)["input_ids"])
+                    kwargs = chat_template_kwargs(cfg)
+                    lengths = [len(tokenizer(prompt_to_text(p, tokenizer, chat_template_kwargs=kwargs),
+                                             add_special_tokens=False)["input_ids"])
                                for p in table.column(prompt_key).to_pylist()]
                     over = f"{sum(n > bound for n in lengths)} over {bound_key}={bound} tokens"
                 except Exception as exc:   # a template this tokenizer cannot render: counted by the run

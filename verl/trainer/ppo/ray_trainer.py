@@ -48,7 +48,7 @@ from verl.trainer.ppo.rollout_setup import (
 from verl.trainer.ppo.validation_metrics import rows_infos, validation_metrics
 from verl.trainer.run_config import RunConfig
 from verl.utils import batch_keys as K
-from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader
+from verl.utils.dataset.rl_dataset import RLHFDataset, build_dataloader, chat_template_kwargs
 from verl.utils.profiler import ProfilerConfig, StepProfiler
 from verl.utils.tokenizer import eos_token_ids
 from verl.utils.tracking import Tracking
@@ -124,6 +124,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         common = dict(prompt_key=data.prompt_key, max_prompt_length=bound,
                       filter_overlong_prompts=data.filter_overlong_prompts, seed=seed,
                       truncation=str(data.get("truncation", "error")), tools=tools,
+                      chat_template_kwargs=chat_template_kwargs(self.config),
                       return_raw_chat=bool(data.get("return_raw_chat", False)))
         self.train_dataset = RLHFDataset(data.train_files, self.tokenizer, data_num=data.train_data_num, **common)
         self.val_dataset = RLHFDataset(data.val_files, self.tokenizer, data_num=data.val_data_num, **common)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from verl.protocol import DataProto
 from verl.trainer.run_config import Protocol
 from verl.utils import batch_keys as K
+from verl.utils.dataset.rl_dataset import chat_template_kwargs
 
 GEN_INPUT_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS)
 # Tensors whose first P columns are the (left-padded) prompt.
@@ -149,7 +150,8 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
         no_think_rl=bool(config.algorithm.no_think_rl), retrieval_max_retries=int(config.retriever.max_retries),
         topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
         mode=str(rollout.get("mode", "sync")), openai_agent=settings_dict(config),
-        serve_app=str(config.retriever.serve_app_name) if protocol.serve_retriever else None)
+        serve_app=str(config.retriever.serve_app_name) if protocol.serve_retriever else None,
+        chat_template_kwargs=chat_template_kwargs(config) or None)
     if not protocol.tool:
         return GenerationConfig(
             max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),

@@ -68,12 +68,16 @@ def prompt_messages(prompt: Any) -> list[dict]:
     return [dict(_to_python(m)) for m in prompt]
 
 
-def prompt_to_text(prompt: Any, tokenizer: Any, tools: list[dict] | None = None) -> str:
+def prompt_to_text(prompt: Any, tokenizer: Any, tools: list[dict] | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """The string the model sees: chat template (with the assistant turn opened) if any, else raw content.
 
     `tools` (the tool protocol's OpenAI function schemas) go to the chat template, which must have one.
+    `chat_template_kwargs` (veRL's data.apply_chat_template_kwargs, e.g. Qwen3's `enable_thinking`) are
+    the template's own variables, passed to every rendering.
     """
     messages = prompt_messages(prompt)
+    kwargs = dict(chat_template_kwargs or {})
     if tools:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tool protocol (actor_rollout_ref.rollout.multi_turn.enable) renders prompts with the "
@@ -82,6 +86,21 @@ def prompt_to_text(prompt: Any, tokenizer: Any, tools: list[dict] | None = None)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "".join(str(m["content"]) for m in messages)
+
+
+def chat_template_kwargs(config: Any) -> dict[str, Any]:
+    """data.apply_chat_template_kwargs (veRL's key) as a plain dict; anything but a mapping of names is
+    refused naming the key."""
+    node = config.data.get("apply_chat_template_kwargs") if "data" in config else None
+    if node is None:
+        return {}
+    from omegaconf import DictConfig, OmegaConf
+
+    value = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"data.apply_chat_template_kwargs must be a mapping of the chat template's variables "
+                         f"(e.g. {{enable_thinking: false}}), got {value!r}")
+    return value
 
 
 def check_template_renders_tools(prompt: Any, tokenizer: Any, tools: list[dict]) -> None:
@@ -135,7 +154,8 @@ class RLHFDataset(Dataset):
     A prompt longer than `max_prompt_length` tokens is dropped and counted with
     `filter_overlong_prompts`; otherwise `truncation` decides (veRL's data.truncation): `error`
     raises naming the file and row, `left` / `right` / `middle` cut the rendered prompt's token ids.
-    `tools`: the tool protocol's function schemas, given to the chat template.
+    `tools`: the tool protocol's function schemas, given to the chat template; `chat_template_kwargs`:
+    data.apply_chat_template_kwargs, the template's own variables (Qwen3's `enable_thinking`).
     """
 
     def __init__(
@@ -151,6 +171,7 @@ class RLHFDataset(Dataset):
         tools: list[dict] | None = None,
         return_raw_chat: bool = False,
     ) -> None:
+        chat_template_kwargs: dict[str, Any] | None = None,
         files = [parquet_files] if isinstance(parquet_files, str | Path) else list(parquet_files)
         if not files:
             raise ValueError("RLHFDataset: no parquet files given")
@@ -175,7 +196,7 @@ class RLHFDataset(Dataset):
 
         if tools and len(frame):
             check_template_renders_tools(frame[prompt_key].iloc[0], tokenizer, tools)
-        texts = [prompt_to_text(p, tokenizer, tools) for p in frame[prompt_key]]
+        texts = [prompt_to_text(p, tokenizer, tools, chat_template_kwargs) for p in frame[prompt_key]]
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         overlong = np.nonzero(lengths > self.max_prompt_length)[0]
