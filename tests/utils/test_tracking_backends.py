@@ -5,8 +5,9 @@ Each round trip runs in a subprocess: the trackers patch imports, register exit 
 environment once (ClearML, trackio), which must not leak into the other tests of this process.
 mlflow, swanlab and trackio cannot be installed beside requirements-lock.txt (docs/training.md
 "Trackers": mlflow-skinny needs cachetools<8, swanlab protobuf<7, trackio pillow<13, the lock pins
-cachetools 8.0.1, protobuf 7.36.2, pillow 13.0.0); their round trips run where the package is importable
-(`PYTHONPATH=<a --target install> pytest ...`), and a fake module checks their calls everywhere.
+cachetools 8.0.1, protobuf 7.36.2, pillow 13.0.0): `scripts/setup_env.sh test` installs each, at the
+versions requirements-trackers.txt pins, into .venv/trackers/<name>, which its round trip's subprocess
+puts on PYTHONPATH. A fake module checks their calls everywhere.
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ EXPECTED = {
 }
 
 
+def side_install(name: str) -> Path | None:
+    """.venv/trackers/<name>: the tracker's own --no-deps install (requirements-trackers.txt), if made."""
+    folder = Path(sys.prefix) / "trackers" / name
+    return folder if folder.is_dir() else None
+
+
 def run_round_trip(name: str, tmp_path: Path) -> dict[str, list[list[float]]]:
     """Log METRICS with backend `name` in a fresh interpreter (HOME and the log dir in tmp_path, no
     tracker variables set) and return what the tracker's store holds afterwards."""
@@ -97,7 +104,7 @@ def run_round_trip(name: str, tmp_path: Path) -> dict[str, list[list[float]]]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MLFLOW_", "SWANLAB_", "TRACKIO_", "CLEARML_", "TRAINS_"))}
     env.update(HOME=str(tmp_path / "home"), PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+        str(p) for p in (side_install(name), REPO, os.environ.get("PYTHONPATH", "")) if p))
     done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "logs")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -108,9 +115,9 @@ def run_round_trip(name: str, tmp_path: Path) -> dict[str, list[list[float]]]:
 @pytest.mark.parametrize("name", ["clearml", "mlflow", "swanlab", "trackio"])
 def test_tracker_writes_offline_and_reads_back(name: str, tmp_path: Path) -> None:
     module = tb.PACKAGES[name][0]
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed: it cannot be installed beside requirements-lock.txt "
-                    "(this file's docstring); put a --target install on PYTHONPATH to run this")
+    if importlib.util.find_spec(module) is None and side_install(name) is None:
+        pytest.skip(f"{module} is not installed: `bash scripts/setup_env.sh test` puts it in "
+                    f"{Path(sys.prefix) / 'trackers' / name} (this file's docstring)")
     got = run_round_trip(name, tmp_path)
     for key, points in EXPECTED[name].items():
         assert got.get(key) == points, (key, got)
@@ -222,3 +229,22 @@ def test_a_tracker_whose_package_is_missing_is_refused_at_start_up(monkeypatch) 
     cfg.trainer.logger = ["console", "swanlab"]
     errors = config_check.check_imports(cfg, config_check.RunConfig.from_config(cfg), None)
     assert any("'swanlab'" in e and "pip install -e .[swanlab]" in e for e in errors), errors
+
+
+def test_the_side_installs_are_exact_pins_that_only_add_to_the_lock() -> None:
+    """requirements-trackers.txt: each line a tracker of ours and exact pins of packages the lock does not
+    have, so a round trip's PYTHONPATH adds the tracker without replacing any locked version."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    locked = {canonicalize_name(line.split("==")[0]) for line in (REPO / "requirements-lock.txt").read_text().splitlines()
+              if "==" in line and not line.startswith("#")}
+    lines = [line.split() for line in (REPO / "requirements-trackers.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert sorted(tracker for tracker, *_ in lines) == ["mlflow", "swanlab", "trackio"]
+    for tracker, *pins in lines:
+        assert tracker in tb.PACKAGES and pins, tracker
+        for pin in pins:
+            req = Requirement(pin)
+            assert [s.operator for s in req.specifier] == ["=="], pin
+            assert canonicalize_name(req.name) not in locked, f"{tracker}: {pin} would shadow the lock's pin"
