@@ -62,15 +62,15 @@ class GenerationConfig:
     # openai_agent.*: the user's own agent through the OpenAI-compatible endpoint instead of the protocols'
     # loops (search_r1/llm_agent/openai_endpoint/rollout.py; docs/agent.md "Train an agent you already wrote").
     openai_agent: dict | None = None
+    # data.apply_chat_template_kwargs (veRL's key): the chat template's variables (Qwen3's enable_thinking), so
+    # the tool protocol's turns open the next assistant turn as the prompt opened the first.
+    chat_template_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tags", "tool"):
             raise ValueError(f"GenerationConfig.protocol must be 'tags' or 'tool', got {self.protocol!r}")
         if self.open_tag:
             self._check_open_tag()
-    # data.apply_chat_template_kwargs (veRL's key): the chat template's variables (Qwen3's enable_thinking), so
-    # the tool protocol's turns open the next assistant turn as the prompt opened the first.
-    chat_template_kwargs: dict | None = None
         if self.protocol == "tool":
             self._check_tool_settings()
         if self.serve_app:
