@@ -215,3 +215,47 @@ def test_the_reference_is_built_in_bf16_on_gpus_and_fp32_on_cpu(tiny_model_dir, 
     assert {p.dtype for p in ref.parameters()} == {dtype}
     assert {p.device.type for p in ref.parameters()} == {"meta"}
     assert {b.dtype for b in ref.buffers()} == {torch.float32}
+
+
+def test_the_bf16_reference_gives_the_fp32_actors_logits_under_the_gpu_precision_policy(tiny_model_dir):
+    """The contract the bf16 reference rests on: on CUDA FSDP2 computes the fp32 actor in
+    gpu_mixed_precision's param_dtype, and the reference is stored in exactly that dtype, so at step 0
+    its logits (hence ref_log_prob, the KL) are the actor's bit for bit. Run here with the GPU policy
+    on a CPU gloo mesh; the reference goes through _build_reference as a CUDA worker builds it."""
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.conftest import free_port
+    from verl.utils.fsdp_utils import gpu_mixed_precision
+    from verl.utils.model import build_causal_lm, frozen_weight_dtype
+    from verl.utils.sharded_init import load_sharded_model
+
+    policy = gpu_mixed_precision()
+    assert frozen_weight_dtype("cuda") == policy.param_dtype
+    created = not dist.is_initialized()
+    if created:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def load_sharded(build, model_cfg, trainable):
+            module, _ = load_sharded_model(build, model_cfg.path, mesh, "cpu", prepare=lambda m: m.requires_grad_(False),
+                                           mixed_precision=policy)
+            return module
+
+        ref = ActorRolloutRefWorker._build_reference(SimpleNamespace(device="cuda", _load_sharded=load_sharded),
+                                                     OmegaConf.create({"path": tiny_model_dir}), None, False)
+        actor = load_sharded(lambda: build_causal_lm(tiny_model_dir), OmegaConf.create({"path": tiny_model_dir}), True)
+        assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+        assert {p.dtype for p in actor.parameters()} == {torch.float32}
+        ids = torch.randint(0, AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size, (2, 12),
+                            generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(ref(ids).logits, actor(ids).logits)   # same bf16 values, same kernels: exact
+    finally:
+        if created:
+            dist.destroy_process_group()
