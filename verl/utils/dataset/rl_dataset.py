@@ -82,9 +82,9 @@ def prompt_to_text(prompt: Any, tokenizer: Any, tools: list[dict] | None = None,
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tool protocol (actor_rollout_ref.rollout.multi_turn.enable) renders prompts with the "
                              "tool schemas through the tokenizer's chat template, and this tokenizer has none")
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     return "".join(str(m["content"]) for m in messages)
 
 
@@ -170,8 +170,8 @@ class RLHFDataset(Dataset):
         truncation: str = "error",
         tools: list[dict] | None = None,
         return_raw_chat: bool = False,
-    ) -> None:
         chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         files = [parquet_files] if isinstance(parquet_files, str | Path) else list(parquet_files)
         if not files:
             raise ValueError("RLHFDataset: no parquet files given")
