@@ -387,8 +387,9 @@ class LLMGenerationManager:
         if self.config.openai_agent is not None:   # the user's agent via the OpenAI endpoint (openai_endpoint/)
             from search_r1.llm_agent.openai_endpoint.rollout import agent_rollout
 
+            meta = self._generation_meta(gen_batch)
             with self._engines_awake():
-                return agent_rollout(self, gen_batch, self._generation_meta(gen_batch))
+                return agent_rollout(self, row_fields(gen_batch, len(gen_batch)), meta, eos_token_ids(meta))
         rows, prompt_mask = self._initial_rows(gen_batch, initial_input_ids)
         meta = self._generation_meta(gen_batch)
         self._log_probs_match_actor = True

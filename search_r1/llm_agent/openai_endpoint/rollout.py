@@ -109,15 +109,13 @@ def compose(manager: Any, results: Sequence[RowResult], counters: Counter[str], 
     return output
 
 
-def agent_rollout(manager: Any, gen_batch: Any, meta: dict[str, Any]) -> Any:
-    """Sync mode, on the driver: every row's agent against the endpoint; returns the composed samples."""
-    from search_r1.llm_agent.generation import eos_token_ids, row_fields
-
+def agent_rollout(manager: Any, fields: Sequence[dict], meta: dict[str, Any], eos_token_ids: frozenset[int]) -> Any:
+    """Sync mode, on the driver: every row's agent against the endpoint (`fields`: each row's non-tensor
+    fields); returns the composed samples."""
     cfg = dict(manager.config.openai_agent)
     settings = AgentSettings(**{k: cfg[k] for k in ("path", "name", "concurrency", "timeout", "max_failure_fraction")})
     agent = load_agent(settings)
-    n = len(gen_batch)
-    fields = row_fields(gen_batch, n)
+    n = len(fields)
     running = Running(n)
     call_meta = {**meta, K.META_STOP: list(cfg.get("stop") or [])}
 
@@ -128,7 +126,7 @@ def agent_rollout(manager: Any, gen_batch: Any, meta: dict[str, Any]) -> Any:
     client = BatchedClient(generate_batch, response_length=budget, running=running)
     limits = EndpointLimits(max_prompt_length=int(cfg["max_prompt_length"]), max_response_length=budget,
                             max_concurrent_requests=max(64, 2 * settings.concurrency))
-    endpoint = Endpoint(manager.tokenizer, client, limits, eos_token_ids(meta))
+    endpoint = Endpoint(manager.tokenizer, client, limits, eos_token_ids)
     start = time.perf_counter()
     results, counters = run_agents(agent, endpoint, agent_rows(fields), settings, running)
     counters["engine_calls"] += client.calls

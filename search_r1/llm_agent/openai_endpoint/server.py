@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from search_r1.llm_agent.async_generation import request_seed
 from search_r1.llm_agent.openai_endpoint import chat
 from search_r1.llm_agent.openai_endpoint.api import APIError, Sampling, bad, parse_chat, parse_completion
 from search_r1.llm_agent.openai_endpoint.engines import EngineClient
@@ -34,6 +33,13 @@ from search_r1.llm_agent.token_text import TokenText
 
 logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
+
+
+def request_seed(call_seed: int, row: int, turn: int) -> int:
+    """A request's sampling seed from the rollout's seed, its row and its place in the row (not from timing),
+    spread as async_generation.request_seed spreads a trajectory's (that module imports the manager, which
+    imports this package: no import of it here)."""
+    return (int(call_seed) * 1_000_003 + row * 7_919 + turn) % (2**63 - 1)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
