@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from search_r1.llm_agent import actions
@@ -301,6 +302,8 @@ class LLMGenerationManager:
         if is_open and not self.config.search_url:
             raise ValueError("GenerationConfig.search_url (retriever.url) is required when the policy opens "
                              "documents (open_tag.enable)")
+        if hits:   # the dumps' record of what came back (TurnTrace.doc_ids)
+            res.doc_ids[:] = [tuple(hit.doc_id for hit in query_hits) for query_hits in hits]
         try:
             if self._tool is not None:
                 return self._tool.answers(res, hits, error, stats, others)
@@ -528,6 +531,7 @@ class LLMGenerationManager:
         """Append a turn and its observation to `row` and decide whether the row ends."""
         if self._tool is not None:
             self._tool.apply_turn(row, res, search_obs, stats, sampled_log_probs)
+            row.record_turn(res)
             return
         row.n_turns += 1
         row.n_valid_actions += int(res.action.is_valid)
@@ -549,6 +553,7 @@ class LLMGenerationManager:
         stats["obs_truncated"] += int(truncated)
         row.append_turn(res.kept_ids, obs_ids, sampled_log_probs)
         row.stop_reason = reason
+        row.record_turn(res)
 
     def _compose_final_output(self, rows: list[_Row], prompts: torch.Tensor, prompt_mask: torch.Tensor,
                               stats: Counter[str], timing: dict[str, float]) -> Any:
@@ -580,4 +585,6 @@ class LLMGenerationManager:
                 [lps + [0.0] * (width - len(lps)) for lps in row_log_probs], dtype=torch.float32)
         meta_info = rollout_statistics(rows, stats, timing, open_tag=self.config.open_tag)
         meta_info[K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR] = self._log_probs_match_actor
-        return DataProto.from_dict(tensors=tensors, meta_info=meta_info)
+        traces = np.empty(len(rows), dtype=object)   # what each turn did, for the dumps
+        traces[:] = [row.trace() for row in rows]
+        return DataProto.from_dict(tensors=tensors, non_tensors={K.AGENT_TRACE: traces}, meta_info=meta_info)

@@ -1,6 +1,7 @@
 """One trajectory while it is rolled out, and one policy turn after its cut: the records the
-generation manager's loops (sync, async) and both protocols' rules (tags, tool) share; and the
-rollout's statistics over finished rows (`rollout_statistics`, the batch's meta_info)."""
+generation manager's loops (sync, async) and both protocols' rules (tags, tool) share; the rollout's
+statistics over finished rows (`rollout_statistics`, the batch's meta_info); and what each turn did
+(`TurnTrace`, `RowTrace`: the batch's `agent_trace`, read by the dumps, verl/trainer/ppo/dumps.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,28 @@ from uuid import uuid4
 
 from search_r1.llm_agent import actions
 from search_r1.llm_agent.actions import Action
+
+
+@dataclass(frozen=True)
+class TurnTrace:
+    """What one turn did, in the order of the row's turns: its token counts (policy, then observation:
+    the response is these spans back to back), its action and what it asked and got back."""
+
+    policy_tokens: int
+    obs_tokens: int
+    action: str                               # search | answer | open | invalid (tool protocol: search = calls)
+    queries: tuple[str, ...] = ()             # sent to the retrieval server
+    doc_ids: tuple[tuple[str, ...], ...] = ()  # per query, the ids it returned, best first (empty: failed)
+    calls: tuple[str, ...] = ()               # tool protocol: each call's tool name ("" when unreadable)
+    opened: str | None = None                 # open tag: the doc id the turn opened
+
+
+@dataclass(frozen=True)
+class RowTrace:
+    """One finished trajectory's turns and why it stopped (`agent_trace`, one per row)."""
+
+    stop_reason: str | None
+    turns: tuple[TurnTrace, ...]
 
 
 @dataclass
@@ -34,6 +57,7 @@ class _Row:
     # Response position from which the policy sampled from a rolling context that had dropped
     # older turns (-1: never). Old log-probs and the update see the full sequence instead.
     cut_from: int = -1
+    traces: list[TurnTrace] = field(default_factory=list)   # one per turn (record_turn)
     # Tools (veRL's BaseTool lifetime, tool_turns.py): the trajectory's id (each tool's instance id), the
     # row's extra_info.tools_kwargs, the instances created, the step rewards of execute in call order
     # (veRL's `tool_rewards`) and each tool's calc_reward at the end (veRL's `reward_scores`).
@@ -54,6 +78,18 @@ class _Row:
             self.log_probs.append(list(policy_log_probs[: len(policy_ids)]))
         else:
             self.log_probs = None
+
+    def record_turn(self, res: _TurnResult) -> None:
+        """Trace the turn just appended (`append_turn`) from its cut result."""
+        policy_ids, obs_ids = self.turns[-1]
+        calls = tuple(getattr(c, "name", None) or getattr(c, "tool", None) or "" for c in res.calls)
+        self.traces.append(TurnTrace(
+            policy_tokens=len(policy_ids), obs_tokens=len(obs_ids), action=res.action.kind,
+            queries=tuple(res.queries), doc_ids=tuple(tuple(ids) for ids in res.doc_ids), calls=calls,
+            opened=res.action.content if res.action.kind == "open" else None))
+
+    def trace(self) -> RowTrace:
+        return RowTrace(stop_reason=self.stop_reason, turns=tuple(self.traces))
 
     def response_log_probs(self) -> list[float] | None:
         """The engine's log-prob at each response position (0 on observations), if it gave them."""
@@ -84,6 +120,8 @@ class _TurnResult:
     generated: int
     calls: tuple = ()                 # tool protocol: the turn's parsed calls (tools.ToolCall | ToolCallError)
     queries: tuple[str, ...] = ()     # the queries the turn sends to the retrieval server
+    # per query, the ids of the hits that answered it: filled when the observation is made (_observation_for)
+    doc_ids: list[tuple[str, ...]] = field(default_factory=list, compare=False)
 
 
 def rollout_statistics(rows: Sequence[_Row], stats: Counter[str], timing: dict[str, float],

@@ -52,6 +52,10 @@ ROLLOUT_REWARD_SCORE = "rollout_reward_score"  # float | None: an agent loop's o
                                                #   reward function's score for that row, as veRL's rm_scores)
 AGENT_KEYS = frozenset({AGENT_NAME, RAW_PROMPT, TOOL_REWARDS, REWARD_SCORES, TURN_SCORES, NUM_TURNS,
                         AGENT_EXTRA_FIELDS, ROLLOUT_REWARD_SCORE})
+AGENT_TRACE = "agent_trace"          # search_r1.llm_agent.trajectory.RowTrace: each turn's token counts, action,
+                                     #   queries, retrieved ids, and the stop reason (multi-turn rollouts only)
+REWARD_EXTRA_INFO = "reward_extra_info"  # dict per row: the reward's parts (score, em, f1, judge, format_valid,
+                                         #   overlong penalty, a custom function's extra values)
 
 # --- meta_info[...] -----------------------------------------------------------
 META_EOS_TOKEN_ID = "eos_token_id"
@@ -78,7 +82,7 @@ TENSOR_KEYS = frozenset({
     TOKEN_LEVEL_SCORES, REWARD_BASELINES, SUM_PI_SQUARED,
     TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS,
 })
-NON_TENSOR_KEYS = frozenset({UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX})
+NON_TENSOR_KEYS = frozenset({UID, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX, AGENT_TRACE, REWARD_EXTRA_INFO})
 
 NON_TENSOR_KEYS = NON_TENSOR_KEYS | AGENT_KEYS
 
