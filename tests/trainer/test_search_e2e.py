@@ -125,10 +125,21 @@ def test_ppo_step_with_search_against_a_real_server_trains_actor_and_critic(
 
 def test_grpo_step_with_search_against_a_real_server_uses_kl_loss_and_no_critic(
         ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
-    step, served = _run_with_search(search_world, tmp_path, "grpo")
+    step, served = _run_with_search(search_world, tmp_path, "grpo",
+                                    extra=[f"trainer.rollout_data_dir={tmp_path / 'rollout'}"])
     _assert_searched_against_the_server(step, served)
     _finite(step, "actor/kl_loss")
     assert not any(k.startswith(("critic/values", "critic/vf_loss")) for k in step)
+    # the step's trajectories are dumped (verl/trainer/ppo/dumps.py): what each turn asked and got back
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "rollout" / "1.jsonl").read_text().splitlines()]
+    assert len(rows) == ROLLOUTS and {r["step"] for r in rows} == {1}
+    searched = [t for r in rows for t in r["turns"] if t["queries"]]
+    assert sum(r["n_searches"] for r in rows) == round(step["env/number_of_valid_search"] * ROLLOUTS) == len(searched)
+    assert all(t["observation"].startswith("\n\n<information>") and len(t["doc_ids"][0]) == TOPK for t in searched)
+    assert sum(r["trained_tokens"] for r in rows) == sum(t["trained"] for r in rows for t in r["turns"]) > 0
+    assert all(r["advantage"] is not None and r["stop_reason"] for r in rows)
 
 
 def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_rollout(

@@ -500,6 +500,9 @@ def check_trainer(cfg: DictConfig, run: RunConfig, has_gpu: bool | None) -> list
         errors.append(f"trainer.max_ckpt_to_keep={trainer.max_ckpt_to_keep} must be >= 1")
     if cfg.reward_model.enable:
         errors.append("reward_model.enable=True (a model-based reward) is not supported; the reward is rule-based")
+    from verl.trainer.ppo.dumps import dump_config_errors
+
+    errors.extend(dump_config_errors(cfg))
     return errors
 
 

@@ -74,6 +74,9 @@ class _Wandb:
     def log(self, data: dict[str, Any], step: int) -> None:
         self.run.log({k: _plain(v) for k, v in data.items()}, step=step)
 
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
+
     def finish(self) -> None:
         self.run.finish()
 
@@ -92,6 +95,14 @@ class _Tensorboard:
             value = _plain(value)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """A markdown table in the TEXT tab (one cell per value, `|` and newlines escaped)."""
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+        lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+        self.writer.add_text(name, "\n".join(lines), step)
         self.writer.flush()
 
     def finish(self) -> None:
@@ -138,6 +149,14 @@ class Tracking:
     def log(self, data: dict[str, Any], step: int) -> None:
         for backend in self.backends.values():
             backend.log(data, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """A table (trainer.log_val_generations' samples) to each backend that has tables (its
+        `log_table`); the others (console, jsonl) skip it."""
+        for backend in self.backends.values():
+            log_table = getattr(backend, "log_table", None)
+            if log_table is not None:
+                log_table(name, columns, rows, step)
 
     def finish(self) -> None:
         for backend in self.backends.values():

@@ -33,6 +33,7 @@ from verl.trainer.config_schema import interpolations
 from verl.trainer.ppo import core_algos, remax, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
 from verl.trainer.ppo.checkpointing import CheckpointedTraining
+from verl.trainer.ppo.dumps import DumpConfig, TrajectoryDumps
 from verl.trainer.ppo.dynamic_sampling import DynamicSamplingTraining
 from verl.trainer.ppo.pipeline import PipelinedTraining
 from verl.trainer.ppo.registry import worker_config_with_custom_algorithms
@@ -104,6 +105,8 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         self._rollout_version = 0       # pipelined: the steps done when the rollout pool's weights were sent
         self._trained_loader_state: dict[str, Any] | None = None   # pipelined: the batch last trained
         self.history: list[dict[str, float]] = []
+        # trainer.rollout_data_dir / validation_data_dir: the step files the viewer reads (dumps.py)
+        self.dumps = TrajectoryDumps(DumpConfig.from_config(config), tokenizer, frozenset(self._eos_token_ids))
         self._worker_groups: list[Any] = []
         self._gen_managers: dict[bool, Any] = {}
         # global_profiler (tool torch): chrome traces of the chosen steps, driver and workers (verl/utils/profiler.py)
@@ -466,6 +469,9 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
             self.global_step += 1
             if self._producer is not None:
                 self._producer.step_done(self.global_step)
+        if self.dumps.cfg.rollout_dir is not None:
+            with mu.timer("dump", timing):   # before the checkpoint: a run resumed from this step has its file
+                self.dumps.write_rollout(batch, self.global_step)
         is_last = self.global_step >= self.total_training_steps
         test_freq = int(self.config.trainer.test_freq)
         val_metrics: dict[str, float] = {}
@@ -514,6 +520,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                 if isinstance(scores_BR, DataProto):
                     scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
                 scores.append(scores_BR.sum(-1).float().cpu())
+                self.dumps.add_validation(batch, scores[-1], self.val_reward_fn)
                 sources.extend(batch.non_tensor_batch[K.DATA_SOURCE].tolist())
                 uids.extend(batch.non_tensor_batch[K.UID].tolist())
                 breakdowns = getattr(self.val_reward_fn, "last_breakdowns", None) or [None] * len(batch)
@@ -522,6 +529,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                 for key, value in (getattr(self.val_reward_fn, "last_metrics", None) or {}).items():
                     if key in JUDGE_COUNTS:   # the judge's calls, cache hits and failures over the pass
                         judge_counts[key] = judge_counts.get(key, 0.0) + value
+        self.dumps.end_validation(self.global_step)
         if not scores:
             return {}
         metrics = mu.score_by_data_source(torch.cat(scores), sources)
@@ -551,7 +559,9 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         """Train until total_training_steps; returns the per-step metrics (also sent to the loggers)."""
         tracker = self._tracker()
         try:
-            if self.load_checkpoint() is not None and self.pipelined:
+            resumed = self.load_checkpoint()
+            self.dumps.start(self.global_step, tracker)
+            if resumed is not None and self.pipelined:
                 # the rollout pool still holds the model's own weights: validation and rollouts need the checkpoint's
                 self._push_weights()
                 self._rollout_version = self.global_step

@@ -54,6 +54,8 @@ class RewardManager:
         self.format_score_cfg = format_score_cfg
         # Counters from the last call, for the trainer's metrics.
         self.last_metrics: dict[str, float] = {}
+        # Each row's breakdown from the last call (the validation dump's reward parts).
+        self.last_breakdowns: list[RewardBreakdown] = []
 
     def _masks(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         responses = data.batch[K.RESPONSES]
@@ -136,6 +138,7 @@ class RewardManager:
             "reward/mean_score": float(np.mean([b.score for b in breakdowns])) if breakdowns else 0.0,
         }
         scores = scores.to(device)
+        self.last_breakdowns = breakdowns
         if return_breakdown:
             return scores, breakdowns
         return scores

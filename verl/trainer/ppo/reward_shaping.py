@@ -100,6 +100,31 @@ def _last_positions(mask_BR: torch.Tensor) -> torch.Tensor:
     return torch.where(mask_BR.bool(), idx, torch.zeros_like(idx)).max(dim=-1).values
 
 
+def reward_parts(scores: Any, breakdowns: list | None, row_metrics: list[dict] | None,
+                 overlong: list[float] | None) -> np.ndarray:
+    """Per row, a dict of the reward's parts (`reward_extra_info`, what the dumps show): the reward
+    function's score, and where known the exact match, the extracted answer, the v0.3 format check,
+    the token F1 and the judge's verdict (the reward manager's `last_row_metrics`) and the overlong
+    penalty. Only JSON values."""
+    n = len(scores)
+    if row_metrics is not None and len(row_metrics) != n:
+        row_metrics = None   # another batch's (a custom reward function that keeps its own)
+    out = np.empty(n, dtype=object)
+    for row in range(n):
+        parts: dict[str, Any] = {"score": float(scores[row])}
+        if breakdowns is not None:
+            b = breakdowns[row]
+            parts.update(em=int(b.em), answer=b.answer)
+            if b.format_valid is not None:
+                parts["format_valid"] = bool(b.format_valid)
+        for key, value in (row_metrics[row] if row_metrics is not None else {}).items():
+            parts[str(key)] = float(value)
+        if overlong is not None:
+            parts["overlong"] = float(overlong[row])
+        out[row] = parts
+    return out
+
+
 def score_rollouts(reward_fn: Any, batch: DataProto, shaping: OverlongBuffer, max_response_length: int,
                    row_values: bool = False) -> dict[str, float]:
     """Score `batch` with `reward_fn`, shape overlong rows, write token_level_scores; with `row_values`
@@ -129,6 +154,9 @@ def score_rollouts(reward_fn: Any, batch: DataProto, shaping: OverlongBuffer, ma
             metrics["reward/overlong_reward_mean"] = float(penalty_B.mean())
             metrics["reward/overlong_fraction"] = float((penalty_B < 0).float().mean())
     batch.batch[K.TOKEN_LEVEL_SCORES] = scores_BR
+    batch.non_tensor_batch[K.REWARD_EXTRA_INFO] = reward_parts(
+        raw, breakdowns, getattr(reward_fn, "last_row_metrics", None),
+        penalty_B.cpu().tolist() if shaping.enable else None)
     if not row_values:
         return metrics
     batch.non_tensor_batch[ACC] = acc.astype(np.float64)
