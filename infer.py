@@ -16,6 +16,10 @@ ids. Each turn is printed as it happens.
 `<open> doc_id </open>` answered with a page of the document from the server's POST /open (at most
 `--max_opens` per question; opens and searches share `--max_turns`). `--demo` turns it on by itself
 for a demo run trained with it.
+
+`--dump answers.jsonl` appends each episode as a row of the trainer's trajectory dumps (its turns,
+queries, observations, stop reason; exact match when the golden answer is known), which
+`python -m scripts.viewer answers.jsonl` draws beside a run's dumps (docs/viewer.md).
 """
 
 from __future__ import annotations
@@ -273,6 +277,40 @@ def answer_question(model, tokenizer, question: str, search: SearchFn, max_turns
     return episode
 
 
+def dump_row(episode: Episode, step: int = 0, golden: list[str] | None = None, source: str = "infer") -> dict:
+    """The episode as a trajectory-dump row (verl/trainer/ppo/dump_rows.py's fields that infer.py knows:
+    no token counts, advantages or log-probs); `correct` is the training reward's exact match."""
+    from verl.utils.reward_score.qa_em import em_check
+
+    em = int(em_check(episode.answer, golden)) if golden and episode.answer is not None else (0 if golden else None)
+    turns = [{"policy": t.text, "action": t.action.kind,
+              "queries": [t.action.content] if t.action.kind == "search" and t.observation is not None else [],
+              "observation": t.observation or "", "opened": t.action.content if t.action.kind == "open" else None}
+             for t in episode.turns]
+    return {"input": episode.question, "output": "".join(t["policy"] + t["observation"] for t in turns),
+            "gts": {"target": list(golden)} if golden else None, "score": None if em is None else float(em),
+            "step": int(step), "data_source": source, "reward_parts": {"em": em} if em is not None else {},
+            "correct": bool(em), "answer": episode.answer, "n_searches": episode.n_searches,
+            "stop_reason": episode.stop_reason, "turns": turns}
+
+
+def append_dump_row(path: str | Path, row: dict) -> None:
+    """One JSON line appended in one write (a reader never sees half a row)."""
+    import json
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def checkpoint_step(model_path: str) -> int:
+    """N of a `.../global_step_N/...` model path (the trainer's checkpoints), else 0."""
+    import re
+
+    found = re.findall(r"global_step_(\d+)", str(model_path))
+    return int(found[-1]) if found else 0
+
+
 def print_turn(turn: Turn) -> None:
     print(turn.text, end="", flush=True)
     if turn.observation is not None:
@@ -303,6 +341,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "127.0.0.1 port and stopped at exit; without --question, a held-out two-hop question (one-hop in the browse world)")
     p.add_argument("--demo_output_dir", default=DEMO_OUTPUT_DIR,
                    help="with --demo: the demo's output folder (its summary.json names the model and data)")
+    p.add_argument("--dump", default=None, metavar="FILE.jsonl",
+                   help="append each episode to this file as a trajectory-dump row (python -m scripts.viewer reads it)")
+    p.add_argument("--dump_step", type=int, default=None,
+                   help="the rows' step (default: N of a global_step_N in --model_path, else 0)")
     return p.parse_args(argv)
 
 
@@ -426,6 +468,9 @@ def _ask(args: argparse.Namespace, golden: dict[str, list[str]] | None) -> list[
               flush=True)
         if golden is not None and question in golden:
             print(f"# Golden answer: {' / '.join(golden[question])}", flush=True)
+        if args.dump:
+            step = args.dump_step if args.dump_step is not None else checkpoint_step(args.model_path)
+            append_dump_row(args.dump, dump_row(episode, step, (golden or {}).get(question)))
         episodes.append(episode)
     return episodes
 

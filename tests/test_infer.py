@@ -130,17 +130,43 @@ def test_a_failed_search_becomes_an_observation_not_a_crash(taught_model: str) -
     assert "failed" in episode.turns[0].observation
 
 
-def test_cli_prints_each_turn_and_the_answer(taught_model: str, server_url: str) -> None:
+def test_cli_prints_each_turn_and_the_answer(taught_model: str, server_url: str, tmp_path: Path) -> None:
+    dump = tmp_path / "answers.jsonl"
+    dump.write_text(json.dumps({"step": 9, "input": "an earlier answer", "output": "x"}) + "\n")
     proc = subprocess.run(
         [sys.executable, "infer.py", "--question", QUESTION, "--model_path", taught_model,
          "--retriever_url", server_url, "--topk", "1", "--max_turns", "2", "--device", "cpu",
-         "--max_new_tokens", "40"],
+         "--max_new_tokens", "40", "--dump", str(dump)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "<search> Kalo Miven </search>" in proc.stdout
     assert "Doc 1(Title: \"Kalo Miven\")" in proc.stdout
     assert "# Answer: Dorsil" in proc.stdout
+    # --dump appended the episode as a trajectory-dump row, which the viewer reads
+    earlier, row = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert earlier["input"] == "an earlier answer"
+    assert [t["queries"] for t in row["turns"]] == [["Kalo Miven"], []] and row["answer"] == "Dorsil"
+    assert row["turns"][0]["observation"].startswith("\n\n<information>Doc 1(Title: \"Kalo Miven\")")
+    assert row["step"] == 0 and row["n_searches"] == 1 and row["stop_reason"] == "answered"
+    from scripts.viewer import collect
+
+    assert [r["step"] for r in collect([dump]).rows] == [9, 0]
+
+
+def test_a_dump_row_scores_the_answer_with_the_training_rewards_exact_match() -> None:
+    from infer import Episode, Turn, checkpoint_step, dump_row
+    from search_r1.llm_agent.actions import Action
+
+    episode = Episode("Q?", [Turn("<search> q </search>", Action("search", "q"), "\n\n<information>x</information>\n\n"),
+                             Turn("<answer> the Dorsil </answer>", Action("answer", "the Dorsil"), None)],
+                      answer="the Dorsil", stop_reason="answered", n_searches=1)
+    row = dump_row(episode, 12, ["Dorsil"])
+    assert row["correct"] is True and row["score"] == 1.0 and row["reward_parts"] == {"em": 1}   # EM normalises "the"
+    assert row["output"] == "<search> q </search>\n\n<information>x</information>\n\n<answer> the Dorsil </answer>"
+    assert dump_row(episode, 12, ["Zaria"])["correct"] is False
+    assert dump_row(episode)["score"] is None and dump_row(episode)["correct"] is False   # no golden answer
+    assert checkpoint_step("out/checkpoints/global_step_12/hf") == 12 and checkpoint_step("Qwen/Qwen2.5-3B") == 0
 
 
 def test_a_turn_stops_at_any_eos_of_the_generation_config(tiny_model_dir: str) -> None:

@@ -20,8 +20,10 @@ one line saying what it will do and about how long, then progress bars with an E
    determine it differ from the shipped one's, or with demo.rebuild_warmstart=true;
 3. the retrieval server (`search_r1.search.retrieval_server`, BM25) on a free
    127.0.0.1 port, unless one already answers at `retriever.url`;
-4. `verl.trainer.main_ppo.run_ppo`: greedy validation, GRPO with search, validation;
-5. a summary (outputs/demo/summary.json) and a PNG of the training curves.
+4. `verl.trainer.main_ppo.run_ppo`: greedy validation, GRPO with search, validation; every step's
+   trajectories and every validation's go to outputs/demo/dumps/{rollout,validation}/<step>.jsonl;
+5. a summary (outputs/demo/summary.json), a PNG of the training curves and the command that
+   draws the dumps as one HTML page (`python -m scripts.viewer outputs/demo/dumps`).
 
 Arguments are Hydra overrides of ppo_trainer.yaml, plus `demo.<field>=value` for the
 fields of `scripts.demo.build.DemoSettings`. Differs from the paper's setup only in
@@ -38,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from tqdm import tqdm
@@ -181,6 +184,10 @@ class DemoSummary:
     # How the model was trained to open pages (the browse world): open_tag.{enable, max_opens, page_size}
     # and the server's snippet_chars, so `infer.py --demo` asks and serves as training did.
     open_tag: dict | None = None
+    # The trajectory dumps (trainer.rollout_data_dir / validation_data_dir under it) and the command
+    # that draws them (scripts/viewer).
+    dumps_dir: str = ""
+    viewer_command: str = ""
 
 
 def build_all(s: DemoSettings) -> dict[str, Path]:
@@ -256,6 +263,7 @@ def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: 
         f"data.train_files={paths['train']}", f"data.val_files={paths['test']}",
         f"actor_rollout_ref.model.path={paths['model']}", f"critic.model.path={paths['model']}",
         f"trainer.default_local_dir={out_dir / 'checkpoints'}", f"retriever.url={url}",
+        f"trainer.rollout_data_dir={dumps_dir(s) / 'rollout'}", f"trainer.validation_data_dir={dumps_dir(s) / 'validation'}",
     ]
     overrides = [*algorithm_overrides(algorithm), *base]
     if s.protocol == "tool":
@@ -281,6 +289,21 @@ def rl_overrides(s: DemoSettings, paths: dict[str, Path], user: list[str], url: 
     if "trainer.test_freq" not in user_keys:
         overrides.append(f"trainer.test_freq={max(1, steps // 3)}")
     return overrides + user
+
+
+def dumps_dir(s: DemoSettings) -> Path:
+    """Where the demo's trajectory dumps go (one folder each for rollouts and validations)."""
+    return Path(s.output_dir) / "dumps"
+
+
+def viewer_command(config: Any, output_dir: Path) -> str:
+    """`python -m scripts.viewer <dump folders> -o <output_dir>/trajectories.html` for the run's dumps."""
+    folders = [str(f) for f in (config.trainer.rollout_data_dir, config.trainer.validation_data_dir) if f]
+    if not folders:
+        return ""
+    parents = {str(Path(f).parent) for f in folders}
+    named = [parents.pop()] if len(parents) == 1 and len(folders) == 2 else folders
+    return shlex.join(["python", "-m", "scripts.viewer", *named, "-o", str(Path(output_dir) / "trajectories.html")])
 
 
 def tool_config_path(s: DemoSettings) -> Path:
@@ -382,7 +405,8 @@ def run_demo(argv: list[str] | None = None) -> DemoSummary:
                   if settings.world == "browse" else None),
         # infer.py --demo asks a held-out question in the tag protocol (with the open tag in the browse
         # world); the tool-protocol model is shown by its validation.
-        try_command=try_command(paths["test"], out_dir) if settings.variant in ("tags", "browse") else "")
+        try_command=try_command(paths["test"], out_dir) if settings.variant in ("tags", "browse") else "",
+        dumps_dir=str(dumps_dir(settings)), viewer_command=viewer_command(config, out_dir))
     (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     print_summary(summary, out_dir / "summary.json")
     return summary
@@ -464,6 +488,8 @@ def print_summary(s: DemoSummary, path: Path) -> None:
     print(f"RL steps: {s.rl_steps}   RL time: {s.rl_seconds:.0f}s   total: {s.wall_seconds:.0f}s")
     print(f"checkpoint: {s.checkpoint_dir}\nHF model:   {s.hf_model_dir}")
     print(f"metrics:    {s.metrics_path}\nplot:       {s.plot_path}\nsummary:    {path}")
+    if s.viewer_command:
+        print(f"trajectories: {s.viewer_command}  (then open the page in a browser)")
     if s.try_command:
         print(f"try it:     {s.try_command}", flush=True)
 

@@ -64,6 +64,13 @@ def _check_outputs_and_evaluate_sh(summary, tmp_path: Path) -> None:
     assert (Path(summary.hf_model_dir) / "config.json").exists()
     records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
     assert any("critic/score/mean" in r for r in records)
+    # the trajectory dumps of every step and validation, and the page the summary's command draws
+    dumps = Path(summary.dumps_dir)
+    assert sorted(int(p.stem) for p in (dumps / "rollout").glob("*.jsonl")) == list(range(1, summary.rl_steps + 1))
+    assert 0 in {int(p.stem) for p in (dumps / "validation").glob("*.jsonl")}
+    from scripts.viewer import build
+
+    assert build([dumps], tmp_path / "page.html").stat().st_size > 0
 
     data = tmp_path / "data"
     with retrieval_server(None, data / "bm25", data / "corpus.jsonl", 2, tmp_path / "srv.log") as url:
