@@ -102,13 +102,19 @@ def check_memory_and_disk(cfg: DictConfig, report: PreflightReport) -> MemoryPla
     try:
         plan = plan_memory(cfg, device_gib=gib)
     except (OSError, ValueError, KeyError) as exc:
+        if str(exc).startswith("actor_rollout_ref.model.target_modules"):   # LoRA the model cannot take (an MoE's experts)
+            report.error(str(exc), "actor_rollout_ref.model.target_modules")
+            return None
         key = "critic.model.path" if "critic" in str(exc) else "actor_rollout_ref.model.path"
         report.fits, report.fit_message = None, f"no memory plan: {key}: {exc}"
         return None
     report.memory_plan_gib = plan.phase_gib()
     name, largest = plan.largest()
     report.largest_phase = name
-    report.lines.append(f"memory plan per GPU (model {plan.actor_params / 1e9:.2f} B params, {plan.world} GPUs, rows "
+    active = plan.actor_active_params
+    params = f"{plan.actor_params / 1e9:.2f} B params" + (
+        f", {active / 1e9:.2f} B active" if active and active != plan.actor_params else "")
+    report.lines.append(f"memory plan per GPU (model {params}, {plan.world} GPUs, rows "
                         f"of {plan.sequence_length} tokens): "
                         + ", ".join(f"{k} {v:.1f}" for k, v in report.memory_plan_gib.items()) + " GiB")
     for phase in plan.phases:

@@ -3,6 +3,9 @@
 The count is the usual dense-transformer estimate: 6 FLOPs per parameter per
 token (forward + backward) for every matmul weight, plus the attention score
 and value products, which grow with the square of each sequence's length.
+A mixture-of-experts layer counts the experts a token runs (experts_per_token
+of them, and the router), not all of them: MFU is over *active* parameters
+(the memory plan's count, verl/utils/memory_plan.py `ModelShape`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _GPU_PEAK_BF16 = (
     ("4090", 165e12),
 )
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen2_5", "mistral", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen2_5", "mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def gpu_peak_flops_by_name(name: str) -> float:
@@ -66,7 +69,8 @@ def get_device_peak_flops(device: str | torch.device = "cpu") -> float:
 
 
 class FlopsCounter:
-    """FLOPs of a Qwen2 / Llama-style decoder; `estimate_flops` gives achieved and peak TFLOP/s."""
+    """FLOPs of a Qwen2 / Qwen3 / Llama-style decoder, dense or MoE (active parameters); `estimate_flops`
+    gives achieved and peak TFLOP/s."""
 
     def __init__(self, hf_config: Any, device: str | torch.device | None = None) -> None:
         model_type = getattr(hf_config, "model_type", None)
@@ -83,7 +87,11 @@ class FlopsCounter:
         head_dim = getattr(cfg, "head_dim", None) or hidden // heads
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         attn_proj = hidden * (q_width + 2 * kv_width) + q_width * hidden   # q, k, v, o
-        mlp = 3 * hidden * cfg.intermediate_size                            # gate, up, down
+        # gate, up, down of the MLP a token runs (MoE: its experts and the shared one) and the router
+        from verl.utils.memory_plan import ModelShape
+
+        shape = ModelShape.from_config(cfg.to_dict())
+        mlp = 3 * hidden * shape.active_intermediate_size + shape.num_experts * hidden
         # Embedding lookup costs no matmul, but counting it with the LM head matches
         # the convention of veRL / Megatron reports, so numbers stay comparable.
         embed_and_head = 2 * cfg.vocab_size * hidden

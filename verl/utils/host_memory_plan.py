@@ -179,8 +179,9 @@ def meta_loader_init(models: list[_Model], world: int, ranks: int, cpu_workers: 
     """model_init under the meta-device loader (verl/utils/sharded_init.py): rank 0 reads one tensor at a
     time as stored (mapped file pages) and broadcasts it from its device; the other ranks receive into a
     buffer on their device: the GPU under NCCL (nothing on the host), the host for CPU workers."""
-    largest = max(models, key=lambda m: m.shape.largest_tensor_params() * m.stored)
-    n = largest.shape.largest_tensor_params()
+    # The broadcast unit is a stored tensor: an MoE checkpoint's experts travel one per expert, never fused.
+    largest = max(models, key=lambda m: m.shape.largest_stored_params() * m.stored)
+    n = largest.shape.largest_stored_params()
     certain = {**_offloaded(models, world, ranks, with_optimizer=False),
                f"rank 0: one tensor read (as stored, {largest.stored} B, mapped file pages)": n * largest.stored}
     if ranks > 1 and cpu_workers:
@@ -244,11 +245,19 @@ def vllm_rank_tensors(shape: ModelShape, tp: int) -> list[int]:
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
     vocab = -(-shape.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     split = lambda n: -(-n // tp)  # noqa: E731
-    layer = [split(q + 2 * kv) * h, split(q) * h, split(2 * inter) * h, h * split(inter), h, h]
+    attention = [split(q + 2 * kv) * h, split(q) * h, h, h] + ([d, d] if shape.qk_norm else [])
     if shape.attention_bias:
-        layer.append(split(q + 2 * kv))
+        attention.append(split(q + 2 * kv))
+    dense = attention + [split(2 * inter) * h, h * split(inter)]
+    # MoE (tensor parallel, no expert parallel): every expert's width split over the ranks, w13 and w2 one tensor
+    # each; the router replicated; a shared expert like a dense MLP, with its one-output gate.
+    e, width, shared = shape.num_experts, shape.moe_intermediate_size, shape.shared_expert_intermediate_size
+    moe = attention + [e * split(2 * width) * h, e * h * split(width), e * h]
+    if shared:
+        moe += [split(2 * shared) * h, h * split(shared), h]
     heads = 1 if shape.tie_word_embeddings else 2
-    return [split(vocab) * h] * heads + layer * shape.num_hidden_layers + [h]
+    return ([split(vocab) * h] * heads + dense * (shape.num_hidden_layers - shape.moe_layers)
+            + moe * shape.moe_layers + [h])
 
 
 def lora_target_names(target: Any) -> set[str]:

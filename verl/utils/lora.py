@@ -235,6 +235,15 @@ class LoraSpec:
         if wrapped:
             raise ValueError(f"actor_rollout_ref.model.target_modules={self.target_modules!r} adapts {wrapped}: "
                              f"{EMBEDDING_REASON}")
+        # PEFT also wraps modules that are no nn.Linear: an MoE layer's fused experts and its router.
+        unsupported = sorted(name for name, layer in module.named_modules()
+                             if isinstance(layer, peft.tuners.lora.LoraLayer)
+                             and not isinstance(layer.get_base_layer(), nn.Linear))
+        if unsupported:
+            from verl.utils.memory_plan_lora import MOE_LORA_REASON
+
+            raise ValueError(f"actor_rollout_ref.model.target_modules={self.target_modules!r} adapts "
+                             f"{unsupported[:4]}{' ...' if len(unsupported) > 4 else ''}: {MOE_LORA_REASON}")
         adapters = 0
         for name, param in module.named_parameters():
             if is_adapter_param(name):

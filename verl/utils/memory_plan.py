@@ -33,6 +33,13 @@ Two kinds of numbers, kept apart in every phase:
 Ulysses SP (`ulysses_sequence_parallel_size`): a rank of an SP group holds 1/SP of its micro-batch's
 tokens (activations), and its log-prob head runs on all of them (every position of the slice, not the
 response positions only); micro-batch rows are per data-parallel rank (world / SP).
+
+Mixture-of-experts (Qwen3-MoE, Qwen2-MoE, Mixtral; `ModelShape` reads their config.json): weights,
+gradients, AdamW state, the gathered decoder layer (FSDP2 gathers every expert of a layer) and the
+HF export's largest tensor (a layer's fused gate_up experts) count the *total* parameters; the
+activations count the *active* ones (each token runs `experts_per_token` experts), as do FLOPs and
+MFU (verl/utils/flops_counter.py). Qwen3's attention is sized by its own head_dim (heads x head_dim
+need not be hidden_size) and has q/k norms.
 """
 
 from __future__ import annotations
@@ -76,9 +83,16 @@ REF_PARAMS = "reference params (bf16 shard)"
 VLLM_VOCAB_PADDING = 64
 
 
+# Model types whose attention normalises q and k per head (one RMSNorm weight of head_dim each).
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers of a decoder-only (Qwen2 / Llama-style) config.json that fix its tensor sizes."""
+    """The numbers of a decoder-only (Qwen2 / Qwen3 / Llama-style, dense or MoE) config.json that fix its
+    tensor sizes. MoE: `num_experts` routed experts of width `moe_intermediate_size` in `moe_layers` of
+    the layers (the others dense, width `intermediate_size`), `experts_per_token` of them per token, plus
+    a shared expert of width `shared_expert_intermediate_size` (Qwen2-MoE) when it is not 0."""
 
     hidden_size: int
     intermediate_size: int
@@ -90,6 +104,13 @@ class ModelShape:
     attention_bias: bool = True    # Qwen2: q/k/v projections carry a bias, o_proj does not
     max_position_embeddings: int = 0
     source: str = ""
+    explicit_head_dim: int = 0     # config.json's head_dim (Qwen3: 128 at every size); 0: hidden / heads
+    qk_norm: bool = False          # Qwen3: RMSNorm on q and k per head
+    num_experts: int = 0           # routed experts per MoE layer; 0: a dense model
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: int = 0            # layers whose MLP is the MoE block
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "") -> ModelShape:
@@ -99,35 +120,97 @@ class ModelShape:
             raise ValueError(f"{source or 'config.json'}: missing {missing}; a memory plan needs a decoder "
                              "config with these keys (e.g. example/model_configs/qwen2.5-7b/config.json)")
         model_type = config.get("model_type", "qwen2")
+        layers = int(config["num_hidden_layers"])
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        moe_width = int(config.get("moe_intermediate_size") or 0)
+        if model_type == "mixtral":   # every layer's MLP is the MoE block; intermediate_size is an expert's width
+            moe_width, moe_layers = int(config["intermediate_size"]), layers if experts else 0
+        else:
+            step = int(config.get("decoder_sparse_step") or 1)
+            dense_only = set(config.get("mlp_only_layers") or [])
+            moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0) if experts else 0
         return cls(hidden_size=int(config["hidden_size"]), intermediate_size=int(config["intermediate_size"]),
-                   num_hidden_layers=int(config["num_hidden_layers"]),
+                   num_hidden_layers=layers,
                    num_attention_heads=int(config["num_attention_heads"]),
                    num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
                    vocab_size=int(config["vocab_size"]),
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-                   max_position_embeddings=int(config.get("max_position_embeddings") or 0), source=source)
+                   attention_bias=bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+                   max_position_embeddings=int(config.get("max_position_embeddings") or 0), source=source,
+                   explicit_head_dim=int(config.get("head_dim") or 0), qk_norm=model_type in QK_NORM_MODEL_TYPES,
+                   num_experts=experts, experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+                   moe_intermediate_size=moe_width if experts else 0,
+                   shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0)
+                   if experts else 0, moe_layers=moe_layers)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
-    def _layer(self) -> tuple[int, int]:
-        """(parameters, parameter tensors) of one decoder layer."""
-        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        attn = h * h + 2 * h * kv + h * h                      # q, k, v, o weights
-        tensors = 4
+    @property
+    def q_width(self) -> int:
+        """Output width of q_proj (input of o_proj): heads x head_dim, not always hidden_size (Qwen3-32B)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_layers > 0
+
+    def _attention(self) -> tuple[int, int]:
+        """(parameters, tensors) of one layer's attention and its two RMSNorms."""
+        h, q, kv = self.hidden_size, self.q_width, self.num_key_value_heads * self.head_dim
+        params, tensors = h * q + 2 * h * kv + q * h, 4        # q, k, v, o weights
         if self.attention_bias:
-            attn += h + 2 * kv                                 # q, k, v biases
-            tensors += 3
-        mlp = 3 * h * self.intermediate_size                   # gate, up, down
-        return attn + mlp + 2 * h, tensors + 3 + 2             # + input / post-attention RMSNorm
+            params, tensors = params + q + 2 * kv, tensors + 3  # q, k, v biases
+        if self.qk_norm:
+            params, tensors = params + 2 * self.head_dim, tensors + 2
+        return params + 2 * h, tensors + 2                     # + input / post-attention RMSNorm
+
+    def _moe_mlp(self, experts: int) -> tuple[int, int]:
+        """(parameters, tensors) of one MoE block counting `experts` routed experts: fused gate_up and
+        down (2 tensors), the router, and the shared expert with its gate when the model has one."""
+        h = self.hidden_size
+        params, tensors = experts * 3 * h * self.moe_intermediate_size + self.num_experts * h, 3
+        if self.shared_expert_intermediate_size:
+            params, tensors = params + 3 * h * self.shared_expert_intermediate_size + h, tensors + 4
+        return params, tensors
+
+    def _layer(self, moe: bool = False, active: bool = False) -> tuple[int, int]:
+        """(parameters, parameter tensors) of one decoder layer, dense or MoE (`active`: the experts one
+        token runs, not all of them)."""
+        attn, attn_tensors = self._attention()
+        if moe:
+            mlp, mlp_tensors = self._moe_mlp(self.experts_per_token if active else self.num_experts)
+        else:
+            mlp, mlp_tensors = 3 * self.hidden_size * self.intermediate_size, 3   # gate, up, down
+        return attn + mlp, attn_tensors + mlp_tensors
+
+    def _layers(self, active: bool = False) -> tuple[int, int]:
+        dense = self.num_hidden_layers - self.moe_layers
+        d, dt = self._layer(False)
+        m, mt = self._layer(True, active) if self.moe_layers else (0, 0)
+        return dense * d + self.moe_layers * m, dense * dt + self.moe_layers * mt
 
     def backbone(self) -> tuple[int, int]:
         """(parameters, tensors) of embeddings + layers + final norm."""
-        layer, layer_tensors = self._layer()
-        return (self.vocab_size * self.hidden_size + self.num_hidden_layers * layer + self.hidden_size,
-                2 + self.num_hidden_layers * layer_tensors)
+        layers, layer_tensors = self._layers()
+        return self.vocab_size * self.hidden_size + layers + self.hidden_size, 2 + layer_tensors
+
+    def active_params(self) -> int:
+        """Parameters of the causal LM one token runs through (MoE: `experts_per_token` experts of each
+        MoE layer; dense: all): what FLOPs and activations scale with. Counts the head as `causal_lm`."""
+        params, _ = self.causal_lm()
+        return params - self._layers()[0] + self._layers(active=True)[0]
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """MLP width one token's activations span in a layer: a dense layer's intermediate_size, an MoE
+        layer's experts_per_token expert widths plus the shared expert's (the wider of the two kinds when
+        the model mixes them)."""
+        moe = self.experts_per_token * self.moe_intermediate_size + self.shared_expert_intermediate_size
+        if self.moe_layers == self.num_hidden_layers:
+            return moe
+        return max(moe, self.intermediate_size) if self.moe_layers else self.intermediate_size
 
     def causal_lm(self) -> tuple[int, int]:
         """(parameters, tensors) of the policy / reference (XForCausalLM; a tied head adds none)."""
@@ -150,19 +233,42 @@ class ModelShape:
         return params + self.hidden_size + 1, tensors + 2
 
     def layer_params(self) -> int:
-        return self._layer()[0]
+        """Parameters of the largest decoder layer (FSDP2's unit; an MoE layer with all its experts)."""
+        return max(self._layer(False)[0] if self.moe_layers < self.num_hidden_layers else 0,
+                   self._layer(True)[0] if self.moe_layers else 0)
 
     def largest_tensor_params(self) -> int:
-        """Elements of the largest single parameter tensor (the embeddings for Qwen2.5; an MLP
-        projection for a model with a small vocabulary): what a one-tensor-at-a-time gather holds."""
+        """Elements of the largest single parameter tensor of the model in memory (the embeddings for
+        Qwen2.5; an MLP projection for a model with a small vocabulary; an MoE layer's fused gate_up
+        experts, num_experts x 2 x moe_intermediate_size x hidden, for Qwen3-30B-A3B): what a
+        one-tensor-at-a-time gather holds (the HF export, a weight push)."""
         h = self.hidden_size
-        return max(self.vocab_size * h, self.intermediate_size * h, h * h)
+        fused = 2 * self.num_experts * self.moe_intermediate_size * h if self.moe_layers else 0
+        return max(self.vocab_size * h, self.intermediate_size * h, self.q_width * h, fused)
+
+    def largest_stored_params(self) -> int:
+        """Elements of the largest tensor of the model's checkpoint: the sharded load's broadcast unit
+        (verl/utils/sharded_init.py). MoE checkpoints store one tensor per expert and projection, so the
+        fused experts never travel whole: this is the embeddings for every Qwen3 and Qwen2.5 model."""
+        h = self.hidden_size
+        dense = self.intermediate_size if self.moe_layers < self.num_hidden_layers else 0
+        return max(self.vocab_size * h, dense * h, self.q_width * h, self.moe_intermediate_size * h,
+                   self.shared_expert_intermediate_size * h)
 
     def root_params(self) -> int:
         """Parameters of the causal LM outside its decoder layers (FSDP2's root unit): the embeddings,
         an untied lm_head, the final norm."""
         heads = 1 if self.tie_word_embeddings else 2
         return heads * self.vocab_size * self.hidden_size + self.hidden_size
+
+
+def moe_note(shape: ModelShape) -> str:
+    """The plan's line on a mixture-of-experts model: what counts total, what counts active."""
+    total = shape.causal_lm()[0]
+    return (f"MoE: {total / 1e9:.2f} B parameters, {shape.active_params() / 1e9:.2f} B active per token "
+            f"({shape.experts_per_token} of {shape.num_experts} experts in {shape.moe_layers} layers): weights, "
+            "gradients, AdamW state and the gathered layers count all experts; activations (and FLOPs / MFU) "
+            "the active ones")
 
 
 def read_model_config(path: str) -> tuple[dict[str, Any], str]:
@@ -234,6 +340,7 @@ class MemoryPlan:
     sequence_length: int
     lora_params: int = 0          # LoRA: the adapter's parameters (actor_params: the frozen base's)
     lora_tensors: int = 0
+    actor_active_params: int = 0  # parameters one token runs through (MoE: its experts_per_token experts)
 
     def phase_gib(self) -> dict[str, float]:
         return {p.name: round(p.total / GIB, 2) for p in self.phases}
@@ -321,7 +428,7 @@ def head_bytes(shape: ModelShape, kept: int, backward: bool, chunk_rows: int | N
 
 def _activations(shape: ModelShape, tokens: int, checkpointing: bool, backward: bool) -> int:
     """Estimated activation bytes for `tokens` tokens (forward only keeps one layer's at a time)."""
-    per_layer = BF16 * tokens * (ACT_FACTOR_H * shape.hidden_size + ACT_FACTOR_I * shape.intermediate_size)
+    per_layer = BF16 * tokens * (ACT_FACTOR_H * shape.hidden_size + ACT_FACTOR_I * shape.active_intermediate_size)
     if not backward:
         return per_layer
     if checkpointing:
@@ -382,6 +489,10 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     lora = lora_counts(shape, arr.model)   # LoRA: bf16 frozen base, fp32 adapter + AdamW, no reference weights
     layer = shape.layer_params() + (lora.per_layer if lora else 0)
     layers = {"gathered layer (bf16)": BF16 * layer, "gathered next layer (bf16, FSDP2 prefetch)": BF16 * layer}
+    if shape.is_moe:   # the gathered unit holds every expert of the layer, not the ones a token runs
+        label = f", all {shape.num_experts} experts"
+        layers = {k.replace("(bf16", f"(bf16{label}", 1): v for k, v in layers.items()}
+        notes.append(moe_note(shape))
 
     afs = arr.actor.fsdp_config
     actor_params = _shard(FP32 * p, world)
@@ -498,7 +609,7 @@ def plan_memory(cfg: Any, device_gib: float | None = None, model_config: dict[st
     return MemoryPlan(world=world, actor_params=p, actor_tensors=t, critic_params=cp if with_critic else None,
                       critic_tensors=ct if with_critic else None, phases=phases, notes=notes,
                       device_gib=device_gib, sequence_length=seq, lora_params=lora.params if lora else 0,
-                      lora_tensors=lora.tensors if lora else 0)
+                      lora_tensors=lora.tensors if lora else 0, actor_active_params=shape.active_params())
 
 
 def engine_weights_name(cfg: Any) -> str:
