@@ -4,6 +4,11 @@ Every loss term (clipped policy loss, entropy bonus, KL-to-reference loss) is
 masked with `response_mask`, the policy-token mask the driver builds, so
 retrieved passages and padding never carry gradient.
 
+A mixture-of-experts policy whose config sets `output_router_logits` (off by default; veRL's
+`actor_rollout_ref.model.override_config.output_router_logits=true`) adds its router's
+load-balancing loss, as transformers computes it (`aux_loss`, over every real token the forward
+saw), times the config's `router_aux_loss_coef`, and logs it as `actor/router_aux_loss`.
+
     actor = DataParallelPPOActor(cfg.actor_rollout_ref.actor, fsdp_module, optimizer)
     log_probs_BR, _ = actor.compute_log_prob(batch)           # meta_info: micro_batch_size, temperature...
     metrics = actor.update_policy(batch)                       # {"actor/pg_loss": [...], ...}
@@ -94,6 +99,8 @@ class DataParallelPPOActor(BasePPOActor):
         self.actor_optimizer = actor_optimizer
         self._packing_checked = False
         self._update_calls = 0   # update_policy calls so far: part of the shuffle seed
+        # An MoE's load-balancing losses of the forwards of the loss being built (None: not collecting).
+        self._router_aux_losses: list[torch.Tensor] | None = None
         self.use_remove_padding = bool(config.get("use_remove_padding", False)
                                        if use_remove_padding is None else use_remove_padding)
         # looked up now too, so that an unknown loss_mode fails when the worker builds its model
@@ -164,6 +171,9 @@ class DataParallelPPOActor(BasePPOActor):
                                         calculate_sum_pi_squared=calculate_sum_pi_squared) as fused:
             out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, logits_to_keep=keep, **(model_kwargs or {}))
+        aux_loss = getattr(out, "aux_loss", None)   # an MoE with output_router_logits
+        if self._router_aux_losses is not None and aux_loss is not None:
+            self._router_aux_losses.append(aux_loss)
         log_probs, entropy = fused.read(out.logits)
         return HeadOutputs(log_probs, entropy,
                            fused.sum_pi_squared(out.logits) if calculate_sum_pi_squared else None)
@@ -259,7 +269,12 @@ class DataParallelPPOActor(BasePPOActor):
         loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         scale = cfg.get("loss_scale_factor", None)
         response_mask = micro[K.RESPONSE_MASK].float()
-        entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=True)
+        self._router_aux_losses = []
+        try:
+            entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=True)
+            router_aux = self._router_aux_losses
+        finally:
+            self._router_aux_losses = None
         is_weights = micro[K.ROLLOUT_IS_WEIGHTS] if K.ROLLOUT_IS_WEIGHTS in micro.keys() else None
         policy_loss_fn = get_policy_loss_fn(loss_mode(cfg))
         pg_loss, pg_metrics = policy_loss_fn(micro[K.OLD_LOG_PROBS], log_prob, micro[K.ADVANTAGES], response_mask,
@@ -274,6 +289,11 @@ class DataParallelPPOActor(BasePPOActor):
             policy_loss = policy_loss + float(cfg.kl_loss_coef) * kl_loss * share(loss_agg_mode)
             metrics["actor/kl_loss"].append(kl_loss.item())
             metrics["actor/kl_coef"].append(float(cfg.kl_loss_coef))
+        if router_aux:   # the micro-batch's one forward (under Ulysses: this rank's slice of it)
+            aux = torch.stack(router_aux).mean()
+            coef = float(getattr(self.actor_module.config, "router_aux_loss_coef", 0.0))
+            policy_loss = policy_loss + coef * aux * share(loss_agg_mode)
+            metrics["actor/router_aux_loss"].append(aux.item())
         metrics["actor/pg_loss"].append(pg_loss.item())
         for name, value in pg_metrics.items():
             metrics[name].append(float(value))
