@@ -32,6 +32,8 @@ values null (tests/utils/test_memory_plan_gpu_check.py).
     python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen2.5-3b/config.json
     python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen2.5-7b/config.json --lora-rank 64
     python scripts/gpu_checks/memory_plan_vs_allocated.py --device cpu --tiny --prompt-length 16 --response-length 8
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --model-config example/model_configs/qwen3-30b-a3b/config.json --num-layers 4
+    python scripts/gpu_checks/memory_plan_vs_allocated.py --device cpu --tiny-moe --prompt-length 16 --response-length 8
     python scripts/gpu_checks/memory_plan_vs_allocated.py --compose-only    # parse and plan, build nothing
 
 (from the repository root with the project installed, `pip install -e .`; or
@@ -88,6 +90,15 @@ TINY: dict[str, Any] = {**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 
                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
                         "max_position_embeddings": 4096, "sliding_window": 4096, "max_window_layers": 2,
                         "bos_token_id": 511, "eos_token_id": 511}
+# Qwen3-30B-A3B's layout (q/k norms, head_dim 128, 2 of 4 experts a token here), small enough for a CPU test.
+TINY_MOE: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "initializer_range": 0.02, "bos_token_id": 511, "eos_token_id": 511,
+    "torch_dtype": "bfloat16"}
 # plan phases; the update is measured twice; the reference pass only with LoRA (the actor, adapter off)
 MEASURED_PHASES = ("actor_update", "actor_log_prob", "reference_log_prob")
 # Entries of an actor phase that belong to the actor (the rest would be another model's resident state).
@@ -419,7 +430,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, batch shape and device flags this check and actor_throughput.py share."""
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="hidden 64, 2 layers, vocab 512 (for the CPU test)")
+    parser.add_argument("--tiny-moe", action="store_true", help="the same, Qwen3-MoE with 4 experts (CPU test)")
     parser.add_argument("--model-config", help="a config.json to use instead of Qwen2.5-0.5B's shape")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep this many decoder layers of the model's shape (a 30B MoE's layers on one GPU)")
     parser.add_argument("--rows", type=int, default=8, help="rows of the update (one mini-batch, one step)")
     parser.add_argument("--micro", type=int, default=4, help="rows per micro-batch (update and log-prob pass)")
     parser.add_argument("--prompt-length", type=int, default=1024)
@@ -440,10 +454,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def model_and_shape(args: argparse.Namespace) -> tuple[dict[str, Any], BatchShape]:
     """The config.json dict (--model-config, --tiny or Qwen2.5-0.5B's) and the batch shape the flags give."""
-    if args.model_config and args.tiny:
-        raise SystemExit("--tiny and --model-config choose the model both; pass one")
+    tiny_moe = getattr(args, "tiny_moe", False)
+    if sum(map(bool, (args.model_config, args.tiny, tiny_moe))) > 1:
+        raise SystemExit("--tiny, --tiny-moe and --model-config choose the model each; pass one")
     model_config = json.loads(Path(args.model_config).read_text()) if args.model_config else (
-        TINY if args.tiny else QWEN2_5_0_5B)
+        TINY if args.tiny else TINY_MOE if tiny_moe else QWEN2_5_0_5B)
+    layers = getattr(args, "num_layers", None)
+    if layers is not None:   # the same layers, fewer of them: every per-layer tensor keeps its shape
+        if layers < 1:
+            raise SystemExit(f"--num-layers {layers}: must be >= 1")
+        model_config = {**model_config, "num_hidden_layers": layers,
+                        **({"max_window_layers": layers} if "max_window_layers" in model_config else {})}
     return model_config, BatchShape(args.rows, args.micro, args.prompt_length, args.response_length)
 
 

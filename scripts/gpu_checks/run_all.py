@@ -42,6 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 QWEN_3B = "example/model_configs/qwen2.5-3b/config.json"
 QWEN_7B = "example/model_configs/qwen2.5-7b/config.json"
+QWEN3_30B_A3B = "example/model_configs/qwen3-30b-a3b/config.json"
 BIG_3B = ("--model-config", QWEN_3B, "--rows", "16", "--micro", "4", "--prompt-length", "2048",
           "--response-length", "512", "actor_rollout_ref.model.enable_gradient_checkpointing=true")
 TINY = ("--device", "cpu", "--tiny", "--rows", "4", "--micro", "2", "--prompt-length", "16", "--response-length", "8")
@@ -203,6 +204,17 @@ CHECKS: tuple[Check, ...] = (
           "scripts.gpu_checks.memory_plan_vs_allocated",
           ("--model-config", QWEN_7B, *BIG_3B[2:], "--rows", "8", "--lora-rank", "64", "--out", "{out}/report.json"),
           (*TINY, "--lora-rank", "8", "--out", "{out}/report.json"), "measure", 35, 240, 300, _memory_figures),
+    # Issue 47: Qwen3-30B-A3B's shape (128 experts of 768, 8 a token; q/k norms, head_dim 128, vocab 151,936) cut to
+    # 2 of its 48 layers (1.9 B parameters: fp32 weights, grads and AdamW ~30 GB on one GPU), gradient
+    # checkpointing, 4 rows of 2048 + 512: the MoE plan's total-vs-active split (weights and the gathered layer by
+    # all experts, activations by the active ones) against what the allocator holds. Not yet run on a GPU.
+    Check("memory_plan_qwen3_30b_a3b", "the same on Qwen3-30B-A3B's layer shape (MoE: 128 experts, 8 active), "
+          "2 of its 48 layers, gradient checkpointing, 4 rows of 2048 + 512",
+          "scripts.gpu_checks.memory_plan_vs_allocated",
+          ("--model-config", QWEN3_30B_A3B, "--num-layers", "2", *BIG_3B[2:], "--rows", "4", "--out",
+           "{out}/report.json"),
+          ("--device", "cpu", "--tiny-moe", *TINY[3:], "--out", "{out}/report.json"), "measure", 25, 240, 300,
+          _memory_figures),
     # Issue 35: replaces the two actor_throughput checks; at 3B its padded actor is also timed on
     # actor_throughput's full rows (the 35 % baseline's shape), so both figures come from one card
     Check("packing_throughput", "padded vs packed actor tokens/s and MFU, packed through torch's varlen_attn (no "

@@ -88,6 +88,8 @@ def test_the_router_load_balancing_loss_is_off_by_default_and_adds_coef_times_it
     data = meta(protocol_batch(plain.actor_module.config.vocab_size, "tags", seed=5), False)
     data.batch[K.OLD_LOG_PROBS] = torch.zeros_like(data.batch[K.ADVANTAGES])
     assert "actor/router_aux_loss" not in plain.update_policy(copy.copy(data))
+    # outside the update (log-probs, the HF engine's cached decoding) the module computes no aux loss
+    assert with_aux.actor_module.config.output_router_logits is False
     metrics = with_aux.update_policy(copy.copy(data))
     assert metrics["actor/router_aux_loss"][0] > 0
     # SGD(lr=1): the two steps differ by coef x the gradient of transformers' aux_loss on the same batch

@@ -7,7 +7,10 @@ retrieved passages and padding never carry gradient.
 A mixture-of-experts policy whose config sets `output_router_logits` (off by default; veRL's
 `actor_rollout_ref.model.override_config.output_router_logits=true`) adds its router's
 load-balancing loss, as transformers computes it (`aux_loss`, over every real token the forward
-saw), times the config's `router_aux_loss_coef`, and logs it as `actor/router_aux_loss`.
+saw), times the config's `router_aux_loss_coef`, and logs it as `actor/router_aux_loss`. The switch
+is read once and the module's config set back to off: transformers would compute the loss in every
+forward, where it is wasted (log-probs) or fails (the HF engine's cached decoding); the update's
+forwards ask for it.
 
     actor = DataParallelPPOActor(cfg.actor_rollout_ref.actor, fsdp_module, optimizer)
     log_probs_BR, _ = actor.compute_log_prob(batch)           # meta_info: micro_batch_size, temperature...
@@ -101,6 +104,10 @@ class DataParallelPPOActor(BasePPOActor):
         self._update_calls = 0   # update_policy calls so far: part of the shuffle seed
         # An MoE's load-balancing losses of the forwards of the loss being built (None: not collecting).
         self._router_aux_losses: list[torch.Tensor] | None = None
+        model_config = getattr(actor_module, "config", None)
+        self._router_aux = bool(getattr(model_config, "output_router_logits", False))
+        if self._router_aux:   # asked for by the update's forwards only (module docstring)
+            model_config.output_router_logits = False
         self.use_remove_padding = bool(config.get("use_remove_padding", False)
                                        if use_remove_padding is None else use_remove_padding)
         # looked up now too, so that an unknown loss_mode fails when the worker builds its model
@@ -169,6 +176,8 @@ class DataParallelPPOActor(BasePPOActor):
         head = self.actor_module.get_output_embeddings()
         with lm_head_computes_log_probs(head, labels, temperature, calculate_entropy,
                                         calculate_sum_pi_squared=calculate_sum_pi_squared) as fused:
+            if self._router_aux and self._router_aux_losses is not None:
+                model_kwargs = {**(model_kwargs or {}), "output_router_logits": True}
             out = self.actor_module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False, logits_to_keep=keep, **(model_kwargs or {}))
         aux_loss = getattr(out, "aux_loss", None)   # an MoE with output_router_logits
