@@ -195,6 +195,8 @@ MAX_TURNS = "max_turns"
 CONTEXT_FULL = "context_full"
 INVALID_ACTION = "invalid_action"
 STOP_REASONS: tuple[str, ...] = (ANSWERED, EOS, MAX_TURNS, CONTEXT_FULL, INVALID_ACTION)
+# An agent loop of the user's ended the row by its own rule (agent_loops.py); counted only when it happens.
+AGENT_LOOP = "agent_loop"
 
 
 def stop_if_answered(action: Action) -> str | None:

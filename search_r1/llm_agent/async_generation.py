@@ -17,6 +17,7 @@ batch with the sync manager's `_compose_final_output`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -78,6 +79,9 @@ class AsyncAgentLoop:
         previous = None          # this trajectory's last completion: its next request follows it
         if manager._tool is not None:
             await manager._tool.start_row(row, stats)
+        interaction = manager._tool.interaction_of(row) if manager._tool is not None else None
+        if interaction is not None:
+            await interaction.start_interaction(row.request_id, **row.interaction_kwargs)
         for turn in range(manager._turn_limit()):
             is_final = turn == config.max_turns
             row.stop_reason = manager._stop_before_turn(row)
@@ -97,6 +101,10 @@ class AsyncAgentLoop:
                 start = time.perf_counter()
                 observation = await self._act(res, stats, row)
                 retrieval_s += time.perf_counter() - start
+            elif interaction is not None and manager._tool.wants_user_turn(row, res):
+                reply = await manager._tool.user_reply(interaction, row, res, stats)
+                if reply is not None:   # the interaction's user message answers the turn (masked, as a tool's)
+                    observation, res = [reply], dataclasses.replace(res, role="user")
             stats["generated_tokens"] += res.generated
             stats["kept_tokens"] += len(res.kept_ids)
             manager._apply_turn(row, res, observation, is_final, stats, log_probs)
@@ -104,6 +112,8 @@ class AsyncAgentLoop:
                 break
         if manager._tool is not None:
             await manager._tool.finish_row(row, stats)
+        if interaction is not None:
+            await interaction.finalize_interaction(row.request_id)
         stats["retrieval_ms"] += round(retrieval_s * 1000)
         return stats
 

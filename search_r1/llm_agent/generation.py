@@ -82,6 +82,15 @@ def tools_kwargs_of(extra_info: dict) -> dict:
     return dict(kwargs) if isinstance(kwargs, dict) else {}
 
 
+def prompts_of(rows: Sequence[_Row], prompts: torch.Tensor, prompt_mask: torch.Tensor, pad_token_id: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's prompts as its rows hold them: the given tensors when no row's prompt changed (an agent
+    loop of the user's may build its own), else every row's prompt left-padded anew."""
+    if [row.prompt_ids for row in rows] == real_tokens(prompts, prompt_mask):
+        return prompts, prompt_mask
+    return left_pad([row.prompt_ids for row in rows], pad_token_id)
+
+
 def eos_token_ids(meta: dict[str, Any]) -> frozenset[int]:
     eos = meta[K.META_EOS_TOKEN_ID]
     return frozenset(int(e) for e in eos) if isinstance(eos, list | tuple) else frozenset({int(eos)})
@@ -522,6 +531,7 @@ class LLMGenerationManager:
         # Generation and retrieval overlap: 'generate' is the rollout's wall time, 'retrieval'
         # the mean time a trajectory waited for the retriever.
         timing = {"generate": wall, "retrieval": stats.pop("retrieval_ms", 0) / 1000.0 / max(1, len(rows))}
+        prompts, prompt_mask = prompts_of(rows, prompts, prompt_mask, self.tokenizer.pad_token_id)
         output = self._compose_final_output(rows, prompts, prompt_mask, stats, timing)
         attach_row_outputs(output, rows)
         return output

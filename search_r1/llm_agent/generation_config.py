@@ -59,6 +59,15 @@ class GenerationConfig:
     open_tag: bool = False
     max_opens: int = 2                 # opens one row may run (each also takes a turn of max_turns)
     open_page_size: int = 1000         # characters of one page of an opened document
+    # veRL's multi_turn.interaction_config_path: simulated users (verl.interactions) answering a tool-protocol
+    # row's turns without calls, for rows whose extra_info.interaction_kwargs names one (tool_turns.py).
+    interaction_config_path: str | None = None
+    # Agent loops (veRL's actor_rollout_ref.rollout.agent.*; search_r1/llm_agent/agent_loops.py): the loop of a
+    # row without an `agent_name` (None: the protocol's own), the file registering loops by name, and the
+    # trainer config as plain containers (a loop's `self.config`; it travels to the rollout workers).
+    default_agent_loop: str | None = None
+    agent_loop_config_path: str | None = None
+    trainer_config: dict | None = None
     # openai_agent.*: the user's own agent through the OpenAI-compatible endpoint instead of the protocols'
     # loops (search_r1/llm_agent/openai_endpoint/rollout.py; docs/agent.md "Train an agent you already wrote").
     openai_agent: dict | None = None

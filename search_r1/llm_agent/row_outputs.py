@@ -1,7 +1,8 @@
 """What a finished trajectory leaves on its batch row besides tokens and masks: its tools' step rewards
 and calc_reward, an interaction's scores, its turn count (veRL's `tool_rewards`, `reward_scores`,
-`turn_scores`, `__num_turns__`). The reward managers pass them to a custom reward function in its
-`extra_info` (verl/workers/reward_manager/managers.py), as veRL's reward loop does."""
+`turn_scores`, `__num_turns__`), and an agent loop's own `reward_score` and `extra_fields`. The reward
+managers pass them to a custom reward function in its `extra_info` (verl/workers/reward_manager/
+managers.py), as veRL's reward loop does."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ def object_column(values: Sequence[Any]) -> np.ndarray:
 
 
 def num_turns(row: _Row) -> int:
-    """veRL's `__num_turns__`: the policy's turns, the environment's turns (observations appended), plus one."""
+    """veRL's `__num_turns__`: the policy's turns, the environment's turns (observations appended), plus one
+    (an agent loop's own count when it gave one)."""
+    if row.reported_turns is not None:
+        return int(row.reported_turns)
     return row.n_turns + sum(1 for _, obs in row.turns if obs) + 1
 
 
@@ -31,8 +35,10 @@ def row_outputs(rows: Sequence[_Row]) -> dict[str, np.ndarray]:
     return {
         K.TOOL_REWARDS: object_column([list(row.tool_rewards) for row in rows]),
         K.REWARD_SCORES: object_column([dict(row.reward_scores) for row in rows]),
-        K.TURN_SCORES: object_column([list(getattr(row, "turn_scores", [])) for row in rows]),
+        K.TURN_SCORES: object_column([list(row.turn_scores) for row in rows]),
         K.NUM_TURNS: np.array([num_turns(row) for row in rows], dtype=np.int64),
+        K.ROLLOUT_REWARD_SCORE: object_column([row.reward_score for row in rows]),
+        K.AGENT_EXTRA_FIELDS: object_column([dict(row.extra_fields) for row in rows]),
     }
 
 

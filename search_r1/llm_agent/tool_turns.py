@@ -310,7 +310,7 @@ class ToolTurns:
 
     # --- append and stop ------------------------------------------------------------------
 
-    def _observation_ids(self, texts: list[str], ended_with_eos: bool) -> tuple[list[int], bool]:
+    def _observation_ids(self, texts: list[str], ended_with_eos: bool, role: str = "tool") -> tuple[list[int], bool]:
         """The observation's ids, the whole text tokenized at once (as an SFT row's observation segment
         is); when over max_obs_length, the framing and the tool contents are tokenized apart and the
         contents shortened (evenly) so the framing stays whole. Returns (ids, truncated).
@@ -319,20 +319,22 @@ class ToolTurns:
         server's answer, an error echoing the call) is tokenized as ordinary text (token_text.TokenText)."""
         text = self.text
         if any(text.has_special(t) for t in texts):   # a page holding <|im_end|> etc.: plain text, not control ids
-            whole = text.encode_framed(self.framing.split_observation(texts, ended_with_eos))
+            whole = text.encode_framed(self.framing.split_observation(texts, ended_with_eos, role))
         else:
-            whole = text.encode(self.framing.observation(texts, ended_with_eos))
+            whole = text.encode(self.framing.observation(texts, ended_with_eos, role))
         if len(whole) <= self.config.max_obs_length:
             return whole, False
         pieces = [(text.encode_plain(piece) if is_content else text.encode(piece), is_content)
-                  for piece, is_content in self.framing.split_observation(texts, ended_with_eos)]
+                  for piece, is_content in self.framing.split_observation(texts, ended_with_eos, role)]
         framing = sum(len(ids) for ids, is_content in pieces if not is_content)
         room = max(0, self.config.max_obs_length - framing) // max(1, len(texts))
         return [tok for ids, is_content in pieces for tok in (ids[:room] if is_content else ids)], True
 
     def apply_turn(self, row: _Row, res: _TurnResult, answers: list[str] | None, stats: Counter[str],
                    sampled_log_probs: list[float] | None) -> None:
-        """Append the turn (and, when its calls ran, their tool messages) to `row`; decide whether it ends."""
+        """Append the turn (and, when its calls ran, their tool messages; an interaction's reply to a turn
+        without calls when `res.role` is user) to `row`; decide whether it ends."""
+        role = res.role
         row.n_turns += 1
         errors = 0
         for call in res.calls:
@@ -346,7 +348,7 @@ class ToolTurns:
         stats["tool_calls"] += len(res.calls)
         stats["tool_call_errors"] += errors
         obs_ids: list[int] = []
-        if not res.calls:
+        if answers is None and not res.calls:
             if res.action.kind == "answer":
                 reason: str | None = actions.ANSWERED
             else:
@@ -354,7 +356,7 @@ class ToolTurns:
         elif answers is None:
             reason = actions.MAX_TURNS
         else:
-            obs_ids, truncated = self._observation_ids(answers, res.emitted_eos)
+            obs_ids, truncated = self._observation_ids(answers, res.emitted_eos, role)
             stats["obs_truncated"] += int(truncated)
             reason = None
             if row.response_len + len(res.kept_ids) + len(obs_ids) >= self.config.max_total_response_length:
@@ -362,8 +364,51 @@ class ToolTurns:
             else:
                 row.n_tool_rounds += 1
                 row.n_searches += self.n_searches(res)
+        if row.messages is not None:   # an interaction's row: the conversation it is shown
+            row.messages.append({"role": "assistant", "content": self.text.tokenizer.decode(
+                res.kept_ids, skip_special_tokens=True)})
+            row.messages += [{"role": role, "content": a} for a in (answers or []) if obs_ids]
         row.append_turn(res.kept_ids, obs_ids, sampled_log_probs)
         row.stop_reason = reason
+
+    # --- interactions (veRL's BaseInteraction: a simulated user answers turns without tool calls) ---------
+
+    def interaction_of(self, row: _Row) -> Any:
+        """The interaction a row talks to (its extra_info.interaction_kwargs `name`), or None."""
+        if not self.config.interaction_config_path or not row.interaction_kwargs:
+            return None
+        from verl.interactions.utils.interaction_registry import interactions_of
+
+        interactions = interactions_of(self.config.interaction_config_path)
+        name = row.interaction_kwargs.get("name")
+        if name not in interactions:
+            raise ValueError(f"extra_info.interaction_kwargs.name={name!r} names no interaction of "
+                             f"{self.config.interaction_config_path} (it has {sorted(interactions)})")
+        return interactions[name]
+
+    def wants_user_turn(self, row: _Row, res: _TurnResult) -> bool:
+        """A turn without calls that the model ended (it answered or wrote EOS) gets the interaction's reply,
+        within the turn limits (veRL's: max_assistant_turns, max_user_turns) and the budget."""
+        return (not res.calls and (res.action.kind == "answer" or res.emitted_eos) and not self.is_final(row)
+                and row.response_len + len(res.kept_ids) < self.config.max_total_response_length)
+
+    async def user_reply(self, interaction: Any, row: _Row, res: _TurnResult, stats: Counter[str]) -> str | None:
+        """The interaction's reply to the turn (None: it ends the row); its score goes to `row.turn_scores`.
+        An exception from the interaction is the row's counted error and ends it."""
+        assistant = {"role": "assistant", "content": self.text.tokenizer.decode(res.kept_ids, skip_special_tokens=True)}
+        try:
+            terminate, reply, score, _ = await interaction.generate_response(
+                row.request_id, [*(row.messages or []), assistant], **row.interaction_kwargs)
+        except Exception as err:   # noqa: BLE001 - the interaction's failure is the row's
+            stats["row_errors"] += 1
+            stats[f"row_errors/{type(err).__name__}"] += 1
+            logger.error("interaction %r failed (%s: %s); the row ends", getattr(interaction, "name", "?"),
+                         type(err).__name__, err, exc_info=err)
+            return None
+        if score is not None:
+            row.turn_scores.append(float(score))
+        stats["interaction_turns"] += 1
+        return None if terminate else str(reply)
 
     def remaining(self, row: _Row) -> int:
         """Tokens the row may still generate (veRL's response budget over all turns)."""

@@ -544,28 +544,30 @@ class ChatFraming:
                                                    add_generation_prompt=add_generation_prompt,
                                                    **self._template_kwargs)
 
-    def tool_block(self, texts: Sequence[str]) -> str:
-        """The tool messages and the next assistant turn's opening, as rendered after an assistant turn."""
+    def tool_block(self, texts: Sequence[str], role: str = "tool") -> str:
+        """The tool messages (`role`: or an interaction's `user` message) and the next assistant turn's
+        opening, as rendered after an assistant turn."""
         messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
-        full = self._render(messages + [{"role": "tool", "content": t} for t in texts], True)
+        full = self._render(messages + [{"role": role, "content": t} for t in texts], True)
         if not full.startswith(self._base):
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow it; "
                              "tool observations cannot be appended token-exactly")
         return full[len(self._base):]
 
-    def observation(self, texts: Sequence[str], ended_with_eos: bool) -> str:
+    def observation(self, texts: Sequence[str], ended_with_eos: bool, role: str = "tool") -> str:
         """Text appended after a turn that called tools: end of the assistant turn, the tool
         messages, the next assistant opening. A turn that already ended with the EOS token
         (the template's end-of-turn token) is not given a second one."""
         end = self.assistant_end
         if ended_with_eos and self._eos_text and end.startswith(self._eos_text):
             end = end[len(self._eos_text):]
-        return end + self.tool_block(texts)
+        return end + self.tool_block(texts, role)
 
-    def split_observation(self, texts: Sequence[str], ended_with_eos: bool) -> list[tuple[str, bool]]:
+    def split_observation(self, texts: Sequence[str], ended_with_eos: bool, role: str = "tool"
+                          ) -> list[tuple[str, bool]]:
         """`observation` cut into pieces, each (text, is_tool_content), so the caller can shorten
         the tool contents and keep the framing (the closing tags and the next turn's opening)."""
-        marked = self.observation([f"{_SENTINEL}{i}{_SENTINEL}" for i in range(len(texts))], ended_with_eos)
+        marked = self.observation([f"{_SENTINEL}{i}{_SENTINEL}" for i in range(len(texts))], ended_with_eos, role)
         pieces: list[tuple[str, bool]] = []
         parts = marked.split(_SENTINEL)
         # parts: framing, "0", framing, "1", ..., framing

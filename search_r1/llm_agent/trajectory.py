@@ -66,6 +66,17 @@ class _Row:
     tool_instances: dict[str, str] = field(default_factory=dict)
     tool_rewards: list[float] = field(default_factory=list)
     reward_scores: dict[str, float] = field(default_factory=dict)
+    # An interaction (veRL's BaseInteraction; tool_turns.py): the row's extra_info.interaction_kwargs, and the
+    # conversation it is shown (the row's chat messages, then each turn; None: no interaction).
+    interaction_kwargs: dict = field(default_factory=dict)
+    messages: list[dict] | None = None
+    # Agent loops (agent_loops.py): the loop that rolled the row out, an interaction's score per user turn
+    # (veRL's `turn_scores`), a loop's own reward_score / num_turns / extra_fields (AgentLoopOutput).
+    agent_name: str = ""
+    turn_scores: list[float] = field(default_factory=list)
+    reward_score: float | None = None
+    reported_turns: int | None = None
+    extra_fields: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -120,6 +131,7 @@ class _TurnResult:
     generated: int
     calls: tuple = ()                 # tool protocol: the turn's parsed calls (tools.ToolCall | ToolCallError)
     queries: tuple[str, ...] = ()     # the queries the turn sends to the retrieval server
+    role: str = "tool"                # tool protocol: who answers the turn (user: an interaction's reply)
     # per query, the ids of the hits that answered it: filled when the observation is made (_observation_for)
     doc_ids: list[tuple[str, ...]] = field(default_factory=list, compare=False)
 
@@ -151,11 +163,17 @@ def rollout_statistics(rows: Sequence[_Row], stats: Counter[str], timing: dict[s
         # Rows whose turn raised unexpectedly (a bug or an unmapped backend error): that row got an error
         # observation and went on; by exception type, the messages are in the log.
         "row_errors": int(stats["row_errors"]),
+        # Interactions (tool protocol): the simulated user's replies, one per turn it answered (tool_turns.py)
+        "interaction_turns": int(stats["interaction_turns"]),
         "row_error_types": {k.removeprefix("row_errors/"): int(v) for k, v in sorted(stats.items())
                             if k.startswith("row_errors/")},
+        # Agent loops (agent_loops.py): rows per loop (agent_loop/<name>/rows) and responses cut to the bound.
+        "agent_loop_stats": {k: float(v) for k, v in sorted(stats.items())
+                             if k.startswith("agent_loop/") or k == "agent_loop_truncated"},
         "generated_tokens": int(stats["generated_tokens"]),
         "kept_tokens": int(stats["kept_tokens"]),
-        "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS},
+        "stop_reasons": {name: int(reasons.get(name, 0)) for name in actions.STOP_REASONS}
+        | ({actions.AGENT_LOOP: reasons[actions.AGENT_LOOP]} if reasons.get(actions.AGENT_LOOP) else {}),
         "timing_s": dict(timing),
     }
     if open_tag:   # opens run per row; unknown ids / pages, and opens the server did not answer

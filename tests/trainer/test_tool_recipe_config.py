@@ -259,9 +259,9 @@ def test_settings_that_agree_pass() -> None:
 
 
 def test_an_undeclared_key_on_the_command_line_says_it_has_no_meaning_here() -> None:
-    with pytest.raises(ConfigError, match=r"interaction_config_path is not a setting of this project .* "
-                                          r"no meaning here: remove it \(veRL's interactions"):
-        compose_config(["actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml"])
+    with pytest.raises(ConfigError, match=r"use_inference_chat_template is not a setting of this project .* "
+                                          r"no meaning here: remove it \(the rollout is the model's own ids"):
+        compose_config(["actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true"])
     run = _cli("data.dataloader_num_workers=2", "+trainer.preflight=true")
     assert run.returncode == 1
     assert "data.dataloader_num_workers is not a setting of this project" in run.stderr

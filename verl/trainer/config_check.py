@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from verl.trainer.config_agent import check_agent_loops
 from verl.trainer.config_check_policy_loss import check_policy_loss, load_custom_algorithms
 from verl.trainer.config_lora import check_lora
 from verl.trainer.config_open_tag import check_open_tag
@@ -580,6 +581,7 @@ RULES: tuple[Rule, ...] = (
     check_profiler,
     check_max_model_len,
     check_multi_turn,
+    check_agent_loops,
     check_tensor_parallel,
     check_retriever,
     check_retriever_serve,

@@ -36,15 +36,12 @@ def raise_if(errors: Sequence[str]) -> None:
 # veRL keys a user of its recipes may pass that have no meaning in this project; the reason is
 # added to the "not a setting of this project" message (a prefix matches its sub-keys).
 VERL_KEYS_WITHOUT_MEANING: dict[str, str] = {
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path":
-        "veRL's interactions (simulated user turns) are not implemented; tools answer through tool_config_path",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template":
         "the rollout is the model's own ids plus the chat template's tool messages (token-exact), as veRL's False",
     "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode":
         "rollouts are token-exact by construction: the model's ids are kept, only tool messages are tokenized",
     "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts":
         "samples per prompt are actor_rollout_ref.rollout.n (veRL) or rollout.n_agent (Search-R1)",
-    "actor_rollout_ref.rollout.agent": "veRL's agent loop corresponds to actor_rollout_ref.rollout.mode=async",
     "actor_rollout_ref.rollout.calculate_log_probs":
         "the rollout's log-probs are compared with the actor's when the engine returns them (rollout/log_prob_gap)",
     "data.custom_cls": "the dataset is verl/utils/dataset/rl_dataset.py's RLHFDataset",

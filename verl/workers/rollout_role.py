@@ -192,7 +192,7 @@ class RolloutRole:
                 "actor_rollout_ref.rollout.mode=async with tensor_model_parallel_size>1: each rank steps its "
                 "engine on its own, so the ranks of one engine would diverge; use mode=sync or TP=1")
         from search_r1.llm_agent import generation
-        from search_r1.llm_agent.async_generation import run_shard
+        from search_r1.llm_agent.agent_loops import run_worker_shard
         from search_r1.llm_agent.tensor_helper import real_tokens
 
         meta = dict(prompts.meta_info)
@@ -203,8 +203,9 @@ class RolloutRole:
         # One draw of the rank's seeded RNG per call; each request's seed derives from it.
         call_seed = int(torch.randint(0, 2**31 - 1, (1,)))
         with self._in_generation_phase():
-            rows, stats, _ = run_shard(self.tokenizer, gen_config, self.rollout.step_engine(meta), ids, call_seed,
-                                       generation.eos_token_ids(meta), generation.row_fields(prompts, len(ids)))
+            rows, stats, _ = run_worker_shard(self.tokenizer, gen_config, self.rollout.step_engine, meta, ids,
+                                              call_seed, generation.eos_token_ids(meta),
+                                              generation.row_fields(prompts, len(ids)))
         return DataProto.from_dict(
             tensors={"num_turns": torch.tensor([row.n_turns for row in rows], dtype=torch.long)},
             non_tensors={generation.AGENT_ROWS: rows, generation.AGENT_STATS: [dict(c) for c in stats]},

@@ -198,10 +198,13 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
     for key in ("open_not_found", "open_failures"):
         if key in meta_info:
             metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
-    for key in ("search_failures", "obs_truncated", "context_cuts", "row_errors",
+    for key in ("search_failures", "obs_truncated", "context_cuts", "row_errors", "interaction_turns",
                 "tool_calls", "tool_call_errors", "tool_response_truncated"):   # (the last three: tool protocol)
         if key in meta_info:
             metrics[f"env/{key}"] = float(np.asarray(meta_info[key], dtype=np.float64).sum())
+    for key, value in (meta_info.get("agent_loop_stats") or {}).items():
+        # agent loops: rows each loop rolled out (agent_loop/<name>/rows), responses cut to the bound
+        metrics[f"env/{key}"] = float(value)
     for key, value in (meta_info.get("agent_loop_stats") or {}).items():
         # agent loops: rows each loop rolled out (agent_loop/<name>/rows), responses cut to the bound
         metrics[f"env/{key}"] = float(value)

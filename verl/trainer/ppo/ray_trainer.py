@@ -29,6 +29,7 @@ from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
 from verl.protocol import DataProto
+from verl.trainer.config_agent import uses_own_loops
 from verl.trainer.config_schema import interpolations
 from verl.trainer.ppo import core_algos, remax, rollout_correction
 from verl.trainer.ppo import metric_utils as mu
@@ -128,7 +129,7 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
                       filter_overlong_prompts=data.filter_overlong_prompts, seed=seed,
                       truncation=str(data.get("truncation", "error")), tools=tools,
                       chat_template_kwargs=chat_template_kwargs(self.config),
-                      return_raw_chat=bool(data.get("return_raw_chat", False)))
+                      return_raw_chat=bool(data.get("return_raw_chat", False)) or uses_own_loops(self.config))
         self.train_dataset = RLHFDataset(data.train_files, self.tokenizer, data_num=data.train_data_num, **common)
         self.val_dataset = RLHFDataset(data.val_files, self.tokenizer, data_num=data.val_data_num, **common)
         # dynamic sampling (algorithm.filter_groups) draws data.gen_batch_size prompts per generation batch
@@ -246,9 +247,9 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         """One manager per mode, kept for the run so its retrieval client's connection pool is reused."""
         if validation in self._gen_managers:
             return self._gen_managers[validation]
-        from search_r1.llm_agent.generation import LLMGenerationManager
+        from search_r1.llm_agent.agent_loops import AgentLoopGenerationManager
 
-        manager = LLMGenerationManager(tokenizer=self.tokenizer, actor_rollout_wg=self.rollout_wg,
+        manager = AgentLoopGenerationManager(tokenizer=self.tokenizer, actor_rollout_wg=self.rollout_wg,
                                        config=generation_config(self.config, self.rollout_world_size),
                                        is_validation=validation)
         self._gen_managers[validation] = manager
@@ -285,6 +286,8 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         returns (batch with the rollout keys, generation meta_info). `greedy`: sampling off on the
         training path (ReMax's baseline rollout)."""
         gen_batch = batch.pop(batch_keys=list(GEN_INPUT_KEYS))
+        if self.config.do_search:   # the rows' fields too (not popped): an agent loop's run gets them
+            gen_batch.non_tensor_batch = dict(batch.non_tensor_batch)
         if self.config.do_search:   # the rows' fields too (not popped): an agent loop's run gets them
             gen_batch.non_tensor_batch = dict(batch.non_tensor_batch)
         gen_batch.meta_info = self._gen_meta(validation, greedy)

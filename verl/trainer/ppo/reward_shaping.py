@@ -125,6 +125,20 @@ def reward_parts(scores: Any, breakdowns: list | None, row_metrics: list[dict] |
     return out
 
 
+def loop_reward_scores(batch: DataProto, scores_BR: torch.Tensor) -> torch.Tensor:
+    """A row whose agent loop set its own `reward_score` (AgentLoopOutput) gets that score in place of the
+    reward function's, on its last policy token (veRL's rm_scores); the other rows keep theirs."""
+    column = batch.non_tensor_batch.get(K.ROLLOUT_REWARD_SCORE)
+    rows = [] if column is None else [i for i, value in enumerate(column) if value is not None]
+    if not rows:
+        return scores_BR
+    last_B = _last_positions(batch.batch[K.RESPONSE_MASK]).to(scores_BR.device)
+    for i in rows:
+        scores_BR[i] = 0.0
+        scores_BR[i, last_B[i]] = float(column[i])
+    return scores_BR
+
+
 def score_rollouts(reward_fn: Any, batch: DataProto, shaping: OverlongBuffer, max_response_length: int,
                    row_values: bool = False) -> dict[str, float]:
     """Score `batch` with `reward_fn`, shape overlong rows, write token_level_scores; with `row_values`
@@ -140,7 +154,7 @@ def score_rollouts(reward_fn: Any, batch: DataProto, shaping: OverlongBuffer, ma
         scores_BR = reward_fn(batch)
     if isinstance(scores_BR, DataProto):
         scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
-    scores_BR = scores_BR.float().clone()
+    scores_BR = loop_reward_scores(batch, scores_BR.float().clone())
     metrics = dict(getattr(reward_fn, "last_metrics", {}) or {})
     raw = scores_BR.sum(-1).cpu().double().numpy()
     acc = np.array([float(b.em) for b in breakdowns]) if breakdowns is not None else raw.copy()

@@ -141,6 +141,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     """
     from search_r1.llm_agent.generation import GenerationConfig
     from search_r1.llm_agent.openai_endpoint.rollout import settings_dict
+    from verl.trainer.config_agent import agent_settings
     from verl.trainer.config_open_tag import open_tag_settings
 
     data, rollout = config.data, config.actor_rollout_ref.rollout
@@ -151,7 +152,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
         topk=int(config.retriever.topk), retrieval_timeout=float(config.retriever.timeout),
         mode=str(rollout.get("mode", "sync")), openai_agent=settings_dict(config),
         serve_app=str(config.retriever.serve_app_name) if protocol.serve_retriever else None,
-        chat_template_kwargs=chat_template_kwargs(config) or None)
+        chat_template_kwargs=chat_template_kwargs(config) or None, **agent_settings(config))
     if not protocol.tool:
         return GenerationConfig(
             max_start_length=int(data.max_start_length), max_prompt_length=int(data.max_prompt_length),

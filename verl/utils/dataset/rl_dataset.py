@@ -149,7 +149,8 @@ class RLHFDataset(Dataset):
 
     Each item: input_ids / attention_mask / position_ids (P,) tensors plus the
     non-tensor fields data_source, reward_model, extra_info, index (and raw_prompt, the chat
-    messages, with `return_raw_chat`).
+    messages, with `return_raw_chat`; and agent_name, with raw_prompt, when the data has veRL's
+    `agent_name` column: the agent loop each row runs).
 
     A prompt longer than `max_prompt_length` tokens is dropped and counted with
     `filter_overlong_prompts`; otherwise `truncation` decides (veRL's data.truncation): `error`
@@ -183,6 +184,7 @@ class RLHFDataset(Dataset):
         self.prompt_key = prompt_key
         self.max_prompt_length = int(max_prompt_length)
         self.return_raw_chat = bool(return_raw_chat)
+        self.agent_name: list[str] | None = None
 
         frames = [self._read(str(f), prompt_key) for f in files]
         frame = pd.concat(frames, ignore_index=True)
@@ -235,6 +237,10 @@ class RLHFDataset(Dataset):
             info.get("index", int(row)) if isinstance(info, dict) else int(row)
             for info, row in zip(self.extra_info, frame["__row__"], strict=True)
         ]
+        if K.AGENT_NAME in frame.columns:   # veRL's column: the agent loop of each row (an agent loop reads raw_prompt)
+            self.agent_name = ["" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
+                               for v in frame[K.AGENT_NAME]]
+            self.return_raw_chat = True
         self.raw_prompt = [prompt_messages(p) for p in frame[prompt_key]] if self.return_raw_chat else []
         self.stats = DatasetStats(rows_read, rows_subsampled_away, int(rows_dropped), len(frame), int(rows_truncated))
 
@@ -265,6 +271,8 @@ class RLHFDataset(Dataset):
         }
         if self.return_raw_chat:
             row[RAW_PROMPT] = self.raw_prompt[item]
+        if self.agent_name is not None:
+            row[K.AGENT_NAME] = self.agent_name[item]
         return row
 
 

@@ -4,19 +4,30 @@ two rows that answer alike get the same rule reward and zero GRPO advantages, th
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from search_r1.llm_agent import tools
-from tests.llm_agent.conftest import retrieval_url, tokenizer, tool_tokenizer  # noqa: F401  (fixtures)
 from tests.llm_agent.test_user_tools import INFOS, run_sync, scripts_for, write_tool
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.reward_shaping import OverlongBuffer, score_rollouts
 from verl.utils import batch_keys as K
 from verl.workers.reward_manager import build_reward_managers
+
+
+@pytest.fixture(autouse=True)
+def _forget_reward_files():
+    """Reward files this module imports leave no module behind (another test finds its own by prefix)."""
+    before = set(sys.modules)
+    yield
+    for name in [n for n in sys.modules if n.startswith("search_r1_custom_reward_") and n not in before]:
+        del sys.modules[name]
+
 
 TOOL_REWARD_ONLY = '''
 SEEN = []
@@ -79,3 +90,25 @@ def test_default_compute_score_is_the_built_in_rule():
 
     assert default_compute_score("nq", "<answer> Paris </answer>", {"target": ["Paris"]}) == 1.0
     assert default_compute_score("searchR1_nq", "<answer> Rome </answer>", {"target": ["Paris"]}) == 0.0
+
+
+def test_an_agent_loops_own_reward_score_replaces_the_reward_functions(tool_tokenizer, retrieval_url, tmp_path):
+    from scripts.bench.rollout import ScriptedRollout
+    from search_r1.llm_agent.agent_loops import AgentLoopGenerationManager
+    from tests.llm_agent.test_agent_loops import fields_batch, scripts, setup_loops
+    from tests.llm_agent.test_tool_protocol import tool_gen_config
+
+    tok = tool_tokenizer
+    config, agent = setup_loops(tmp_path, retrieval_url)
+    gen = tool_gen_config(config, max_tool_response_length=None, **agent)
+    out = AgentLoopGenerationManager(tok, ScriptedRollout(tok, scripts(tok)), gen).run_llm_loop(
+        *fields_batch(tok, config, ["q1", "q2"], ["lookup_agent", "tool_agent"]))   # the loop's reward_score: 0.25
+    out.non_tensor_batch.update({K.DATA_SOURCE: np.array(["nq", "nq"], dtype=object),
+                                 K.REWARD_MODEL: np.array([{"ground_truth": {"target": ["Paris"]}}] * 2, dtype=object)})
+    out.batch[K.RESPONSE_MASK] = out.batch[K.LOSS_MASK]
+    rule, _ = build_reward_managers(OmegaConf.create({"reward_model": {}}), tok)
+    score_rollouts(rule, out, OverlongBuffer(), 400)
+    scores_BR = out.batch[K.TOKEN_LEVEL_SCORES]
+    assert scores_BR.sum(-1).tolist() == [0.25, 1.0]       # both answered Paris; the loop's row scored itself
+    last = int(out.batch[K.RESPONSE_MASK][0].nonzero().max())
+    assert scores_BR[0, last] == 0.25

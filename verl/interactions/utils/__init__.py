@@ -1,0 +1,1 @@
+"""Loading interactions from an interaction config (veRL's `verl.interactions.utils.interaction_registry`)."""
