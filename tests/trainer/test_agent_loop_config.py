@@ -34,8 +34,9 @@ def test_the_example_loop_composes_and_reaches_the_generation_config() -> None:
     gen = generation_config(cfg, 2)
     assert (gen.default_agent_loop, gen.agent_loop_config_path) == ("search_budget_agent", str(LOOPS))
     assert gen.trainer_config["actor_rollout_ref"]["rollout"]["multi_turn"]["enable"] is True
-    # the protocol's own loop by name is the default behaviour
+    # the protocol's own loop by name is the default behaviour; so is veRL's single_turn_agent without search
     validate_config(compose_config(SMALL + [f"{AGENT}.default_agent_loop=search_r1_agent"]))
+    validate_config(compose_config(SMALL + [f"{AGENT}.default_agent_loop=single_turn_agent", "do_search=false"]))
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

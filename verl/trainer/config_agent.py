@@ -63,7 +63,8 @@ def check_agent_loops(cfg: DictConfig, run: Any, has_gpu: bool | None) -> list[s
                       f"{protocol} protocol (actor_rollout_ref.rollout.multi_turn.enable="
                       f"{'true' if protocol == 'tags' else 'false'} runs it)")
     if uses_own_loops(cfg):
-        if not cfg.do_search:
+        # veRL's own default (single_turn_agent) is what a run without search does anyway
+        if not cfg.do_search and not (default == "single_turn_agent" and not path):
             errors.append(f"{AGENT}.* names agent loops, which run in the multi-turn rollout: set do_search=true "
                           "(a tool config without a search tool needs no retrieval server)")
         if cfg.actor_rollout_ref.rollout.get("partial", False):
