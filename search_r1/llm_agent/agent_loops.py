@@ -65,13 +65,19 @@ def loop_name(config: Any, fields: dict) -> str:
 
 
 def uses_agent_loops(config: Any, fields: Sequence[dict]) -> bool:
-    """Whether any row runs a loop other than its protocol's own, or interactions are configured (they
-    answer a row between its turns): then each row runs as its loop's coroutine."""
-    if config.interaction_config_path:
+    """Whether any row runs a loop other than its protocol's own, or talks to an interaction (it answers the
+    row between its turns): then each row runs as its loop's coroutine."""
+    if config.interaction_config_path and (not fields or any(_interaction_kwargs(f) for f in fields)):
         return True
     own = PROTOCOL_LOOPS[config.protocol]
     return any(loop_name(config, f) != own for f in fields) if fields else \
         (config.default_agent_loop or own) != own
+
+
+def _interaction_kwargs(fields: dict) -> dict:
+    info = fields.get(K.EXTRA_INFO)
+    kwargs = info.get("interaction_kwargs") if isinstance(info, dict) else None
+    return kwargs if isinstance(kwargs, dict) else {}
 
 
 def response_bound(config: Any) -> int:

@@ -35,6 +35,7 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.tools.utils.tool_registry import initialize_tools_from_config
+from verl.utils.profiler import simple_timer
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
@@ -50,11 +51,12 @@ class LookupLoop(AgentLoopBase):
 
     async def run(self, sampling_params, **kwargs):
         prompt_ids = await self.apply_chat_template(list(kwargs["raw_prompt"]), tools=self.schemas)
-        ids, mask, rewards, turns = [], [], [], 1
+        ids, mask, rewards, turns, metrics = [], [], [], 1, {}
         request_id = uuid4().hex
         for _ in range(self.max_rounds + 1):
-            out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids + ids,
-                                                     sampling_params=sampling_params)
+            with simple_timer("generate_sequences", metrics):
+                out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids + ids,
+                                                         sampling_params=sampling_params)
             ids += out.token_ids
             mask += [1] * len(out.token_ids)
             turns += 1
@@ -73,7 +75,7 @@ class LookupLoop(AgentLoopBase):
             mask += [0] * len(observation)
             turns += 1
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids, response_mask=mask, num_turns=turns,
-                               reward_score=0.25, extra_fields={"tool_rewards": rewards, "note": "mine"})
+                               metrics=metrics, reward_score=0.25, extra_fields={"tool_rewards": rewards, "note": "mine"})
 
 
 class Broken(AgentLoopBase):

@@ -15,8 +15,9 @@ nsys tool is not wired in: run the job under nsys instead (the docs say how).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,14 @@ class StepProfiler:
         except Exception as exc:   # noqa: BLE001 -- the run is already failing with its own error
             logger.warning("global_profiler: the traces of step %s were not all written: %s", step, exc)
             self._step, self._recording = None, []
+
+
+@contextmanager
+def simple_timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
+    """veRL's timer, which its agent loops time engine and tool calls with: adds the block's seconds to
+    `timing_raw[name]`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing_raw[name] = timing_raw.get(name, 0.0) + time.perf_counter() - start
