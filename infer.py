@@ -79,15 +79,16 @@ class VLLMTurns:
     def __init__(self, model_path: str, device: str, max_model_len: int = 8192) -> None:
         import os
 
-        from verl.workers.rollout.vllm_rollout import import_vllm
+        from verl.workers.rollout.vllm_rollout import engine_start_guard, import_vllm
 
         # vLLM logs to stdout; keep the episode readable unless the user asked for its INFO lines.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = import_vllm()
         self._vllm = vllm
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        self.llm = vllm.LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                            enable_prefix_caching=False, seed=0)
+        with engine_start_guard():
+            self.llm = vllm.LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                                enable_prefix_caching=False, seed=0)
         self.model_path = model_path
 
     def generate_turn(self, tokenizer, ids: list[int], max_new_tokens: int, temperature: float,

@@ -57,7 +57,6 @@ class _Row:
     # Response position from which the policy sampled from a rolling context that had dropped
     # older turns (-1: never). Old log-probs and the update see the full sequence instead.
     cut_from: int = -1
-    traces: list[TurnTrace] = field(default_factory=list)   # one per turn (record_turn)
     # Tools (veRL's BaseTool lifetime, tool_turns.py): the trajectory's id (each tool's instance id), the
     # row's extra_info.tools_kwargs, the instances created, the step rewards of execute in call order
     # (veRL's `tool_rewards`) and each tool's calc_reward at the end (veRL's `reward_scores`).
@@ -77,6 +76,7 @@ class _Row:
     reward_score: float | None = None
     reported_turns: int | None = None
     extra_fields: dict = field(default_factory=dict)
+    traces: list[TurnTrace] = field(default_factory=list)   # one per turn (record_turn)
 
     @property
     def active(self) -> bool:

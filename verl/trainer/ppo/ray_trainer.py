@@ -288,8 +288,6 @@ class RayPPOTrainer(PipelinedTraining, CheckpointedTraining, DynamicSamplingTrai
         gen_batch = batch.pop(batch_keys=list(GEN_INPUT_KEYS))
         if self.config.do_search:   # the rows' fields too (not popped): an agent loop's run gets them
             gen_batch.non_tensor_batch = dict(batch.non_tensor_batch)
-        if self.config.do_search:   # the rows' fields too (not popped): an agent loop's run gets them
-            gen_batch.non_tensor_batch = dict(batch.non_tensor_batch)
         gen_batch.meta_info = self._gen_meta(validation, greedy)
         phase_meta: dict[str, Any] = {}
         with self._engines_awake(phase_meta, validation, step):

