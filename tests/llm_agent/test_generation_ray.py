@@ -31,7 +31,8 @@ def test_scripted_engine_survives_pickle_round_trip(tokenizer):
                        engine.generate_sequences(batch).batch[K.RESPONSES])
 
 
-@pytest.mark.parametrize("n_rows", [3, 5])
+# 5 rows: the same path with more rows per worker (slow suite: the default suite keeps 3, one odd split)
+@pytest.mark.parametrize("n_rows", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_batch_not_divisible_by_workers_rolls_out_like_one_engine(ray_cluster, tokenizer, retrieval_url, n_rows):
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 

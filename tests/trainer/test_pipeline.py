@@ -112,6 +112,7 @@ def test_one_step_off_trains_each_batch_one_update_after_the_weights_that_sample
     assert len(set(reward.batches)) == 4      # four different batches, each trained once
 
 
+@pytest.mark.slow   # two more pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
 def test_bypass_mode_anchors_ppo_on_the_stale_sampler_without_an_old_log_prob_pass(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
     # algorithm.rollout_correction bypass mode: old log-probs are the engine's (the weights one update
@@ -249,6 +250,7 @@ def test_pipeline_settings_that_cannot_run_are_refused_naming_the_key(overrides:
         config_check.validate_config(_config(*overrides))
 
 
+@pytest.mark.slow   # two more pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
 def test_one_step_off_with_dynamic_sampling_trains_only_varying_groups_within_the_bound(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
     """DAPO's dynamic sampling in a pipeline: the rollout pool rolls out generation batches of 8 prompts,
