@@ -1,0 +1,30 @@
+"""`bash train_grpo.sh demo.agent=openai` (docs/demo.md "Your own agent"): the demo's entry point with the plain
+`openai` example agent rolling out every row through the trainer's endpoint, at a tiny size (one RL step)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.demo.run_demo import run_demo
+from tests.scripts.demo.test_tool_demo import TINY_TOOL
+
+
+@pytest.mark.slow
+def test_tiny_openai_agent_demo_trains_a_step_through_the_endpoint(tmp_path: Path) -> None:
+    from tests.scripts.demo.test_run_demo import tiny_args
+
+    args = [a for a in tiny_args(tmp_path) if not a.startswith("data.max_response_length=")] + [
+        *(a for a in TINY_TOOL if not a.startswith("demo.protocol=")), "demo.agent=openai"]
+    summary = run_demo(args)
+    assert summary.protocol == "tool"
+    assert set(summary.val_em_after_by_source) == {"searchR1_demo_onehop", "searchR1_demo_twohop"}
+    records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
+    trained = [r for r in records if "agent/samples" in r and "critic/score/mean" in r]
+    assert trained, records
+    step = trained[-1]
+    # every row's agent ran against the endpoint and came back with samples the step trained on
+    assert step["agent/samples"] > 0 and step["agent/completions"] >= step["agent/samples"]
+    assert step["agent/failure_fraction"] <= 0.5
