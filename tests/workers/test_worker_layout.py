@@ -15,7 +15,8 @@ from verl.workers import fsdp_workers
 from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
 ACTOR_METHODS = {
-    "compute_log_prob", "compute_ref_log_prob", "device_peak_flops", "generate_sequences", "generate_trajectories",
+    "compute_log_prob", "compute_ref_log_prob", "device_peak_flops", "generate_agent_samples", "generate_sequences",
+    "generate_trajectories",
     "get_model_flops_info", "get_state_fingerprint", "init_model", "join_weight_sync", "load_checkpoint",
     "lora_report", "receive_weights", "rollout_pool_state", "rollout_push_mode", "rollout_sleep", "rollout_wake_up",
     "rollout_weight_dtype", "save_checkpoint", "send_weights", "update_actor", "weight_push_manifest",
@@ -34,6 +35,8 @@ def test_workers_keep_their_registered_methods_and_dispatch() -> None:
     # the rollout calls split over the rollout engines' mesh; a push's calls run on both pools at once
     assert actor["generate_sequences"].dispatch_mode == Dispatch.DP_COMPUTE_PROTO
     assert actor["generate_sequences"].mesh == actor["generate_trajectories"].mesh == fsdp_workers.ROLLOUT_MESH
+    assert actor["generate_agent_samples"].mesh == fsdp_workers.ROLLOUT_MESH
+    assert actor["generate_agent_samples"].dispatch_mode == Dispatch.DP_COMPUTE_PROTO
     assert not actor["send_weights"].blocking and not actor["receive_weights"].blocking
     assert actor["update_actor"].dispatch_mode == Dispatch.DP_COMPUTE_PROTO
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -210,6 +211,39 @@ class RolloutRole:
             tensors={"num_turns": torch.tensor([row.n_turns for row in rows], dtype=torch.long)},
             non_tensors={generation.AGENT_ROWS: rows, generation.AGENT_STATS: [dict(c) for c in stats]},
             meta_info={K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: bool(getattr(self.rollout, "log_probs_match_actor", True))})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh=ROLLOUT_MESH)
+    def generate_agent_samples(self, prompts: DataProto) -> DataProto:
+        """Async mode with `openai_agent`: this rank's rows' agents, each against an OpenAI-compatible endpoint
+        this worker serves over its engine's continuous batching (search_r1.llm_agent.openai_endpoint.rollout).
+
+        Reads the non-tensor 'agent_fields' (each row's fields), meta_info 'openai_agent' (the agent's settings)
+        and the sampling keys of generate_sequences. Writes non-tensors 'agent_results' (each row's RowResult:
+        its samples' token ids and log-probs as the engine gave them) and 'agent_endpoint_counters'."""
+        self._require(self._is_rollout, "generate_agent_samples")
+        if self._rollout_tp > 1:
+            raise NotImplementedError(
+                "actor_rollout_ref.rollout.mode=async with tensor_model_parallel_size>1: each rank steps its "
+                "engine on its own, so the ranks of one engine would diverge; use mode=sync or TP=1")
+        from search_r1.llm_agent import generation
+        from search_r1.llm_agent.openai_endpoint import rollout as agent_rollout
+
+        meta = dict(prompts.meta_info)
+        meta.setdefault(K.META_EOS_TOKEN_ID, list(self.eos_token_ids))
+        meta.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
+        cfg = dict(meta.pop(agent_rollout.AGENT_SETTINGS))
+        fields = list(prompts.non_tensor_batch[agent_rollout.AGENT_FIELDS])
+        call_seed = int(torch.randint(0, 2**31 - 1, (1,)))   # one draw of the rank's seeded RNG per call
+        with self._in_generation_phase():
+            results, counters = agent_rollout.agent_shard(self.tokenizer, cfg, self.rollout.step_engine(meta), fields,
+                                                          generation.eos_token_ids(meta), call_seed)
+        column = np.empty(len(results), dtype=object)
+        column[:] = results
+        shard_counters = np.empty(len(results), dtype=object)
+        shard_counters[:] = [dict(counters) if i == 0 else {} for i in range(len(results))]
+        return DataProto.from_dict(
+            tensors={agent_rollout.AGENT_ROW: prompts.batch[agent_rollout.AGENT_ROW]},
+            non_tensors={agent_rollout.AGENT_RESULTS: column, agent_rollout.AGENT_ENDPOINT_COUNTERS: shard_counters})
 
     @contextmanager
     def _generation_phase(self) -> Iterator[None]:

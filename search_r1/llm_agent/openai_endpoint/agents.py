@@ -168,6 +168,13 @@ def run_agents(agent: AgentFn, endpoint: Endpoint, rows: Sequence[dict], setting
 
     with serve_endpoint(endpoint) as base:
         results = asyncio.run(main(base))
+    counters = count_results(results)
+    counters.update(endpoint_counters(endpoint))   # update, not +: zero counts stay (logged as 0)
+    return results, counters
+
+
+def count_results(results: Sequence[RowResult]) -> Counter[str]:
+    """The rows' counters: failures, timeouts, prefix breaks, completions, samples."""
     counters: Counter[str] = Counter()
     for result in results:
         counters["failures"] += int(result.error is not None)
@@ -175,9 +182,13 @@ def run_agents(agent: AgentFn, endpoint: Endpoint, rows: Sequence[dict], setting
         counters["prefix_breaks"] += result.prefix_breaks
         counters["completions"] += result.completions
         counters["samples"] += len(result.samples)
-    for key in ("context_exceeded", "sampling_ignored", "rate_limited", "engine_errors"):
-        counters[key] += endpoint.counters.get(key, 0)
-    return results, counters
+    return counters
+
+
+def endpoint_counters(endpoint: Endpoint) -> Counter[str]:
+    """What the endpoint counted over all its sessions (requests refused or cut)."""
+    return Counter({key: int(endpoint.counters.get(key, 0))
+                    for key in ("context_exceeded", "sampling_ignored", "rate_limited", "engine_errors")})
 
 
 class AgentFailureError(RuntimeError):
@@ -194,4 +205,4 @@ def check_failures(counters: Counter[str], n_rows: int, settings: AgentSettings,
 
 
 __all__ = ["AgentFailureError", "AgentSettings", "RowResult", "Running", "agent_rows", "check_failures",
-           "load_agent", "run_agents"]
+           "count_results", "endpoint_counters", "load_agent", "run_agents"]

@@ -1,5 +1,9 @@
 """The `openai_agent` rollout: the user's agent on every row, through the endpoint, into a training batch.
 
+Async mode (rollout.mode=async): each rollout worker runs its shard's agents against an endpoint it serves
+over its own engine's continuous batching (`agent_shard`, the worker's `generate_agent_samples`); the
+driver composes their results as below.
+
 Sync mode (rollout.mode=sync): the driver serves the endpoint; its requests are gathered into one
 `generate_sequences` call of the worker group per wave (engines.BatchedClient over the manager's own
 `_generate`). The batch it returns has one row per *sample*: a row whose agent failed has none (dropped),
@@ -26,10 +30,12 @@ from search_r1.llm_agent.openai_endpoint.agents import (
     Running,
     agent_rows,
     check_failures,
+    count_results,
+    endpoint_counters,
     load_agent,
     run_agents,
 )
-from search_r1.llm_agent.openai_endpoint.engines import BatchedClient
+from search_r1.llm_agent.openai_endpoint.engines import BatchedClient, StepEngineClient
 from search_r1.llm_agent.openai_endpoint.server import Endpoint, EndpointLimits
 from search_r1.llm_agent.openai_endpoint.sessions import Sample
 from search_r1.llm_agent.trajectory import _Row
@@ -38,6 +44,13 @@ from verl.utils import batch_keys as K
 SAMPLE_ROWS = "agent_sample_rows"        # meta_info: each sample's row in the generation batch
 AGENT_OUTPUTS = "agent_outputs"          # meta_info: each sample's agent return value
 AGENT_OUTPUT = "agent_output"            # the key of extra_info that carries it to the reward function
+# Async mode (generate_agent_samples): the rows' fields in, each row's RowResult and each shard's endpoint
+# counters (on its first row; {} on the others) out; the agent settings in meta_info.
+AGENT_ROW = "agent_row"
+AGENT_FIELDS = "agent_fields"
+AGENT_RESULTS = "agent_results"
+AGENT_ENDPOINT_COUNTERS = "agent_endpoint_counters"
+AGENT_SETTINGS = "openai_agent"
 # The engine stops a completion at the end of its first tool call, as the tool protocol's engine does
 # (veRL's max_parallel_calls=1): the call comes back at once, and no decoding is spent past it.
 DEFAULT_STOP = (tools.TOOL_CALL_CLOSE,)
@@ -109,31 +122,77 @@ def compose(manager: Any, results: Sequence[RowResult], counters: Counter[str], 
     return output
 
 
+def _settings(cfg: dict) -> AgentSettings:
+    return AgentSettings(**{k: cfg[k] for k in ("path", "name", "concurrency", "timeout", "max_failure_fraction")})
+
+
+def _limits(cfg: dict, settings: AgentSettings, call_seed: int = 0) -> EndpointLimits:
+    return EndpointLimits(max_prompt_length=int(cfg["max_prompt_length"]), max_response_length=int(cfg["max_response_length"]),
+                          max_concurrent_requests=max(64, 2 * settings.concurrency), call_seed=int(call_seed))
+
+
 def agent_rollout(manager: Any, fields: Sequence[dict], meta: dict[str, Any], eos_token_ids: frozenset[int]) -> Any:
-    """Sync mode, on the driver: every row's agent against the endpoint (`fields`: each row's non-tensor
-    fields); returns the composed samples."""
+    """Every row's agent against the endpoint (`fields`: each row's non-tensor fields); returns the composed
+    samples. Sync mode: the driver serves the endpoint over the worker group (one `generate_sequences` a
+    wave). Async mode: each rollout worker serves its shard's rows over its own engine's continuous batching
+    (`generate_agent_samples`, `agent_shard`)."""
     cfg = dict(manager.config.openai_agent)
-    settings = AgentSettings(**{k: cfg[k] for k in ("path", "name", "concurrency", "timeout", "max_failure_fraction")})
-    agent = load_agent(settings)
+    settings = _settings(cfg)
     n = len(fields)
-    running = Running(n)
     call_meta = {**meta, K.META_STOP: list(cfg.get("stop") or [])}
-
-    def generate_batch(prompts: list[list[int]], length: int) -> tuple[list[list[int]], list[list[float]] | None]:
-        return manager._generate(prompts, {**call_meta, K.META_RESPONSE_LENGTH: int(length)})
-
-    budget = int(cfg["max_response_length"])
-    client = BatchedClient(generate_batch, response_length=budget, running=running)
-    limits = EndpointLimits(max_prompt_length=int(cfg["max_prompt_length"]), max_response_length=budget,
-                            max_concurrent_requests=max(64, 2 * settings.concurrency))
-    endpoint = Endpoint(manager.tokenizer, client, limits, eos_token_ids)
     start = time.perf_counter()
-    results, counters = run_agents(agent, endpoint, agent_rows(fields), settings, running)
-    counters["engine_calls"] += client.calls
+    if manager.config.mode == "async":
+        results, counters = _worker_results(manager, fields, call_meta, cfg)
+    else:
+        agent = load_agent(settings)
+        running = Running(n)
+
+        def generate_batch(prompts: list[list[int]], length: int) -> tuple[list[list[int]], list[list[float]] | None]:
+            return manager._generate(prompts, {**call_meta, K.META_RESPONSE_LENGTH: int(length)})
+
+        client = BatchedClient(generate_batch, response_length=int(cfg["max_response_length"]), running=running)
+        endpoint = Endpoint(manager.tokenizer, client, _limits(cfg, settings), eos_token_ids)
+        results, counters = run_agents(agent, endpoint, agent_rows(fields), settings, running)
+        counters["engine_calls"] += client.calls
     where = "validation" if manager.is_validation else "rollout"
     check_failures(counters, n, settings, where)
     timing = {"generate": time.perf_counter() - start, "retrieval": 0.0}
     return compose(manager, results, counters, timing, multiple=1 if manager.is_validation else manager.config.num_gpus)
+
+
+def _worker_results(manager: Any, fields: Sequence[dict], call_meta: dict[str, Any],
+                    cfg: dict) -> tuple[list[RowResult], Counter[str]]:
+    """Async mode: the rows split over the rollout workers (`generate_agent_samples`); each result's row is
+    its index in this batch. The dispatch pads the batch to a multiple of the workers with copies of its
+    first rows: their agents run too and are dropped here (the endpoint counters of their worker count them)."""
+    from verl.protocol import DataProto
+
+    column = np.empty(len(fields), dtype=object)
+    column[:] = [dict(f) for f in fields]
+    batch = DataProto.from_dict(tensors={AGENT_ROW: torch.arange(len(fields))}, non_tensors={AGENT_FIELDS: column},
+                                meta_info={**call_meta, AGENT_SETTINGS: cfg})
+    out = manager.actor_rollout_wg.generate_agent_samples(batch)
+    results = list(out.non_tensor_batch[AGENT_RESULTS])
+    if len(results) != len(fields):
+        raise ValueError(f"generate_agent_samples returned {len(results)} rows for {len(fields)}")
+    for index, result in enumerate(results):
+        result.row = index
+    counters = count_results(results)
+    for shard in out.non_tensor_batch[AGENT_ENDPOINT_COUNTERS]:
+        counters.update(shard)
+    return results, counters
+
+
+def agent_shard(tokenizer: Any, cfg: dict, step_engine: Any, fields: Sequence[dict], eos_token_ids: frozenset[int],
+                call_seed: int) -> tuple[list[RowResult], Counter[str]]:
+    """Async mode, in a rollout worker: its rows' agents against an endpoint it serves over `step_engine`
+    (continuous batching, a seed per request from `call_seed`, the session and the request's position);
+    returns each row's result and the endpoint's counters."""
+    settings = _settings(cfg)
+    endpoint = Endpoint(tokenizer, StepEngineClient(step_engine, int(cfg["max_response_length"])),
+                        _limits(cfg, settings, call_seed), eos_token_ids)
+    results, _ = run_agents(load_agent(settings), endpoint, agent_rows(fields), settings)
+    return results, endpoint_counters(endpoint)
 
 
 def select_samples(batch: Any, gen_meta: dict[str, Any]) -> Any:
@@ -153,5 +212,6 @@ def select_samples(batch: Any, gen_meta: dict[str, Any]) -> Any:
     return picked
 
 
-__all__ = ["AGENT_OUTPUT", "AGENT_OUTPUTS", "SAMPLE_ROWS", "agent_rollout", "compose", "select_samples",
+__all__ = ["AGENT_ENDPOINT_COUNTERS", "AGENT_FIELDS", "AGENT_OUTPUT", "AGENT_OUTPUTS", "AGENT_RESULTS",
+           "AGENT_SETTINGS", "SAMPLE_ROWS", "agent_rollout", "agent_shard", "compose", "select_samples",
            "settings_dict"]

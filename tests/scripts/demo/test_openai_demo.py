@@ -13,11 +13,15 @@ from tests.scripts.demo.test_tool_demo import TINY_TOOL
 
 
 @pytest.mark.slow
-def test_tiny_openai_agent_demo_trains_a_step_through_the_endpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tiny_openai_agent_demo_trains_a_step_through_the_endpoint(tmp_path: Path, mode: str) -> None:
+    """sync: the driver serves the endpoint over the worker group; async: each rollout worker serves its rows'
+    agents over its own engine (generate_agent_samples)."""
     from tests.scripts.demo.test_run_demo import tiny_args
 
     args = [a for a in tiny_args(tmp_path) if not a.startswith("data.max_response_length=")] + [
-        *(a for a in TINY_TOOL if not a.startswith("demo.protocol=")), "demo.agent=openai"]
+        *(a for a in TINY_TOOL if not a.startswith("demo.protocol=")), "demo.agent=openai",
+        f"actor_rollout_ref.rollout.mode={mode}"]
     summary = run_demo(args)
     assert summary.protocol == "tool"
     assert set(summary.val_em_after_by_source) == {"searchR1_demo_onehop", "searchR1_demo_twohop"}
@@ -28,3 +32,4 @@ def test_tiny_openai_agent_demo_trains_a_step_through_the_endpoint(tmp_path: Pat
     # every row's agent ran against the endpoint and came back with samples the step trained on
     assert step["agent/samples"] > 0 and step["agent/completions"] >= step["agent/samples"]
     assert step["agent/failure_fraction"] <= 0.5
+    assert ("agent/engine_calls" in step) == (mode == "sync")   # async: no driver-side waves
