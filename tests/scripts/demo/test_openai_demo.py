@@ -31,5 +31,26 @@ def test_tiny_openai_agent_demo_trains_a_step_through_the_endpoint(tmp_path: Pat
     step = trained[-1]
     # every row's agent ran against the endpoint and came back with samples the step trained on
     assert step["agent/samples"] > 0 and step["agent/completions"] >= step["agent/samples"]
+    assert step["agent/failure_fraction"] < 1.0
     assert step["agent/failure_fraction"] <= 0.5
     assert ("agent/engine_calls" in step) == (mode == "sync")   # async: no driver-side waves
+
+
+@pytest.mark.slow
+def test_the_smolagents_example_trains_a_step_through_the_demo(tmp_path: Path) -> None:
+    """The framework example (example/openai_agents/smolagents_agent.py) in place of the plain one: smolagents
+    re-renders its memory at every step, so its completions come back as prefix breaks, each a sample."""
+    from tests.scripts.demo.test_run_demo import tiny_args
+
+    agent = Path(__file__).resolve().parents[3] / "example" / "openai_agents" / "smolagents_agent.py"
+    args = [a for a in tiny_args(tmp_path) if not a.startswith("data.max_response_length=")] + [
+        *(a for a in TINY_TOOL if not a.startswith("demo.protocol=")), "demo.agent=openai",
+        f"openai_agent.path={agent}", "openai_agent.max_failure_fraction=1.0",
+        # smolagents' own system prompt and tool list are longer than the demo's, and its second step re-renders
+        # the first one's completion into a new prompt (a prefix break)
+        "data.max_prompt_length=2048", "data.max_response_length=768"]
+    summary = run_demo(args)
+    records = [json.loads(line) for line in Path(summary.metrics_path).read_text().splitlines()]
+    step = [r for r in records if "agent/samples" in r and "critic/score/mean" in r][-1]
+    assert step["agent/samples"] > 0 and step["agent/completions"] >= step["agent/samples"]
+    assert step["agent/failure_fraction"] < 1.0
