@@ -31,7 +31,6 @@ def test_tiny_openai_agent_demo_trains_a_step_through_the_endpoint(tmp_path: Pat
     step = trained[-1]
     # every row's agent ran against the endpoint and came back with samples the step trained on
     assert step["agent/samples"] > 0 and step["agent/completions"] >= step["agent/samples"]
-    assert step["agent/failure_fraction"] < 1.0
     assert step["agent/failure_fraction"] <= 0.5
     assert ("agent/engine_calls" in step) == (mode == "sync")   # async: no driver-side waves
 
