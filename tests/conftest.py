@@ -179,6 +179,23 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(os.environ.pop(_GROUPS_DIR_VAR), ignore_errors=True)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """When a module's tests are done (its fixtures torn down), no default torch.distributed process group
+    may be left: tests that build a world of one in this process assert there is none. A group still there
+    (a test that initialised one and did not destroy it) is destroyed here, with a warning naming the test,
+    so the leak is reported once instead of failing every later test of that worker (seen on 3 workers)."""
+    yield
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        item.warn(pytest.PytestWarning(f"{item.nodeid}: a torch.distributed process group was left initialised "
+                                       "after this module's tests; destroyed"))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On an xdist worker under `--dist loadgroup` (the README's command): the tests that share a package-,
