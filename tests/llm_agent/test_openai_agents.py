@@ -203,3 +203,35 @@ def test_the_smolagents_example_runs_through_the_endpoint(engine, retrieval_url,
     (result,) = results
     assert result.error is None and "answer" in result.output
     assert counters["completions"] >= 2 and counters["samples"] == counters["prefix_breaks"] + 1
+
+
+def test_async_mode_results_come_back_reindexed_with_the_engines_log_prob_flag() -> None:
+    """rollout.mode=async (generate_agent_samples on the workers): each result's row is its index in the batch,
+    the rows' and the shards' counters are summed, and the workers' log-prob flag reaches the manager (vLLM with
+    truncated sampling gives log-probs that are not the actor's: rollout correction must hear of it)."""
+    from types import SimpleNamespace
+
+    sent = {}
+
+    class Group:
+        def generate_agent_samples(self, batch: DataProto) -> DataProto:
+            sent["batch"] = batch
+            results = np.empty(3, dtype=object)
+            results[:] = [agents.RowResult(row=0, completions=2), agents.RowResult(row=1, error="timed out after 5 s"),
+                          agents.RowResult(row=0, completions=1)]   # two shards: local row indices
+            shard = np.empty(3, dtype=object)
+            shard[:] = [{"context_exceeded": 1}, {}, {"context_exceeded": 2}]
+            return DataProto.from_dict(tensors={rollout.AGENT_ROW: batch.batch[rollout.AGENT_ROW]},
+                                       non_tensors={rollout.AGENT_RESULTS: results,
+                                                    rollout.AGENT_ENDPOINT_COUNTERS: shard},
+                                       meta_info={K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: False})
+
+    manager = SimpleNamespace(actor_rollout_wg=Group(), _log_probs_match_actor=True)
+    fields = [{"raw_prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+    results, counters = rollout._worker_results(manager, fields, {K.META_STOP: ["</tool_call>"]}, {"path": "a.py"})
+    assert [r.row for r in results] == [0, 1, 2]
+    assert counters["completions"] == 3 and counters["failures"] == 1 and counters["timeouts"] == 1
+    assert counters["context_exceeded"] == 3
+    assert manager._log_probs_match_actor is False
+    assert list(sent["batch"].non_tensor_batch[rollout.AGENT_FIELDS]) == fields
+    assert sent["batch"].meta_info[rollout.AGENT_SETTINGS] == {"path": "a.py"}

@@ -243,7 +243,8 @@ class RolloutRole:
         shard_counters[:] = [dict(counters) if i == 0 else {} for i in range(len(results))]
         return DataProto.from_dict(
             tensors={agent_rollout.AGENT_ROW: prompts.batch[agent_rollout.AGENT_ROW]},
-            non_tensors={agent_rollout.AGENT_RESULTS: column, agent_rollout.AGENT_ENDPOINT_COUNTERS: shard_counters})
+            non_tensors={agent_rollout.AGENT_RESULTS: column, agent_rollout.AGENT_ENDPOINT_COUNTERS: shard_counters},
+            meta_info={K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: bool(getattr(self.rollout, "log_probs_match_actor", True))})
 
     @contextmanager
     def _generation_phase(self) -> Iterator[None]:

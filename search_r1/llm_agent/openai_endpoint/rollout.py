@@ -172,6 +172,9 @@ def _worker_results(manager: Any, fields: Sequence[dict], call_meta: dict[str, A
     batch = DataProto.from_dict(tensors={AGENT_ROW: torch.arange(len(fields))}, non_tensors={AGENT_FIELDS: column},
                                 meta_info={**call_meta, AGENT_SETTINGS: cfg})
     out = manager.actor_rollout_wg.generate_agent_samples(batch)
+    # whether the engine's log-probs are the actor's quantity (vLLM with truncated sampling: not), as
+    # generate_trajectories reports it; the composed batch carries it to rollout correction
+    manager._log_probs_match_actor = bool(out.meta_info.get(K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR, True))
     results = list(out.non_tensor_batch[AGENT_RESULTS])
     if len(results) != len(fields):
         raise ValueError(f"generate_agent_samples returned {len(results)} rows for {len(fields)}")
