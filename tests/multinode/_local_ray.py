@@ -27,6 +27,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -95,6 +98,30 @@ class LocalRayCluster:
         self.procs.append(subprocess.Popen([*wrap, RAY, "start", *args, *common], stdout=log, stderr=subprocess.STDOUT,
                                            env=ray_env(), cwd=REPO, start_new_session=True))
         self.sessions.append(self.procs[-1].pid)
+
+    def start_node(self, num_cpus: int, attempts: int = 3, **kwargs: Any) -> None:
+        """`add_node`, then wait until the cluster has it. A `ray start` that exits on its way up is started
+        again (Ray waits a fixed 30 s for its raylet to register: on 2 cores busy with other tests it can
+        miss that and exit), its session's processes killed first; a head started again gets new ports."""
+        for attempt in range(attempts):
+            self.add_node(num_cpus, **kwargs)
+            try:
+                self.wait_for_nodes(len(self.procs))
+                return
+            except RuntimeError:
+                proc = self.procs[-1]
+                if proc.poll() is None or attempt == attempts - 1:
+                    raise
+            for pid in _session_pids(self.sessions.pop()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.procs.pop()
+            shutil.rmtree(self.temp_root / f"n{len(self.procs)}", ignore_errors=True)
+            if not self.procs:   # the head: its ports may still be held by what it left
+                self.port, self.client_port = free_port(), free_port()
+                self.address = f"127.0.0.1:{self.port}"
 
     def gcs_listening(self) -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -38,10 +38,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayClus
     job's (dead) workers, so a module must not see another module's runs."""
     cluster = LocalRayCluster(tmp_path_factory.mktemp("ray_nodes"), port=free_port(), client_port=free_port())
     try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes(1)
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes(2)
+        cluster.start_node(num_cpus=2)
+        cluster.start_node(num_cpus=2)
         yield cluster
     finally:
         cluster.stop()

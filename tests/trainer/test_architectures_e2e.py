@@ -126,9 +126,23 @@ def test_a_lora_step_on_the_attention(ray_cluster, arch_world: tuple[str, Search
 def test_a_tool_protocol_step(ray_cluster, arch_world: tuple[str, SearchWorld], tmp_path: Path) -> None:
     """veRL's tool protocol over the same server: the tag-warmed model rarely writes a well-formed call,
     so this checks the path runs and trains (finite losses), not that it searches."""
+    import dataclasses
+    import shutil
+
+    from transformers import AutoTokenizer
+
     from tests.llm_agent.test_tool_protocol import RECIPE_TOOL_CONFIG
+    from verl.utils.tiny_model import QWEN3_CHAT_TEMPLATE
 
     _, world = arch_world
+    # the tag-warmed model's tokenizer has the tag protocol's template; the tool protocol needs one that renders
+    # the tool schemas: Qwen3's (tiny_model.QWEN3_CHAT_TEMPLATE), on a copy of the model folder
+    model_dir = tmp_path / "model"
+    shutil.copytree(world.model_dir, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    tok.save_pretrained(model_dir)
+    world = dataclasses.replace(world, model_dir=str(model_dir))
     tool_config = tmp_path / "search_tool_config.yaml"
     tool_config.write_text(RECIPE_TOOL_CONFIG.format(url=f"{world.server_url}/retrieve"))
     from tests.trainer.test_search_e2e import _search_overrides
@@ -136,7 +150,9 @@ def test_a_tool_protocol_step(ray_cluster, arch_world: tuple[str, SearchWorld], 
     overrides = _search_overrides(world, tmp_path, "grpo", [
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config}",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2", "data.max_response_length=60"])
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2", "data.max_response_length=60",
+        # the tool schemas in the prompt: longer than the tag prompt in the tiny tokenizer's pieces
+        "data.max_start_length=1536", "data.max_prompt_length=1536"])
     history = run_ppo(compose_config(overrides))
     assert [h["step"] for h in history] == [1]
     _finite(history[-1], "actor/pg_loss")

@@ -85,14 +85,15 @@ def test_pushed_weights_give_the_pushed_models_log_probs(arch: str, tmp_path) ->
 def test_a_saved_qwen3_moe_loads_in_vllm_as_from_pretrained_reads_it(tmp_path) -> None:
     """The engine's own load of the checkpoint (per-expert tensors, as save_pretrained and our export write
     them): the log-probs transformers' model gives, before any push."""
-    from verl.workers.rollout.vllm_rollout import import_vllm
+    from verl.workers.rollout.vllm_rollout import engine_start_guard, import_vllm
 
     vllm = import_vllm()
     tok = train_bpe_tokenizer()
     model = build_tiny_model(tok, "qwen3_moe", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
                              moe_intermediate_size=64, max_position_embeddings=512)
     model_dir = str(save_model_and_tokenizer(model, tok, tmp_path / "m"))
-    llm = vllm.LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=64, seed=0)
+    with engine_start_guard():   # numba may be imported in this process (bm25s): vllm_rollout.engine_start_guard
+        llm = vllm.LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=64, seed=0)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompt = tok(PROMPTS[0])["input_ids"]
     params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
