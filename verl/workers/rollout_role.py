@@ -179,6 +179,24 @@ class RolloutRole:
         with self._generation_phase():
             yield
 
+    def _async_call(self, prompts: DataProto, method: str) -> tuple[dict, int]:
+        """What an async-mode call on this rank starts from: the call's meta_info with the EOS and pad ids
+        defaulted, and one draw of the rank's seeded RNG (each request's seed derives from it). Refused on a
+        worker without the rollout, and with TP > 1."""
+        self._require(self._is_rollout, method)
+        if self._rollout_tp > 1:
+            raise NotImplementedError(
+                "actor_rollout_ref.rollout.mode=async with tensor_model_parallel_size>1: each rank steps its "
+                "engine on its own, so the ranks of one engine would diverge; use mode=sync or TP=1")
+        meta = dict(prompts.meta_info)
+        meta.setdefault(K.META_EOS_TOKEN_ID, list(self.eos_token_ids))
+        meta.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
+        return meta, int(torch.randint(0, 2**31 - 1, (1,)))
+
+    def _log_probs_meta(self) -> dict:
+        """Whether this engine's log-probs are the actor's quantity, for the driver (rollout correction)."""
+        return {K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: bool(getattr(self.rollout, "log_probs_match_actor", True))}
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh=ROLLOUT_MESH)
     def generate_trajectories(self, prompts: DataProto) -> DataProto:
         """Async rollout of this rank's rows, one coroutine per trajectory (search_r1.llm_agent.async_generation).
@@ -187,22 +205,13 @@ class RolloutRole:
         keys of generate_sequences plus 'agent_config' (the driver's GenerationConfig as a dict).
         Writes non-tensors 'agent_rows' (each row's turns, masks and stop reason) and
         'agent_stats' (its counters), and the tensor 'num_turns'."""
-        self._require(self._is_rollout, "generate_trajectories")
-        if self._rollout_tp > 1:
-            raise NotImplementedError(
-                "actor_rollout_ref.rollout.mode=async with tensor_model_parallel_size>1: each rank steps its "
-                "engine on its own, so the ranks of one engine would diverge; use mode=sync or TP=1")
+        meta, call_seed = self._async_call(prompts, "generate_trajectories")
         from search_r1.llm_agent import generation
         from search_r1.llm_agent.agent_loops import run_worker_shard
         from search_r1.llm_agent.tensor_helper import real_tokens
 
-        meta = dict(prompts.meta_info)
-        meta.setdefault(K.META_EOS_TOKEN_ID, list(self.eos_token_ids))
-        meta.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
         gen_config = generation.GenerationConfig(**meta.pop(generation.META_AGENT_CONFIG))
         ids = real_tokens(prompts.batch[K.INPUT_IDS].long(), prompts.batch[K.ATTENTION_MASK].long())
-        # One draw of the rank's seeded RNG per call; each request's seed derives from it.
-        call_seed = int(torch.randint(0, 2**31 - 1, (1,)))
         with self._in_generation_phase():
             rows, stats, _ = run_worker_shard(self.tokenizer, gen_config, self.rollout.step_engine, meta, ids,
                                               call_seed, generation.eos_token_ids(meta),
@@ -210,7 +219,7 @@ class RolloutRole:
         return DataProto.from_dict(
             tensors={"num_turns": torch.tensor([row.n_turns for row in rows], dtype=torch.long)},
             non_tensors={generation.AGENT_ROWS: rows, generation.AGENT_STATS: [dict(c) for c in stats]},
-            meta_info={K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: bool(getattr(self.rollout, "log_probs_match_actor", True))})
+            meta_info=self._log_probs_meta())
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh=ROLLOUT_MESH)
     def generate_agent_samples(self, prompts: DataProto) -> DataProto:
@@ -220,20 +229,12 @@ class RolloutRole:
         Reads the non-tensor 'agent_fields' (each row's fields), meta_info 'openai_agent' (the agent's settings)
         and the sampling keys of generate_sequences. Writes non-tensors 'agent_results' (each row's RowResult:
         its samples' token ids and log-probs as the engine gave them) and 'agent_endpoint_counters'."""
-        self._require(self._is_rollout, "generate_agent_samples")
-        if self._rollout_tp > 1:
-            raise NotImplementedError(
-                "actor_rollout_ref.rollout.mode=async with tensor_model_parallel_size>1: each rank steps its "
-                "engine on its own, so the ranks of one engine would diverge; use mode=sync or TP=1")
+        meta, call_seed = self._async_call(prompts, "generate_agent_samples")
         from search_r1.llm_agent import generation
         from search_r1.llm_agent.openai_endpoint import rollout as agent_rollout
 
-        meta = dict(prompts.meta_info)
-        meta.setdefault(K.META_EOS_TOKEN_ID, list(self.eos_token_ids))
-        meta.setdefault(K.META_PAD_TOKEN_ID, self.tokenizer.pad_token_id)
         cfg = dict(meta.pop(agent_rollout.AGENT_SETTINGS))
         fields = list(prompts.non_tensor_batch[agent_rollout.AGENT_FIELDS])
-        call_seed = int(torch.randint(0, 2**31 - 1, (1,)))   # one draw of the rank's seeded RNG per call
         with self._in_generation_phase():
             results, counters = agent_rollout.agent_shard(self.tokenizer, cfg, self.rollout.step_engine(meta), fields,
                                                           generation.eos_token_ids(meta), call_seed)
@@ -244,7 +245,7 @@ class RolloutRole:
         return DataProto.from_dict(
             tensors={agent_rollout.AGENT_ROW: prompts.batch[agent_rollout.AGENT_ROW]},
             non_tensors={agent_rollout.AGENT_RESULTS: column, agent_rollout.AGENT_ENDPOINT_COUNTERS: shard_counters},
-            meta_info={K.META_ROLLOUT_LOG_PROBS_MATCH_ACTOR: bool(getattr(self.rollout, "log_probs_match_actor", True))})
+            meta_info=self._log_probs_meta())
 
     @contextmanager
     def _generation_phase(self) -> Iterator[None]:
