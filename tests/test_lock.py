@@ -18,10 +18,14 @@ differs, a kernel that rounds differently). CI runs the README command, so it is
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
+import packaging
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -134,9 +138,35 @@ def test_a_no_deps_package_is_no_ordinary_requirement() -> None:
         "so not a requirement of setup.py or requirements.txt"
 
 
+_INSTALLED_SCRIPT = """
+import json
+from importlib import metadata
+seen = {}
+for d in metadata.distributions():
+    seen.setdefault(d.metadata["Name"], d.version)   # the first on sys.path is the one imported
+print(json.dumps(seen))
+"""
+
+
+def installed_versions() -> dict[str, Version]:
+    """Canonical name -> version of what this interpreter imports, read in a fresh process: once setuptools
+    is imported (by any test before this one), its _vendor folder is on sys.path and its vendored
+    packaging, platformdirs and typing-extensions dist-infos would be read here as installed."""
+    out = subprocess.run([sys.executable, "-c", _INSTALLED_SCRIPT], capture_output=True, text=True, check=True,
+                         timeout=120)
+    return {canonicalize_name(name): Version(v) for name, v in json.loads(out.stdout).items()}
+
+
+def test_installed_versions_are_not_setuptools_vendored_copies() -> None:
+    """Seen on CI: a test process that had imported setuptools read packaging 24.2 (setuptools' vendored copy)."""
+    import setuptools  # noqa: F401  (puts setuptools/_vendor on this process's sys.path)
+
+    assert installed_versions()["packaging"] == Version(packaging.__version__)
+
+
 def test_the_installed_environment_matches_the_lock() -> None:
     pins = read_lock()
-    installed = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in metadata.distributions()}
+    installed = installed_versions()
     removed = removed_after_install()
     wrong = {n: f"{installed[n]} installed, {v} locked" for n, v in pins.items()
              if n in installed and n not in removed and installed[n] != v

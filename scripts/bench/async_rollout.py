@@ -48,6 +48,8 @@ from scripts.bench.rollout import serve_bm25
 from search_r1.llm_agent import actions
 from search_r1.prompt import make_prefix
 from verl.utils import batch_keys as K
+from verl.workers.fsdp_base import FSDPWorkerBase
+from verl.workers.rollout_role import RolloutRole
 
 SHORT_THOUGHT = "ok"
 LONG_THOUGHT = " ".join(["let me think about the clues step by step"] * 15)
@@ -213,31 +215,21 @@ DEMO_ROLLOUT = dict(max_turns=2, max_start_length=256, max_prompt_length=768, ma
 DEMO_TEMPERATURE = 0.8
 
 
-class LocalRolloutRank:
+class LocalRolloutRank(RolloutRole):
     """The actor-rollout worker of one rank, in process, over a plain HF module: sync mode calls the
-    rollout's `generate_sequences`, async mode the worker's own `generate_trajectories`."""
+    rollout's `generate_sequences`, async mode the worker's own rollout role's `generate_trajectories`."""
+
+    _require = FSDPWorkerBase._require
 
     def __init__(self, rollout: Any, tokenizer: Any, eos_token_ids: list[int]) -> None:
-        from verl.workers.fsdp_workers import ActorRolloutRefWorker
-
         self.rollout, self.tokenizer, self.eos_token_ids = rollout, tokenizer, eos_token_ids
         self.device = next(rollout.module.parameters()).device
         self.role, self._is_rollout, self._rollout_tp = "actor_rollout", True, 1
         self._phase_depth = 1      # the module is already in eval mode on its device
-        self._worker = ActorRolloutRefWorker
-
-    def _require(self, flag: bool, method: str) -> None:
-        self._worker._require(self, flag, method)
-
-    def _in_generation_phase(self) -> Any:
-        return self._worker._in_generation_phase(self)
 
     def generate_sequences(self, batch: Any) -> Any:
         # As the worker: the prompts on the engine's device, the rows back on the host.
         return self.rollout.generate_sequences(batch.to(self.device)).to("cpu")
-
-    def generate_trajectories(self, batch: Any) -> Any:
-        return self._worker.generate_trajectories(self, batch)
 
 
 def _demo_prompts(train_parquet: Path, tokenizer: Any, prompts: int, n_agent: int) -> list[list[int]]:

@@ -49,6 +49,7 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import MeshRank
 from verl.utils import batch_keys as K
 from verl.workers.fsdp_workers import ROLLOUT_MESH, ActorRolloutRefWorker
+from verl.workers.rollout_role import RolloutRole
 
 RANKS = 2
 # Three prompts of different lengths (left padding) over two ranks: the dispatch pads one row and drops it.
@@ -72,13 +73,11 @@ class _ScriptedRollout:
         return self.engines[-1]
 
 
-class _RolloutRank(Worker):
-    """One rollout rank running ActorRolloutRefWorker's own `generate_trajectories` (what it reads of
-    the worker: role, tokenizer, eos ids, TP size, the open generation phase, `rollout`)."""
+class _RolloutRank(RolloutRole, Worker):
+    """One rollout rank running the worker's own rollout role (`generate_trajectories` and what it calls;
+    what it reads of the worker: role, tokenizer, eos ids, TP size, the open generation phase, `rollout`)."""
 
-    generate_trajectories = ActorRolloutRefWorker.generate_trajectories
     _require = ActorRolloutRefWorker._require
-    _in_generation_phase = ActorRolloutRefWorker._in_generation_phase
 
     def __init__(self, rank: int, tokenizer: Any, rollout: _ScriptedRollout) -> None:
         super().__init__()
