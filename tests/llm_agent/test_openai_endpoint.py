@@ -220,3 +220,36 @@ def test_completions_and_models(demo) -> None:
                                  max_tokens=5, logprobs=0)
     assert out.choices[0].finish_reason in ("stop", "length")
     assert len(out.choices[0].logprobs.token_logprobs) == out.usage.completion_tokens <= 5
+
+
+def test_an_endpoint_whose_thread_outlives_its_shutdown_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler that blocks the endpoint's loop keeps its thread alive past the wait: serve_endpoint raises
+    instead of returning to a caller that would put the engine to sleep under a loop that may still step it."""
+    import threading
+    import time
+
+    from fastapi import FastAPI
+
+    from search_r1.llm_agent.openai_endpoint import server
+
+    entered = threading.Event()
+    app = FastAPI()
+
+    @app.get("/block")
+    async def block() -> dict:
+        entered.set()
+        time.sleep(3)          # blocks the event loop: uvicorn cannot see should_exit
+        return {}
+
+    monkeypatch.setattr(server, "build_app", lambda endpoint: app)
+    monkeypatch.setattr(server, "STOP_WAIT_S", 0.5)
+    monkeypatch.setattr(server, "SHUTDOWN_GRACE_S", 1)
+    before = set(threading.enumerate())     # (the module's demo endpoint may be serving on its own thread)
+    with pytest.raises(RuntimeError, match=r"did not stop within 0.5 s of its shutdown .*may still be stepping"):
+        with serve_endpoint(None) as base:
+            threading.Thread(target=lambda: httpx.get(f"{base}/block", timeout=10), daemon=True).start()
+            assert entered.wait(10)
+    ours = [t for t in set(threading.enumerate()) - before if t.name == "openai-endpoint"]
+    assert len(ours) == 1
+    ours[0].join(timeout=30)                # it ends once the handler returns
+    assert not ours[0].is_alive()

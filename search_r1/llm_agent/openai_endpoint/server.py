@@ -301,15 +301,22 @@ def build_app(endpoint: Endpoint) -> Any:
     return app
 
 
+# serve_endpoint's shutdown: requests still decoding get SHUTDOWN_GRACE_S, the thread STOP_WAIT_S in all.
+SHUTDOWN_GRACE_S = 30
+STOP_WAIT_S = 60.0
+
+
 @contextlib.contextmanager
 def serve_endpoint(endpoint: Endpoint, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """Serve `endpoint` with uvicorn on its own thread and event loop (the engine's requests run there, so
     an agent that blocks its own loop cannot stall the endpoint); yields the base URL. On exit, requests
-    still decoding are given 30 s to finish, then the loop ends (in-flight engine requests are aborted)."""
+    still decoding are given 30 s to finish, then the loop ends (in-flight engine requests are aborted).
+    A thread still alive after 60 s is an error: its loop may still step the engine, which the caller is
+    about to put to sleep or load weights into."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(build_app(endpoint), host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=30, lifespan="off"))
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True, name="openai-endpoint")
     thread.start()
     deadline = time.monotonic() + 60
@@ -322,7 +329,10 @@ def serve_endpoint(endpoint: Endpoint, host: str = "127.0.0.1", port: int = 0) -
         yield f"http://{host}:{bound}"
     finally:
         server.should_exit = True
-        thread.join(timeout=60)
+        thread.join(timeout=STOP_WAIT_S)
+        if thread.is_alive():
+            raise RuntimeError(f"the OpenAI endpoint on {host}:{bound} did not stop within {STOP_WAIT_S:g} s of its "
+                               "shutdown (a request handler blocks its event loop); its engine may still be stepping")
 
 
 __all__ = ["Endpoint", "EndpointLimits", "build_app", "serve_endpoint"]
