@@ -101,3 +101,29 @@ def test_a_saved_qwen3_moe_loads_in_vllm_as_from_pretrained_reads_it(tmp_path) -
     engine_lps = [next(iter(lp.values())).logprob for lp in out.logprobs]
     torch.testing.assert_close(torch.tensor(engine_lps), torch.tensor(_hf_log_probs(hf, prompt, list(out.token_ids))),
                                atol=1e-4, rtol=0)
+
+
+def test_has_experts_reads_a_folder_or_a_hub_ids_cached_config(tmp_path) -> None:
+    """GPU review S2 of issue 47: a Hub id (`Qwen/Qwen3-30B-A3B`) was taken for a dense model, so vLLM-CPU
+    skipped the repack; its config.json is read from the Hub cache, where vLLM put it when loading the id."""
+    import json
+
+    from verl.workers.rollout.vllm_moe import has_experts
+
+    cache = tmp_path / "hub"
+    for repo, config in {"org/moe": {"num_experts": 4}, "org/dense": {"hidden_size": 8},
+                         "org/vl-moe": {"text_config": {"n_routed_experts": 8}}}.items():
+        snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc123"
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(config))
+        (cache / f"models--{repo.replace('/', '--')}" / "refs").mkdir()
+        (cache / f"models--{repo.replace('/', '--')}" / "refs" / "main").write_text("abc123")
+    assert has_experts("org/moe", cache_dir=str(cache))
+    assert has_experts("org/vl-moe", cache_dir=str(cache))
+    assert not has_experts("org/dense", cache_dir=str(cache))
+    assert not has_experts("org/not-downloaded", cache_dir=str(cache))
+    assert not has_experts("not a repo id!", cache_dir=str(cache))
+    folder = tmp_path / "local"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_local_experts": 2}))
+    assert has_experts(str(folder)) and not has_experts(str(tmp_path / "missing"))

@@ -287,8 +287,6 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         self._wake_s = self._sleep_s = 0.0   # the engine's own wake_up / sleep calls since phase_stats()
         self._host_bytes: int | None = None  # what the latest sleep backed up to host (vLLM's allocator)
         self.lora, self.model_path = lora, model_path
-        # vLLM-CPU skips its MoE prepack on a reload: an MoE engine's experts are repacked after each sync
-        self.repack_moe_after_reload = device != "cuda" and has_experts(model_path)
         self.lora_sync = lora_sync_mode(config, lora)   # 'adapter', 'merged' or None (no LoRA)
         self._calls = 0            # request ids are "<call>-<row>": unique per call, equal on a TP group's ranks
         tp = int(config.get("tensor_model_parallel_size", 1))
@@ -303,6 +301,9 @@ class vLLMRollout(BaseRollout):  # noqa: N801 - veRL's name
         with _local_rank(device_index), engine_start_guard():
             self.llm = vllm.LLM(**engine_args_from(config, model_path, seed, device, lora))
         self._vllm = vllm
+        # vLLM-CPU skips its MoE prepack on a reload: an MoE engine's experts are repacked after each sync
+        # (read once the engine is up: a Hub id's config.json is then in the Hub cache)
+        self.repack_moe_after_reload = device != "cuda" and has_experts(model_path)
         self.adapter_sync = (AdapterSync(self.llm.llm_engine, rank=int(os.environ.get("RANK", "0")))
                              if self.lora_sync == "adapter" else None)
         # Adapter mode keeps the base weights across sleeps (level 1): they were loaded once and never travel.
