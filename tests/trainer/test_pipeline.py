@@ -92,26 +92,6 @@ def test_one_step_off_waiting_for_each_sync_equals_sync_on_every_metric(
     assert [h["pipeline/weight_sync_bytes"] for h in piped] == [0.0, n_params * 4.0, 2 * n_params * 4.0]
 
 
-def test_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(
-        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
-    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
-    history, reward = _run(tiny_model_dir, data, tmp_path / "run", 4, 4, PIPELINE)
-    assert [h["step"] for h in history] == [1, 2, 3, 4]
-    # batch 1 rolls out with the initial weights before anything trains; batch 2 with them too,
-    # while step 1 trains; batch k >= 3 with the newest weights once step k - 2 is done
-    staleness = [h["pipeline/staleness"] for h in history]
-    assert staleness[:2] == [0.0, 1.0] and all(s <= 1 for s in staleness), staleness
-    for h in history:   # trained at step s after s - 1 updates: version + staleness = s - 1
-        assert h["pipeline/policy_version"] + h["pipeline/staleness"] == h["step"] - 1
-    assert sum(v for k, v in history[-1].items() if k.startswith("pipeline/staleness_hist/")) == 4
-    assert history[-1]["pipeline/dropped_stale"] == 0.0
-    assert history[-1]["pipeline/weight_syncs"] == 2.0
-    # stale samples: the engine's log-probs now differ from the trainer's, and the IS weights correct it
-    assert history[-1]["rollout/log_prob_gap_max"] > 1e-3
-    assert history[-1]["rollout_corr/is_weight_mean"] != 1.0
-    assert len(set(reward.batches)) == 4      # four different batches, each trained once
-
-
 @pytest.mark.slow   # two more pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
 def test_bypass_mode_anchors_ppo_on_the_stale_sampler_without_an_old_log_prob_pass(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
@@ -152,15 +132,36 @@ def test_async_never_trains_past_its_staleness_bound_with_a_slow_trainer(
     assert sum(h["pipeline/rollout_idle_s"] for h in history) > 1.0
 
 
-def test_a_run_killed_mid_pipeline_resumes_without_training_a_batch_twice(
+def _assert_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(
+        history: list[dict], reward: RecordingReward) -> None:
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    # batch 1 rolls out with the initial weights before anything trains; batch 2 with them too,
+    # while step 1 trains; batch k >= 3 with the newest weights once step k - 2 is done
+    staleness = [h["pipeline/staleness"] for h in history]
+    assert staleness[:2] == [0.0, 1.0] and all(s <= 1 for s in staleness), staleness
+    for h in history:   # trained at step s after s - 1 updates: version + staleness = s - 1
+        assert h["pipeline/policy_version"] + h["pipeline/staleness"] == h["step"] - 1
+    assert sum(v for k, v in history[-1].items() if k.startswith("pipeline/staleness_hist/")) == 4
+    assert history[-1]["pipeline/dropped_stale"] == 0.0
+    assert history[-1]["pipeline/weight_syncs"] == 2.0
+    # stale samples: the engine's log-probs now differ from the trainer's, and the IS weights correct it
+    assert history[-1]["rollout/log_prob_gap_max"] > 1e-3
+    assert history[-1]["rollout_corr/is_weight_mean"] != 1.0
+    assert len(set(reward.batches)) == 4      # four different batches, each trained once
+
+
+@pytest.mark.slow   # three pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
+def test_one_step_off_staleness_and_a_run_killed_mid_pipeline_resumes_without_training_a_batch_twice(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
-    # 16 prompts, batch 4: one epoch of 4 distinct batches. The first run checkpoints at step 2 and
+    # 16 prompts, batch 4: one epoch of 4 distinct batches. The straight run is one_step_off's timeline
+    # (checkpointing every 2 steps changes nothing it trains). The second run checkpoints at step 2 and
     # dies in step 3, with batch 4 already drawn and rolled out by the producer. The resumed run
     # must train batches 3 and 4 (rolling them out again, with its weights), and nothing else.
     data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     extra = [*PIPELINE, "trainer.save_freq=2"]
     straight, straight_reward = _run(tiny_model_dir, data, tmp_path / "straight", 4, 4, extra)
+    _assert_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(straight, straight_reward)
     killed = RecordingReward(tok, fail_at=3)
     with pytest.raises(RuntimeError, match="killed mid-pipeline"):
         _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra, reward=killed)

@@ -59,6 +59,7 @@ def _adapter_numel(model_dir: str) -> int:
     return 4 * (q + v + down) * c.num_hidden_layers
 
 
+@pytest.mark.slow   # a pipelined LoRA run: in CI's slow suite (the default suite's 15-minute goal)
 def test_one_step_off_with_lora_and_the_hf_engine_pushes_merged_weights(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
     trainer = _trainer(tiny_model_dir, tmp_path, 3, ["actor_rollout_ref.rollout.name=hf", "trainer.save_freq=3",

@@ -77,6 +77,7 @@ def _computed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(CLOCK_PREFIXES)}
 
 
+@pytest.mark.slow   # four PPO runs: in CI's slow suite (the default suite's 15-minute goal)
 def test_two_steps_then_resume_matches_three_steps_exactly(ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
     # 8 prompts, batch 4: step 3 starts a new epoch, so the resumed sampler must also get the
     # next epoch's order right. PPO: actor, critic, optimizers, LR schedule and worker RNG all matter.

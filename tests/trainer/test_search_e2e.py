@@ -180,6 +180,7 @@ def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_
     assert not list((tmp_path / "ckpt").glob("global_step_*"))
 
 
+@pytest.mark.slow   # a partial-rollout pipeline run: in CI's slow suite (the default suite's 15-minute goal)
 def test_a_partial_rollout_takes_new_weights_between_turns_and_records_each_tokens_version(
         ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
     """one_step_off with rollout.partial=true against a server that answers in 3 s: batch 2 rolls out
@@ -205,6 +206,7 @@ def test_a_partial_rollout_takes_new_weights_between_turns_and_records_each_toke
         assert h["pipeline/staleness"] <= 1.0
 
 
+@pytest.mark.slow   # generates batches again: in CI's slow suite (the default suite's 15-minute goal)
 def test_dapo_dynamic_sampling_filters_groups_and_generates_again(ray_cluster, search_world: SearchWorld,
                                                                   tmp_path: Path) -> None:
     # DAPO end to end: dynamic sampling and overlong shaping through run_ppo, with search. In the default

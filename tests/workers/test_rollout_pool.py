@@ -114,6 +114,7 @@ def test_on_a_gpu_the_rollout_pools_engines_hold_bf16_and_vllm_reads_the_model_p
     assert rollout_pool_engine_config(cfg.rollout).load_format == "safetensors"
 
 
+@pytest.mark.slow   # two pools of Ray workers: in CI's slow suite (the default suite's 15-minute goal)
 def test_a_push_goes_straight_into_the_rollout_pools_engine_which_then_scores_tokens_as_the_actor_does(
         ray_cluster, tiny_model_dir: str) -> None:
     n_params = _n_params(tiny_model_dir)

@@ -107,6 +107,7 @@ def _greedy_before_and_after_update(cfg, prompts: DataProto, update: DataProto |
         pool.release()
 
 
+@pytest.mark.slow   # three engines (HF, vLLM, vLLM TP=2), each updated: in CI's slow suite (the default suite's 15-minute goal)
 def test_greedy_ids_agree_across_hf_vllm_and_tensor_parallel_vllm_before_and_after_an_update(
         vllm_model_dir: str, ray_cluster) -> None:
     prompts = _prompts(vllm_model_dir, do_sample=False)
