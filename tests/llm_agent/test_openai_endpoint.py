@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -222,15 +223,22 @@ def test_completions_and_models(demo) -> None:
     assert len(out.choices[0].logprobs.token_logprobs) == out.usage.completion_tokens <= 5
 
 
-def test_an_endpoint_whose_thread_outlives_its_shutdown_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A handler that blocks the endpoint's loop keeps its thread alive past the wait: serve_endpoint raises
-    instead of returning to a caller that would put the engine to sleep under a loop that may still step it."""
+@pytest.mark.parametrize("engine", ["local", "workers"])
+def test_an_endpoint_whose_thread_outlives_its_shutdown_is_an_error_over_a_local_engine(
+        engine: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A handler that blocks the endpoint's loop keeps its thread alive past the wait. Over this process's
+    engine (async mode) serve_endpoint raises instead of returning to a caller that would put the engine to
+    sleep under a loop that may still step it; over the workers' engines (sync mode: the thread's executor
+    waits for a wave still running there) it warns, and the run goes on."""
+    import logging
     import threading
     import time
+    from types import SimpleNamespace
 
     from fastapi import FastAPI
 
     from search_r1.llm_agent.openai_endpoint import server
+    from search_r1.llm_agent.openai_endpoint.engines import BatchedClient
 
     entered = threading.Event()
     app = FastAPI()
@@ -244,11 +252,23 @@ def test_an_endpoint_whose_thread_outlives_its_shutdown_is_an_error(monkeypatch:
     monkeypatch.setattr(server, "build_app", lambda endpoint: app)
     monkeypatch.setattr(server, "STOP_WAIT_S", 0.5)
     monkeypatch.setattr(server, "SHUTDOWN_GRACE_S", 1)
+    client = (StepEngineClient(None, 4) if engine == "local" else
+              BatchedClient(generate_batch=lambda prompts, n: ([], None), response_length=4, running=lambda: 0))
     before = set(threading.enumerate())     # (the module's demo endpoint may be serving on its own thread)
-    with pytest.raises(RuntimeError, match=r"did not stop within 0.5 s of its shutdown .*may still be stepping"):
-        with serve_endpoint(None) as base:
+
+    def serve_and_block() -> None:
+        with serve_endpoint(SimpleNamespace(client=client)) as base:
             threading.Thread(target=lambda: httpx.get(f"{base}/block", timeout=10), daemon=True).start()
             assert entered.wait(10)
+
+    stuck = r"did not stop within 0.5 s of its shutdown"
+    if engine == "local":
+        with pytest.raises(RuntimeError, match=stuck + r" .*may still be stepping"):
+            serve_and_block()
+    else:
+        with caplog.at_level(logging.WARNING, logger=server.__name__):
+            serve_and_block()
+        assert re.search(stuck + r" .*the workers' engines finish that wave", caplog.text)
     ours = [t for t in set(threading.enumerate()) - before if t.name == "openai-endpoint"]
     assert len(ours) == 1
     ours[0].join(timeout=30)                # it ends once the handler returns

@@ -33,6 +33,8 @@ class EngineClient(Protocol):
 class StepEngineClient:
     """An `AsyncEngine` over a step engine (`rollout.step_engine(meta)`); created and used on one event loop."""
 
+    steps_local_engine = True     # the endpoint's loop steps this process's engine (serve_endpoint's shutdown)
+
     def __init__(self, step_engine: Any, response_length: int) -> None:
         self.engine = AsyncEngine(step_engine)
         self.response_length = int(response_length)
@@ -59,6 +61,9 @@ class BatchedClient:
     generate_batch: Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]] | None]]
     response_length: int
     running: Callable[[], int]
+    # A wave runs on the workers' engines: a wave still running at shutdown holds the endpoint's thread
+    # (its executor) but steps nothing here; serve_endpoint warns instead of raising.
+    steps_local_engine = False
     linger_s: float = 0.05
     calls: int = 0
     _queue: list[_Waiting] = field(default_factory=list)
