@@ -80,6 +80,7 @@ def test_a_replica_gets_threads_for_its_cpus_and_no_gpu_it_does_not_hold() -> No
     assert replica_env(with_gpu) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
 
 
+@pytest.mark.slow   # a Serve deploy: in CI's slow suite (the default suite's 15-minute goal)
 def test_no_node_with_the_replica_resources_fails_at_once(ray_cluster, bm25_index_dir: str,
                                                          tiny_corpus_path: str) -> None:
     settings = _settings("test_nowhere", bm25_index_dir, tiny_corpus_path)
@@ -162,6 +163,7 @@ def test_an_overloaded_replica_answers_503_and_both_clients_still_get_every_answ
         undeploy(settings.app_name)
 
 
+@pytest.mark.slow   # a Serve deploy: in CI's slow suite (the default suite's 15-minute goal)
 def test_a_replica_that_cannot_start_fails_the_deploy_naming_the_setting(ray_cluster, tiny_corpus_path: str,
                                                                          tmp_path: Any) -> None:
     settings = _settings("test_broken", str(tmp_path / "no_index"), tiny_corpus_path)

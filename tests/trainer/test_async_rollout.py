@@ -128,6 +128,7 @@ def test_unreachable_retriever_becomes_failure_observations(rollout_group, searc
     assert sum(t.count(failure) for t in texts) == searches
 
 
+@pytest.mark.slow   # a run_ppo step with search: in CI's slow suite (the default suite's 15-minute goal)
 def test_grpo_step_with_search_in_async_mode(ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
     step, served = _run_with_search(search_world, tmp_path, "grpo", extra=["actor_rollout_ref.rollout.mode=async"])
     _assert_searched_against_the_server(step, served)

@@ -175,6 +175,7 @@ def test_one_step_off_staleness_and_a_run_killed_mid_pipeline_resumes_without_tr
     assert resumed[0]["pipeline/policy_version"] == 2.0 and resumed[0]["pipeline/staleness"] == 0.0
 
 
+@pytest.mark.slow   # two pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
 def test_a_resumed_pipelined_run_gives_the_rollout_pool_the_checkpoints_weights_before_validating(
         ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
     # The checkpoint restores the train pool; the rollout pool starts from the model's own weights and

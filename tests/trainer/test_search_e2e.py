@@ -123,6 +123,7 @@ def test_ppo_step_with_search_against_a_real_server_trains_actor_and_critic(
     assert "actor/kl_loss" not in step
 
 
+@pytest.mark.slow   # a run_ppo step with search (test_main_ppo has GRPO with KL loss): in CI's slow suite (the default suite's 15-minute goal)
 def test_grpo_step_with_search_against_a_real_server_uses_kl_loss_and_no_critic(
         ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
     step, served = _run_with_search(search_world, tmp_path, "grpo",
