@@ -88,10 +88,9 @@ def cluster_with_a_node_local_dir(tmp_path_factory: pytest.TempPathFactory) -> I
                         str(node_local)]
     cluster = LocalRayCluster(root, port=free_port(), client_port=free_port())
     try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes(1)
-        cluster.add_node(num_cpus=2, wrap=mount_then_start, resources={OWN_DISK: 1})
-        cluster.wait_for_nodes(2)
+        # start_node: a `ray start` that misses Ray's fixed 30 s raylet wait under load is started again
+        cluster.start_node(num_cpus=2)
+        cluster.start_node(num_cpus=2, wrap=mount_then_start, resources={OWN_DISK: 1})
         yield cluster, root
     finally:
         cluster.stop()
