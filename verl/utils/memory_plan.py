@@ -271,9 +271,9 @@ def moe_note(shape: ModelShape) -> str:
             "the active ones")
 
 
-def read_model_config(path: str) -> tuple[dict[str, Any], str]:
-    """config.json of a model folder (or of a hub id already in the local HF cache); no download.
-    Returns (config, where it was read); raises FileNotFoundError saying what to pass."""
+def read_model_config(path: str, cache_dir: str | None = None) -> tuple[dict[str, Any], str]:
+    """config.json of a model folder (or of a hub id already in the local HF cache: `cache_dir`, else
+    HF_HUB_CACHE); no download. Returns (config, where it was read); raises FileNotFoundError saying what to pass."""
     folder = Path(path)
     if (folder / "config.json").is_file():
         file = folder / "config.json"
@@ -281,7 +281,7 @@ def read_model_config(path: str) -> tuple[dict[str, Any], str]:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(str(path), "config.json")
+        cached = try_to_load_from_cache(str(path), "config.json", cache_dir=cache_dir)
     except Exception:   # not a repo id (e.g. a missing local path): same message as no cache
         cached = None
     if isinstance(cached, str):

@@ -17,8 +17,6 @@ alignment, 32) are refused, since the reloaded padding's layout is not this modu
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,19 +29,10 @@ def has_experts(model_path: str, cache_dir: str | None = None) -> bool:
     """Whether the model's config.json describes a mixture-of-experts model: a checkpoint folder's, or a
     Hub id's in the Hub cache (`cache_dir`, else HF_HUB_CACHE; where vLLM put it when it loaded the id).
     False when there is no readable config: a dense model needs no repack."""
-    config_path = Path(model_path) / "config.json"
-    if not Path(model_path).is_dir():
-        from huggingface_hub import try_to_load_from_cache
+    from verl.utils.memory_plan import read_model_config
 
-        try:
-            cached = try_to_load_from_cache(model_path, "config.json", cache_dir=cache_dir)
-        except ValueError:   # not a repo id either
-            cached = None
-        if not isinstance(cached, str):
-            return False
-        config_path = Path(cached)
     try:
-        config = json.loads(config_path.read_text())
+        config, _ = read_model_config(model_path, cache_dir=cache_dir)
     except (OSError, ValueError):
         return False
     configs = [config, config.get("text_config") or {}] if isinstance(config, dict) else []
