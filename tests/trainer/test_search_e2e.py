@@ -65,6 +65,56 @@ def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) 
         yield world
 
 
+class StepOneGate:
+    """Makes a partial-rollout run deterministic: the retrieval server holds each search that arrives
+    after batch 1 was rolled out (batch 2's, which rolls out while step 1 trains) until step 1's update
+    is over, so batch 2's next turn always starts after step 1's weights exist and no update is running:
+    the producer pushes them between its two turns. A fixed server latency alone raced the update on a
+    loaded CI machine (no push in batch 2). The producer runs in this process (the driver); the gate
+    wraps its rollout and its update lock, and the server's app, nothing else."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        from verl.trainer.ppo.pipeline import RolloutProducer
+
+        self.batches_rolled = 0
+        self.step_one_trained = threading.Event()
+        gate = self
+        init, updating = RolloutProducer.__init__, RolloutProducer.updating
+
+        def counting_init(producer: RolloutProducer, rollout, *args, **kwargs) -> None:
+            def rolled_out(*a):
+                out = rollout(*a)
+                gate.batches_rolled += 1
+                return out
+            init(producer, rolled_out, *args, **kwargs)
+
+        @contextmanager
+        def opening_updating(producer: RolloutProducer) -> Iterator[None]:
+            with updating(producer):
+                yield
+            if producer.steps_done >= 1:   # the update lock is free again: a push can be sent
+                gate.step_one_trained.set()
+
+        monkeypatch.setattr(RolloutProducer, "__init__", counting_init)
+        monkeypatch.setattr(RolloutProducer, "updating", opening_updating)
+
+    def hold(self, app):
+        """`app` (the retrieval server's) with every /retrieve after batch 1 held until step 1 is trained."""
+        import asyncio
+        import time
+
+        @app.middleware("http")
+        async def held(request, call_next):
+            if request.url.path == "/retrieve" and self.batches_rolled >= 1:
+                deadline = time.monotonic() + 600
+                while not self.step_one_trained.is_set() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            return await call_next(request)
+        return app
+
+
 def _queries_answered(url: str) -> int:
     """Every query the server looked up, from its cache or the index."""
     counters = requests.get(f"{url}/health", timeout=10).json()["counters"]
@@ -183,16 +233,19 @@ def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_
 
 @pytest.mark.slow   # a partial-rollout pipeline run: in CI's slow suite (the default suite's 15-minute goal)
 def test_a_partial_rollout_takes_new_weights_between_turns_and_records_each_tokens_version(
-        ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
-    """one_step_off with rollout.partial=true against a server that answers in 3 s: batch 2 rolls out
-    while step 1 trains (a second or two), so step 1's weights arrive between two of its turns."""
-    from search_r1.search.retrieval_server import ServerConfig, create_app
+        ray_cluster, search_world: SearchWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """one_step_off with rollout.partial=true: batch 2 rolls out while step 1 trains, and the server
+    answers its searches once step 1 is trained (StepOneGate), so step 1's weights arrive between two
+    of its turns."""
+    from search_r1.search.retrieval_server import create_app
     from search_r1.search.serving import serve_in_background
 
+    gate = StepOneGate(monkeypatch)
     retriever = build_bm25_retriever(search_world.corpus_path, tmp_path / "index")
-    with serve_in_background(create_app(retriever, ServerConfig(simulate_latency_ms=3000))) as url:
+    with serve_in_background(gate.hold(create_app(retriever))) as url:
         overrides = _search_overrides(search_world, tmp_path, "grpo", [
-            f"retriever.url={url}/retrieve", "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+            f"retriever.url={url}/retrieve", "retriever.timeout=600", "trainer.total_training_steps=3",
+            "trainer.n_gpus_per_node=2",
             "trainer.pipeline=one_step_off", "trainer.rollout_pool=1", "actor_rollout_ref.rollout.partial=true"])
         history = run_ppo(compose_config(overrides))
     assert [h["step"] for h in history] == [1, 2, 3]
@@ -259,19 +312,21 @@ def test_dapo_dynamic_sampling_filters_groups_and_generates_again(ray_cluster, s
     assert step["env/number_of_valid_search"] > 0   # multi-turn rows with searches were filtered and padded together
 
 
-@pytest.mark.slow   # ~30 s beside this module's search world (built once): 3 steps, the server answering in 3 s
+@pytest.mark.slow   # ~30 s beside this module's search world (built once): 3 steps
 def test_a_partial_rollout_with_lora_takes_the_merged_weights_between_turns(
-        ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
-    # one_step_off with rollout.partial=true (tests/trainer/test_search_e2e.py's run) and LoRA: step 1's
-    # weights reach batch 2 between two of its turns, through the same push (merged for the HF engine)
-    from search_r1.search.retrieval_server import ServerConfig, create_app
+        ray_cluster, search_world: SearchWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # one_step_off with rollout.partial=true (the run above) and LoRA: step 1's weights reach batch 2
+    # between two of its turns (StepOneGate), through the same push (merged for the HF engine)
+    from search_r1.search.retrieval_server import create_app
     from search_r1.search.serving import serve_in_background
     from tests.trainer.test_pipeline_lora import LORA, _base_numel
 
+    gate = StepOneGate(monkeypatch)
     retriever = build_bm25_retriever(search_world.corpus_path, tmp_path / "index")
-    with serve_in_background(create_app(retriever, ServerConfig(simulate_latency_ms=3000))) as url:
+    with serve_in_background(gate.hold(create_app(retriever))) as url:
         overrides = _search_overrides(search_world, tmp_path, "grpo", [
-            f"retriever.url={url}/retrieve", "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+            f"retriever.url={url}/retrieve", "retriever.timeout=600", "trainer.total_training_steps=3",
+            "trainer.n_gpus_per_node=2",
             *LORA, "actor_rollout_ref.rollout.partial=true"])
         history = run_ppo(compose_config(overrides))
     assert [h["step"] for h in history] == [1, 2, 3]

@@ -106,20 +106,23 @@ def test_a_pipelined_run_on_vllm_samples_with_the_weights_it_was_sent(
 
 
 def test_a_partial_rollout_with_lora_on_vllm_loads_the_new_adapter_between_turns(
-        ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
+        ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # test_search_e2e.py's partial-rollout LoRA run on the vLLM engine with lora_sync=adapter: a push
-    # between two turns of batch 2 (a slow retriever leaves time for it) is the new adapter alone, loaded
-    # into the engine as the next version, so batch 2's rows hold tokens of two adapter versions
-    from search_r1.search.retrieval_server import ServerConfig, create_app
+    # between two turns of batch 2 (the server answers its searches once step 1 is trained) is the new
+    # adapter alone, loaded into the engine as the next version, so batch 2's rows hold tokens of two
+    # adapter versions
+    from search_r1.search.retrieval_server import create_app
     from search_r1.search.serving import serve_in_background
     from tests.trainer.test_pipeline_lora import LORA, _adapter_numel
-    from tests.trainer.test_search_e2e import _search_overrides, build_bm25_retriever
+    from tests.trainer.test_search_e2e import StepOneGate, _search_overrides, build_bm25_retriever
     from verl.trainer.main_ppo import compose_config, run_ppo
 
+    gate = StepOneGate(monkeypatch)
     retriever = build_bm25_retriever(vllm_search_world.corpus_path, tmp_path / "index")
-    with serve_in_background(create_app(retriever, ServerConfig(simulate_latency_ms=3000))) as url:
+    with serve_in_background(gate.hold(create_app(retriever))) as url:
         overrides = _search_overrides(vllm_search_world, tmp_path, "grpo", [
-            f"retriever.url={url}/retrieve", "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+            f"retriever.url={url}/retrieve", "retriever.timeout=600", "trainer.total_training_steps=3",
+            "trainer.n_gpus_per_node=2",
             *VLLM, "actor_rollout_ref.rollout.lora_sync=adapter", *LORA, "actor_rollout_ref.rollout.partial=true"])
         history = run_ppo(compose_config(overrides))
     assert [h["step"] for h in history] == [1, 2, 3]
