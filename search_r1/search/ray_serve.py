@@ -248,11 +248,7 @@ def deploy(settings: ServeSettings) -> str:
                            f"{settings.replica_resources} for a replica; no trainer worker was started")
     global _STARTED_SERVE
     _STARTED_SERVE = _STARTED_SERVE or not serve_running()
-    if settings.http_port is None:
-        serve.start(proxy_location="Disabled")
-    else:
-        # 127.0.0.1, as the standalone server binds by default: the rollout reaches replicas through handles
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": settings.http_port})
+    start_serve(serve, settings.http_port)
     start = time.monotonic()
     # serve.run waits for the application without a bound; a replica that cannot be placed (no node
     # has its resources) would hang the driver, so deploy without waiting and poll with a deadline.
@@ -265,7 +261,10 @@ def deploy(settings: ServeSettings) -> str:
         app = serve.status().applications.get(settings.app_name)
         if app is not None:
             last = f"{app.status}: {app.message}".strip(": ")
-            if app.status == ApplicationStatus.RUNNING:
+            routed = settings.http_port is None or settings.app_name in proxy_routes(settings.http_port).values()
+            if app.status == ApplicationStatus.RUNNING and not routed:
+                last = f"RUNNING, but Serve's HTTP proxy on 127.0.0.1:{settings.http_port} does not route it yet"
+            elif app.status == ApplicationStatus.RUNNING:
                 logger.info("retrieval on Ray Serve: application %r running after %.1f s (%s)", settings.app_name,
                             time.monotonic() - start, ", ".join(f"{d}: {s.replica_states}"
                                                                 for d, s in app.deployments.items()))
@@ -283,6 +282,38 @@ def deploy(settings: ServeSettings) -> str:
         f"{settings.wait_s:g} s ({last}; {details}). Check retriever.server_args (index and corpus on every node) "
         f"and retriever.replica_resources={settings.replica_resources} against the nodes' free resources. "
         "No trainer worker was started.")
+
+
+def start_serve(serve: Any, http_port: int | None) -> None:
+    """``serve.start``: no HTTP proxy, or one on the head at 127.0.0.1:`http_port` (as the standalone
+    server binds by default; the rollout reaches replicas through handles). Serve's controller gives a
+    new proxy 5 s (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S) to come up, kills a slower one (a loaded
+    node: its imports alone can take longer) and starts another with a longer wait, while
+    ``serve.start``, waiting on the first, raises its death. Then it is called once more: it connects to
+    the controller now running, and ``deploy`` waits for the proxy to route the application."""
+    import ray
+
+    if http_port is None:
+        kwargs: dict[str, Any] = {"proxy_location": "Disabled"}
+    else:
+        kwargs = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port}}
+    try:
+        serve.start(**kwargs)
+    except (ray.exceptions.RayActorError, TimeoutError) as err:
+        logger.warning("Serve's HTTP proxy did not come up at once (%s: %s); Serve starts another, waited "
+                       "for with the application", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        serve.start(**kwargs)
+
+
+def proxy_routes(http_port: int) -> dict[str, str]:
+    """The head's Serve proxy's routes (route prefix -> application), {} while it does not answer."""
+    import requests
+
+    try:
+        response = requests.get(f"http://127.0.0.1:{http_port}/-/routes", timeout=5)
+        return response.json() if response.status_code == 200 else {}
+    except (requests.RequestException, ValueError):
+        return {}
 
 
 # Whether this process started Serve on the cluster (then it shuts it down with its last application).

@@ -19,10 +19,12 @@ from search_r1.search.ray_serve import (
     check_server_args,
     deploy,
     local_handle,
+    proxy_routes,
     replica_env,
     replica_health,
     serve_url,
     server_argv,
+    start_serve,
     undeploy,
 )
 from search_r1.search.serve_client import (
@@ -88,6 +90,37 @@ def test_no_node_with_the_replica_resources_fails_at_once(ray_cluster, bm25_inde
                                 "replica_resources": {"num_cpus": 1.0, "retrieval_node": 1.0}})
     with pytest.raises(RuntimeError, match=r"no alive node has retriever.replica_resources=.*retrieval_node"):
         deploy(settings)
+
+
+class _ServeStartingSlowProxies:
+    """Stands in for ``ray.serve`` where Serve's controller killed the first HTTP proxy(s) for not being
+    ready within 5 s (a loaded node; CI's slow suite saw it): ``start`` raises the proxy's death."""
+
+    def __init__(self, deaths: int) -> None:
+        self.deaths = deaths
+        self.calls: list[dict[str, Any]] = []
+
+    def start(self, **kwargs: Any) -> None:
+        import ray
+
+        self.calls.append(kwargs)
+        if len(self.calls) <= self.deaths:
+            raise ray.exceptions.ActorDiedError()
+
+
+def test_serve_start_is_tried_again_once_when_its_first_http_proxy_dies_before_it_is_ready() -> None:
+    import ray
+
+    serve = _ServeStartingSlowProxies(deaths=1)
+    start_serve(serve, 8123)
+    expected = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8123}}
+    assert serve.calls == [expected, expected]
+    serve = _ServeStartingSlowProxies(deaths=0)
+    start_serve(serve, None)
+    assert serve.calls == [{"proxy_location": "Disabled"}]
+    # a second death is not Serve restarting a slow proxy: it is raised
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        start_serve(_ServeStartingSlowProxies(deaths=2), 8123)
 
 
 def test_the_clients_pick_the_transport_by_url_and_travel_by_pickle() -> None:
@@ -179,3 +212,6 @@ def test_the_application_counts_as_running_once_every_replica_runs(served: tuple
 
     assert wait_until_running("test_retrieval", timeout_s=30)
     assert not wait_until_running("no_such_application", timeout_s=1)
+    # deploy returned once the HTTP proxy routes the application too (what the clients post to)
+    assert proxy_routes(int(served[1].rsplit(":", 1)[1])) == {"/": "test_retrieval"}
+    assert proxy_routes(free_port()) == {}
