@@ -42,10 +42,13 @@ RUN_CACHE = Path(os.environ["SEARCH_R1_CACHE"])   # as set now: tests/search/con
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that was free on every address a moment ago, drawn from 20000-32767 as the workers'
+    rendezvous ports are (verl's get_free_port): not from the kernel's ephemeral range (32768+), whose
+    ports the suite's outgoing connections take at any moment (a default-suite run under load had a
+    gloo rank 0 meet EADDRINUSE on a port the kernel had just handed out as free)."""
+    from verl.single_controller.base.worker import get_free_port
+
+    return get_free_port()
 
 
 @contextmanager

@@ -123,13 +123,11 @@ def _two_rank_worker(rank: int, port: int, lengths: list[list[int]], results) ->
 def test_ranks_agree_on_the_micro_batch_count_in_a_real_gloo_group() -> None:
     """Two real gloo ranks: rank 0 alone would need 1 micro-batch, rank 1 needs 4; both run 4,
     and every tensor handed to all_reduce lives on the batch's device."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.conftest import free_port
+
+    port = free_port()
     lengths = [[2, 3, 4, 5], [16, 16, 16, 16]]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,9 +47,10 @@ def actor_rollout_workers(model_path: str, workers: int = 2, **overrides: object
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """tests/conftest.py's free_port: a port below the kernel's ephemeral range, free a moment ago."""
+    from tests.conftest import free_port as drawn
+
+    return drawn()
 
 
 def make_ppo_batch(vocab_size: int, batch_size: int = 6, prompt_len: int = 8, response_len: int = 6,
