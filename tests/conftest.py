@@ -143,15 +143,22 @@ _SHARED_SCOPES = ("package", "module", "class")   # widest first
 def _shared_fixture_scope(item: pytest.Item) -> str | None:
     """The xdist group of `item`: the widest package, module or class whose scoped fixture of this
     suite (not a plugin's) the test uses, named by its node id; None if it uses none."""
-    scopes = {defs[-1].scope for defs in item._fixtureinfo.name2fixturedefs.values()
+    shared = {name: defs[-1] for name, defs in item._fixtureinfo.name2fixturedefs.items()
               if defs and defs[-1].baseid and defs[-1].scope in _SHARED_SCOPES}
+    scopes = {fixture.scope for fixture in shared.values()}
+    # A parametrized shared fixture is one instance a parameter (pytest builds them one after the
+    # other): each parameter's tests are a group of their own, so two workers can take two of them
+    # (test_architectures_e2e.py's two models, each a search world and four runs, took one worker).
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    suffix = "".join(f"[{name}={params[name]}]" for name in sorted(shared)
+                     if shared[name].params is not None and name in params)
     path = item.nodeid.split("::", 1)[0]
     if "package" in scopes:
-        return str(Path(path).parent)
+        return str(Path(path).parent) + suffix
     if "module" in scopes:
-        return path
+        return path + suffix
     if "class" in scopes and item.cls is not None:
-        return f"{path}::{item.cls.__name__}"
+        return f"{path}::{item.cls.__name__}{suffix}"
     return None
 
 
