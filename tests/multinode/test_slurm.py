@@ -174,12 +174,13 @@ def test_a_job_failing_midway_leaves_no_ray_or_server_process(
 
 def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
         slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
-    # A 1-minute limit and a run of many steps: Slurm sends SIGTERM mid-training (then SIGKILL
-    # after KillWait=30 s); the script's trap must stop the Ray node and the server in time.
+    # A 3-minute limit and a run of many steps: Slurm sends SIGTERM mid-training (then SIGKILL
+    # after KillWait=30 s); the script's trap must stop the Ray node and the server in time. (A
+    # 1-minute limit ran out while a loaded machine was still starting the job's Ray head.)
     # `sbatch --wait`'s exit code is not asserted: for a timed-out job it need not be the script's
     # (a CI run got 0 although the trap exited 143). The job's state and the processes are what count.
     _, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path,
-                             ["trainer.total_training_steps=500", "trainer.total_epochs=500"], time_limit="1")
+                             ["trainer.total_training_steps=500", "trainer.total_epochs=500"], time_limit="3")
     assert _final_state(slurm_env, job_id) == "TIMEOUT", log[-4000:]
     assert "running: bash train_grpo.sh" in log and "caught SIGTERM" in log, log[-4000:]
     assert "command exited with status 0" not in log

