@@ -261,14 +261,14 @@ def deploy(settings: ServeSettings) -> str:
         app = serve.status().applications.get(settings.app_name)
         if app is not None:
             last = f"{app.status}: {app.message}".strip(": ")
-            routed = settings.http_port is None or settings.app_name in proxy_routes(settings.http_port).values()
-            if app.status == ApplicationStatus.RUNNING and not routed:
+            if app.status == ApplicationStatus.RUNNING:
+                # the proxy is asked only once the application runs, not on every poll before
+                if settings.http_port is None or settings.app_name in proxy_routes(settings.http_port).values():
+                    logger.info("retrieval on Ray Serve: application %r running after %.1f s (%s)",
+                                settings.app_name, time.monotonic() - start,
+                                ", ".join(f"{d}: {s.replica_states}" for d, s in app.deployments.items()))
+                    return serve_url(settings.app_name)
                 last = f"RUNNING, but Serve's HTTP proxy on 127.0.0.1:{settings.http_port} does not route it yet"
-            elif app.status == ApplicationStatus.RUNNING:
-                logger.info("retrieval on Ray Serve: application %r running after %.1f s (%s)", settings.app_name,
-                            time.monotonic() - start, ", ".join(f"{d}: {s.replica_states}"
-                                                                for d, s in app.deployments.items()))
-                return serve_url(settings.app_name)
             if app.status == ApplicationStatus.DEPLOY_FAILED:
                 break
         time.sleep(1.0)
