@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from tests.conftest import free_port as free_port  # re-exported: a port below the ephemeral range
 from verl.protocol import DataProto
 from verl.utils import batch_keys as K
 
@@ -44,13 +45,6 @@ def actor_rollout_workers(model_path: str, workers: int = 2, **overrides: object
     finally:
         group.shutdown()
         pool.release()
-
-
-def free_port() -> int:
-    """tests/conftest.py's free_port: a port below the kernel's ephemeral range, free a moment ago."""
-    from tests.conftest import free_port as drawn
-
-    return drawn()
 
 
 def make_ppo_batch(vocab_size: int, batch_size: int = 6, prompt_len: int = 8, response_len: int = 6,
