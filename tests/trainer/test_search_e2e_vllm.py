@@ -12,18 +12,23 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer._search_model import QUESTIONS
 from tests.trainer.test_search_e2e import (
     SearchWorld,
     _assert_searched_against_the_server,
     _finite,
+    _queries_answered,
     _run_with_search,
+    _search_overrides,
     serve_search_world,
 )
+from verl.trainer.main_ppo import compose_config, run_ppo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# Eager engines (tests/conftest.py, VLLM_ENGINES_IN_TESTS), but for test_grpo_step_with_search_on_vllm:
-# the product's default, torch.compile on vLLM-CPU, with the actor's weights loaded into the compiled model.
+# Eager engines (tests/conftest.py, VLLM_ENGINES_IN_TESTS), but for
+# test_grpo_step_with_search_on_the_compiled_vllm_engine_in_async_mode: the product's default,
+# torch.compile on vLLM-CPU, with the actor's weights loaded into the compiled model.
 VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"]
 VLLM_COMPILED = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=false"]
 
@@ -39,30 +44,43 @@ def vllm_search_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sear
         yield world
 
 
-def test_grpo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
-    step, served = _run_with_search(vllm_search_world, tmp_path, "grpo", extra=VLLM_COMPILED)
-    _assert_searched_against_the_server(step, served)
-    _finite(step, "actor/kl_loss")
-    # vLLM's sampling log-probs vs the actor's recomputation over policy tokens (fp32, one CPU).
-    assert step["rollout/log_prob_gap_max"] < 1e-3
-    # Several turns, one wake of the engine for the whole rollout.
-    assert step["env/number_of_actions/max"] >= 2 and step["rollout/engine_wake_ups"] == 1
+def _run_validated_step(world: SearchWorld, tmp_path: Path, adv: str, extra: list[str]) -> tuple[dict, dict, int]:
+    """A greedy validation of the initial weights (trainer.val_before_train), then one training step
+    with search; returns (step metrics, validation metrics, queries the server answered for the step:
+    all it answered less the validation's)."""
+    overrides = _search_overrides(world, tmp_path, adv, [*extra, "trainer.val_before_train=true"])
+    before = _queries_answered(world.server_url)
+    history = run_ppo(compose_config(overrides))
+    served = _queries_answered(world.server_url) - before
+    assert [h["step"] for h in history] == [0, 1]
+    val, step = history
+    # the validation searched the same server, every row of the one validation batch (both questions)
+    val_queries = val["val/env/number_of_valid_search"] * len(QUESTIONS)
+    assert val_queries > 0 and val["val/env/search_failures"] == 0
+    assert served > round(val_queries)
+    return step, val, served - round(val_queries)
 
 
-def test_ppo_step_with_search_on_vllm(ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
-    step, served = _run_with_search(vllm_search_world, tmp_path, "gae", extra=VLLM)
-    _assert_searched_against_the_server(step, served)
-    for prefix in ("critic/vf_loss", "critic/values/"):
-        _finite(step, prefix)
-
-
-def test_greedy_validation_on_vllm_gives_the_same_score_twice(
+def test_grpo_and_ppo_steps_with_search_on_vllm_whose_greedy_validations_give_the_same_score(
         ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
-    scores = []
-    for run in range(2):
-        history = _run_with_search(vllm_search_world, tmp_path / str(run), "grpo",
-                                   extra=[*VLLM, "+trainer.val_only=true"], expect_steps=[0])[0]
-        scores.append({k: v for k, v in history.items() if k.startswith("val/") and "timing" not in k})
+    # Two runs (GRPO with KL loss, PPO with a critic), each validating its initial weights greedily
+    # first (val_before_train) on the same eager vLLM engine config: the two validations, in two
+    # runs, give the same score (the former test ran two val_only runs for that alone).
+    grpo, grpo_val, served = _run_validated_step(vllm_search_world, tmp_path / "grpo", "grpo", VLLM)
+    _assert_searched_against_the_server(grpo, served)
+    _finite(grpo, "actor/kl_loss")
+    # vLLM's sampling log-probs vs the actor's recomputation over policy tokens (fp32, one CPU).
+    assert grpo["rollout/log_prob_gap_max"] < 1e-3
+    # Several turns, one wake of the engine for the whole rollout.
+    assert grpo["env/number_of_actions/max"] >= 2 and grpo["rollout/engine_wake_ups"] == 1
+
+    ppo, ppo_val, served = _run_validated_step(vllm_search_world, tmp_path / "ppo", "gae", VLLM)
+    _assert_searched_against_the_server(ppo, served)
+    for prefix in ("critic/vf_loss", "critic/values/"):
+        _finite(ppo, prefix)
+
+    scores = [{k: v for k, v in val.items() if k.startswith("val/") and "timing" not in k}
+              for val in (grpo_val, ppo_val)]
     assert scores[0] and scores[0] == scores[1]
 
 
@@ -73,13 +91,18 @@ def test_async_rollout_on_vllm_equals_sync_under_greedy(ray_cluster, vllm_search
         assert_greedy_async_equals_sync(group, vllm_search_world)
 
 
-def test_grpo_step_with_search_on_vllm_in_async_mode(ray_cluster, vllm_search_world: SearchWorld,
-                                                     tmp_path: Path) -> None:
+def test_grpo_step_with_search_on_the_compiled_vllm_engine_in_async_mode(
+        ray_cluster, vllm_search_world: SearchWorld, tmp_path: Path) -> None:
+    # The product's default engine (torch.compile on vLLM-CPU), the actor's weights loaded into the
+    # compiled model, driven by the async rollout.
     step, served = _run_with_search(vllm_search_world, tmp_path, "grpo",
-                                    extra=[*VLLM, "actor_rollout_ref.rollout.mode=async"])
+                                    extra=[*VLLM_COMPILED, "actor_rollout_ref.rollout.mode=async"])
     _assert_searched_against_the_server(step, served)
+    _finite(step, "actor/kl_loss")
+    # vLLM's sampling log-probs vs the actor's recomputation over policy tokens (fp32, one CPU).
     assert step["rollout/log_prob_gap_max"] < 1e-3
-    assert step["rollout/engine_wake_ups"] == 1
+    # Several turns, one wake of the engine for the whole rollout.
+    assert step["env/number_of_actions/max"] >= 2 and step["rollout/engine_wake_ups"] == 1
 
 
 def test_a_pipelined_run_on_vllm_samples_with_the_weights_it_was_sent(
@@ -114,8 +137,7 @@ def test_a_partial_rollout_with_lora_on_vllm_loads_the_new_adapter_between_turns
     from search_r1.search.retrieval_server import create_app
     from search_r1.search.serving import serve_in_background
     from tests.trainer.test_pipeline_lora import LORA, _adapter_numel
-    from tests.trainer.test_search_e2e import StepOneGate, _search_overrides, build_bm25_retriever
-    from verl.trainer.main_ppo import compose_config, run_ppo
+    from tests.trainer.test_search_e2e import StepOneGate, build_bm25_retriever
 
     gate = StepOneGate(monkeypatch)
     retriever = build_bm25_retriever(vllm_search_world.corpus_path, tmp_path / "index")
