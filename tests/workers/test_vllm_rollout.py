@@ -86,24 +86,37 @@ def _responses(out: DataProto) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(out.batch[K.RESPONSES], mask, strict=True)]
 
 
-def _greedy_before_and_after_update(cfg, prompts: DataProto, update: DataProto | None = None
+def _greedy_before_and_after_update(wg: RayWorkerGroup, prompts: DataProto, update: DataProto | None = None
                                     ) -> tuple[DataProto, DataProto, list[int | None], DataProto]:
-    """One worker group: greedy ids, one actor update (by default one that reinforces what was
-    generated), greedy ids again. Returns (before, after, what rollout_sleep reported for a two-call
-    rollout: the wake count per rank, the update used)."""
-    wg, pool = _group(cfg)
+    """On worker group `wg` (models loaded): greedy ids, one actor update (by default one that
+    reinforces what was generated), greedy ids again. Returns (before, after, what rollout_sleep
+    reported for a two-call rollout: the wake count per rank, the update used)."""
+    before = wg.generate_sequences(prompts)
+    update = copy.deepcopy(update if update is not None else _update_batch(before))
+    update.batch[K.OLD_LOG_PROBS] = wg.compute_log_prob(update).batch[K.OLD_LOG_PROBS]
+    wg.update_actor(update)
+    wg.rollout_wake_up()
+    after = wg.generate_sequences(prompts)
+    assert _responses(wg.generate_sequences(prompts)) == _responses(after)   # same phase, same engine
+    woke = [r["engine_wake_ups"] for r in wg.rollout_sleep()]
+    return before, after, woke, update
+
+
+@contextlib.contextmanager
+def _colocated_groups(cfgs: dict[str, object]):
+    """One worker group per config, all in the same two Ray worker processes (as the trainer
+    colocates its actor and critic): each role its own FSDP actor and engine, models loaded by the
+    caller; the processes start once instead of once per engine."""
+    from verl.single_controller.ray import create_colocated_worker_cls
+
+    pool = RayResourcePool([2], use_gpu=False)
+    cls = create_colocated_worker_cls({name: RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg, role="actor_rollout")
+                                       for name, cfg in cfgs.items()})
+    wg_dict = RayWorkerGroup(pool, cls)
     try:
-        before = wg.generate_sequences(prompts)
-        update = copy.deepcopy(update if update is not None else _update_batch(before))
-        update.batch[K.OLD_LOG_PROBS] = wg.compute_log_prob(update).batch[K.OLD_LOG_PROBS]
-        wg.update_actor(update)
-        wg.rollout_wake_up()
-        after = wg.generate_sequences(prompts)
-        assert _responses(wg.generate_sequences(prompts)) == _responses(after)   # same phase, same engine
-        woke = [r["engine_wake_ups"] for r in wg.rollout_sleep()]
-        return before, after, woke, update
+        yield wg_dict.spawn(prefix_set=cfgs.keys())
     finally:
-        wg.shutdown()
+        wg_dict.shutdown()
         pool.release()
 
 
@@ -111,11 +124,20 @@ def _greedy_before_and_after_update(cfg, prompts: DataProto, update: DataProto |
 def test_greedy_ids_agree_across_hf_vllm_and_tensor_parallel_vllm_before_and_after_an_update(
         vllm_model_dir: str, ray_cluster) -> None:
     prompts = _prompts(vllm_model_dir, do_sample=False)
-    hf_before, hf_after, _, update = _greedy_before_and_after_update(_config(vllm_model_dir, "hf"), prompts)
-    tp1_before, tp1_after, tp1_woke, _ = _greedy_before_and_after_update(
-        _config(vllm_model_dir, "vllm"), prompts, update)
-    tp2_before, tp2_after, tp2_woke, _ = _greedy_before_and_after_update(
-        _config(vllm_model_dir, "vllm", tensor_model_parallel_size=2), prompts, update)
+    # The HF engine's worker role shares its two processes with the vLLM TP=2 engine's role (one start
+    # of two Ray workers less); the HF role runs first, before the vLLM engine is built beside it.
+    with _colocated_groups({"hf": _config(vllm_model_dir, "hf"),
+                            "tp2": _config(vllm_model_dir, "vllm", tensor_model_parallel_size=2)}) as groups:
+        groups["hf"].init_model()
+        hf_before, hf_after, _, update = _greedy_before_and_after_update(groups["hf"], prompts)
+        groups["tp2"].init_model()
+        tp2_before, tp2_after, tp2_woke, _ = _greedy_before_and_after_update(groups["tp2"], prompts, update)
+    wg, pool = _group(_config(vllm_model_dir, "vllm"))
+    try:
+        tp1_before, tp1_after, tp1_woke, _ = _greedy_before_and_after_update(wg, prompts, update)
+    finally:
+        wg.shutdown()
+        pool.release()
     # The same update (deterministic: same data, same kernels) changed what greedy decoding writes,
     # and every engine saw the new weights.
     assert _responses(hf_after) != _responses(hf_before)
