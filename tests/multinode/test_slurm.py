@@ -4,7 +4,9 @@ scripts/slurm/train_grpo.sbatch` runs one GRPO step with search to completion: t
 the Ray head with srun, the retrieval server (retrieval_launch.sh over a BM25 index of the tiny
 corpus), trains through train_grpo.sh, and stops everything. A second job that fails midway
 (after Ray and the server are up) must leave no Ray or server process behind; a job with a bad
-override fails in its preflight, before any Ray node or the server starts.
+override fails in its preflight, before any Ray node or the server starts; a job timed out by Slurm
+mid-training, and one whose Ray head cannot start, leave nothing behind either. Each job is submitted
+with `sbatch` and polled every second (`sbatch --wait` polls at 2, 8, then every 32 s here).
 
 If the Slurm daemons cannot start, the tests fail with local_cluster.sh's reason.
 """
@@ -58,9 +60,9 @@ def tiny_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return corpus, index
 
 
-def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], out: Path,
-            extra: list[str], time_limit: str = "00:20:00", **job_vars: str) -> tuple[int, str, str]:
-    """Submit train_grpo.sbatch (one node, 2 CPUs, 1 CPU worker), wait for it; (exit code, job id, log)."""
+def _submit(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], out: Path,
+            extra: list[str], time_limit: str = "00:20:00", **job_vars: str) -> tuple[str, Path]:
+    """Submit train_grpo.sbatch (one node, 2 CPUs, 1 CPU worker); (job id, its log file)."""
     corpus, index_dir = index
     overrides = [o for o in toy_overrides(world.model_dir, world.data, str(out / "ckpt"), adv_estimator="grpo",
                                           n_workers=1, batch_size=BATCH_SIZE, n_agent=N_AGENT, response_length=40)
@@ -76,27 +78,59 @@ def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], o
                    retriever_name="bm25", index_file=str(index_dir), corpus_file=str(corpus))
     job_env.update(job_vars)
     log = out / "job.out"
+    # Not `sbatch --wait`: it polls the job after 2, 8, then every 32 s (its interval grows up to
+    # MinJobAge / 2), so a job that ended a second after a poll was waited on for up to 32 s more.
     proc = subprocess.run(
-        ["sbatch", "--parsable", "--wait", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+        ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
          "--cpus-per-task=2", f"--time={time_limit}", f"--output={log}", "--job-name=search-r1-test",
          str(SBATCH), *overrides],
-        cwd=REPO, env=job_env, capture_output=True, text=True, timeout=1500)
+        cwd=REPO, env=job_env, capture_output=True, text=True, timeout=120)
     job_id = proc.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}\n{proc.stderr}"
-    return proc.returncode, job_id, log.read_text() if log.exists() else ""
+    assert proc.returncode == 0 and job_id.isdigit(), f"sbatch did not submit: {proc.stdout}\n{proc.stderr}"
+    return job_id, log
 
 
-def _final_state(env: dict[str, str], job_id: str, timeout_s: float = 90.0) -> str:
-    """The job's state once Slurm has finished ending it (`sbatch --wait` may return while it is
-    still COMPLETING, i.e. while slurmd is still tearing the job down)."""
+def _job(env: dict[str, str], job_id: str) -> tuple[str, str]:
+    """(JobState, ExitCode) of the job as `scontrol show job` has them."""
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    state, code = re.search(r"JobState=(\S+)", out), re.search(r"ExitCode=(\d+:\d+)", out)
+    return (state.group(1) if state else out.strip()), (code.group(1) if code else "")
+
+
+def _ended(state: str) -> bool:
+    # COMPLETING: the job ended but slurmd is still tearing it down (its processes may still run)
+    return state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+
+
+def _wait(env: dict[str, str], job_id: str, log: Path, timeout_s: float = 1500.0) -> tuple[int, str]:
+    """Wait (polling every second) until Slurm has finished ending the job; (exit code, log). The exit
+    code is the one `sbatch --wait` returns: the script's exit status, 1 if a signal ended it."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
-        match = re.search(r"JobState=(\S+)", out)
-        state = match.group(1) if match else out.strip()
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") or time.monotonic() > deadline:
-            return state
+    while not _ended(state := _job(env, job_id)[0]):
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=env)
+            text = log.read_text() if log.exists() else ""
+            pytest.fail(f"job {job_id} still {state} after {timeout_s:.0f}s (cancelled):\n{text[-4000:]}")
         time.sleep(1)
+    code = _job(env, job_id)[1]
+    assert re.fullmatch(r"\d+:\d+", code), f"job {job_id}: no ExitCode ({state})"
+    status, signal = map(int, code.split(":"))
+    return (1 if signal else status), (log.read_text() if log.exists() else "")
+
+
+def _sbatch(env: dict[str, str], world: SearchWorld, index: tuple[Path, Path], out: Path,
+            extra: list[str], time_limit: str = "00:20:00", **job_vars: str) -> tuple[int, str, str]:
+    """Submit train_grpo.sbatch, wait for the job to end; (exit code, job id, log)."""
+    job_id, log = _submit(env, world, index, out, extra, time_limit, **job_vars)
+    rc, text = _wait(env, job_id, log)
+    return rc, job_id, text
+
+
+def _final_state(env: dict[str, str], job_id: str) -> str:
+    """The job's state (once `_wait` has seen it end: Slurm has finished ending it, not COMPLETING)."""
+    state = _job(env, job_id)[0]
+    assert _ended(state), state
+    return state
 
 
 def _leftovers(job_id: str, retriever_port: str | None = None) -> list[str]:
@@ -174,13 +208,29 @@ def test_a_job_failing_midway_leaves_no_ray_or_server_process(
 
 def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
         slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
-    # A 3-minute limit and a run of many steps: Slurm sends SIGTERM mid-training (then SIGKILL
-    # after KillWait=30 s); the script's trap must stop the Ray node and the server in time. (A
-    # 1-minute limit ran out while a loaded machine was still starting the job's Ray head.)
-    # `sbatch --wait`'s exit code is not asserted: for a timed-out job it need not be the script's
-    # (a CI run got 0 although the trap exited 143). The job's state and the processes are what count.
-    _, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path,
-                             ["trainer.total_training_steps=500", "trainer.total_epochs=500"], time_limit="3")
+    # A run of many steps under a 20-minute limit; once its first step is in the log, the limit is
+    # lowered to 1 minute (already run out, or about to), so Slurm times the job out mid-training: the
+    # time-limit check sends SIGTERM (then SIGKILL after KillWait=30 s) and the script's trap must stop
+    # the Ray node and the server in time. (A fixed limit raced the job's start: 1 minute ran out while
+    # a loaded machine was still starting the job's Ray head, and 3 minutes cost 3.5 on an idle one.)
+    # The job's exit code is not asserted: for a timed-out job it need not be the script's (a CI run's
+    # `sbatch --wait` got 0 although the trap exited 143). The job's state and the processes count.
+    # PREFLIGHT=0: the config check before Ray starts (25 s on a loaded machine) plays no part here.
+    job_id, log_file = _submit(dict(slurm_env, PREFLIGHT="0"), search_world, tiny_index, tmp_path,
+                               ["trainer.total_training_steps=500", "trainer.total_epochs=500"])
+    deadline = time.monotonic() + 1200
+    while True:
+        text = log_file.read_text() if log_file.exists() else ""
+        if re.search(r"^step:1 - ", text, re.M):
+            break
+        state = _job(slurm_env, job_id)[0]
+        assert not _ended(state), f"job {job_id} ended ({state}) before its first step:\n{text[-4000:]}"
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=slurm_env)
+            pytest.fail(f"job {job_id}: no first step after 1200 s (cancelled):\n{text[-4000:]}")
+        time.sleep(1)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], env=slurm_env, check=True)
+    _, log = _wait(slurm_env, job_id, log_file)
     assert _final_state(slurm_env, job_id) == "TIMEOUT", log[-4000:]
     assert "running: bash train_grpo.sh" in log and "caught SIGTERM" in log, log[-4000:]
     assert "command exited with status 0" not in log
@@ -197,8 +247,9 @@ def test_a_ray_head_that_cannot_start_fails_the_job_at_once_naming_it(
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("", port + 1))
         taken.listen()
+        # PREFLIGHT=0: the config check before the head starts (seconds of CPU) plays no part here
         rc, job_id, log = _sbatch(slurm_env, search_world, tiny_index, tmp_path, [], time_limit="5",
-                                  RAY_PORT=str(port))
+                                  RAY_PORT=str(port), PREFLIGHT="0")
     assert rc != 0, log[-4000:]
     assert re.search(r"ERROR: ray head on \S+ exited; see its output above", log), log[-4000:]
     for later in ("retrieval server up", "running: "):
