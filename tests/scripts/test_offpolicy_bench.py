@@ -18,7 +18,12 @@ pytestmark = pytest.mark.slow
 def test_the_offpolicy_bench_prints_both_modes_figures_at_a_retrieval_latency(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench.offpolicy", "--pipeline", "one_step_off", "--retrieval_latency_ms", "150",
-         "--steps", "3", "--repeats", "1", "--train_batch_size", "4", "--workdir", str(tmp_path)],
+         # the smallest run that shows every figure: 3 steps (the push of step 1's weights happens
+         # before batch 3 is rolled out, and s_per_step is over the steps after the first), one run of
+         # each mode, 2 prompts x 5 (10 rollouts: they divide over sync's 2 workers), and the pipeline
+         # on 1 train + 1 rollout worker (the bench's default 2 + 1 starts one more process)
+         "--steps", "3", "--repeats", "1", "--train_batch_size", "2", "--pipeline_workers", "2",
+         "--workdir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)          # stdout is the JSON object alone

@@ -223,6 +223,14 @@ def test_a_thousand_concurrent_clients_are_all_answered(bound: int | None, serve
     from scripts.bench.retrieval_load import ROOT, main
 
     monkeypatch.setenv("SEARCH_R1_CACHE", str(tmp_path / "cache"))
+    # Each client is its own httpx.AsyncClient, and httpx loads a CA bundle into a new SSL context per
+    # client (SSL_CERT_FILE's or certifi's: ~75 ms of CPU each on a loaded 2-core machine, 1,000 of them
+    # blocking the clients' event loop and taking the cores from the server). The clients speak plain
+    # HTTP to 127.0.0.1 and never use it: an empty SSL_CERT_DIR (looked up lazily: ~5 ms a client)
+    # keeps that cost out of a test of the server. The --serve ray subprocess inherits it.
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path / "no_certs"))
+    (tmp_path / "no_certs").mkdir()
     args = ["--clients", "1000", "--queries", "4"] + ([] if bound is None else ["--max_pending_queries", str(bound)])
     if bound is not None:
         # A bound of 8 turns away ~2,300 requests; on a loaded CI machine the default budget of 8
