@@ -76,7 +76,8 @@ def retrying_session(max_retries: int, backoff_factor: float, timeout: float, po
     """A requests Session with the retrieval clients' retry policy: connection failures, resets while
     reading and 5xx answers resent up to `max_retries` times with exponential backoff (POST included:
     the endpoints are read-only), a 503's Retry-After honoured up to `timeout`, a read timeout and 4xx
-    answers never resent; the last 5xx is handed back rather than raised."""
+    answers never resent; the last 5xx is handed back rather than raised. A backoff never exceeds
+    `timeout` either (urllib3's own cap is 120 s)."""
     retry = _Retry(
         total=max_retries,
         connect=max_retries,
@@ -87,6 +88,7 @@ def retrying_session(max_retries: int, backoff_factor: float, timeout: float, po
         allowed_methods=frozenset({"GET", "POST"}),
         status_forcelist=RETRYABLE_STATUS,
         backoff_factor=backoff_factor,
+        backoff_max=timeout,
         raise_on_status=False,
         respect_retry_after_header=True,
     )
@@ -194,7 +196,9 @@ class _RetrieveEndpoint:
             if answer is not None:
                 raise_for_retrieve_status(answer, self.url, self.max_retries)
             raise RetrievalUnavailable(self._unreachable_text(failure), None, self.url) from failure
-        wait = self.backoff_factor * 2 ** retry
+        # doubling, but never past `timeout` (as a Retry-After is not): uncapped, a client an overloaded
+        # server refused 12 times in a row slept backoff_factor * 4096 s before the next try (34 min at 0.5)
+        wait = min(self.backoff_factor * 2 ** retry, self.timeout)
         return max(wait, retry_after_s(answer, self.timeout)) if answer is not None else wait
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 
 import pytest
 from fastapi import FastAPI
+from urllib3.exceptions import ConnectTimeoutError
 
 from search_r1.search.async_client import AsyncRetrievalClient
 from search_r1.search.client import (
@@ -18,6 +19,7 @@ from search_r1.search.client import (
     RetrievalClient,
     RetrievalTimeout,
     RetrievalUnavailable,
+    retrying_session,
 )
 from search_r1.search.schema import RetrieveRequest
 from tests.conftest import free_port
@@ -158,3 +160,16 @@ def test_waiting_for_a_pooled_connection_is_not_a_server_timeout(
         answers = asyncio.run(many(base + "/retrieve"))
     assert [a[0][0].doc_id for a in answers] == [f"q{i}" for i in range(n_requests)]
     assert calls == n_requests   # no request was retried
+
+
+@pytest.mark.parametrize("timeout", [0.5, 3.0])
+def test_the_doubling_backoff_never_waits_past_the_timeout_in_either_client(timeout: float) -> None:
+    # refused 12 times in a row, a client slept backoff_factor * 2**12 s (34 min at 0.5) before its next try
+    client = AsyncRetrievalClient("http://127.0.0.1:9/retrieve", max_retries=16, backoff_factor=0.5, timeout=timeout)
+    waits = [client._wait_before_retry(retry, None, ConnectionError("refused")) for retry in range(16)]
+    assert waits[:2] == [min(0.5, timeout), min(1.0, timeout)]
+    assert max(waits) == timeout and waits[-1] == timeout
+    retry = retrying_session(max_retries=16, backoff_factor=0.5, timeout=timeout).get_adapter("http://x").max_retries
+    for _ in range(12):
+        retry = retry.increment("POST", "/retrieve", error=ConnectTimeoutError("refused"))
+    assert retry.get_backoff_time() == timeout
