@@ -22,6 +22,15 @@ pytestmark = pytest.mark.slow
 
 # SmolLM2's chat template wraps the Search-R1 prompt (~300 of its tokens) in a system turn.
 LONG_PROMPTS = ["data.max_start_length=512", "data.max_prompt_length=1024", "data.max_obs_length=200"]
+# The step's size (its time is the update's and the rollout's tokens): one question x a GRPO group of 2, one
+# row on each of the 2 workers (so the engines still get FSDP-gathered weights), 24 tokens a turn.
+SMALL_STEP_ROLLOUTS = 2
+SMALL_STEP = ["data.train_batch_size=1", "data.val_batch_size=1", "actor_rollout_ref.rollout.n_agent=2",
+              "data.max_response_length=24",
+              *(f"{key}={SMALL_STEP_ROLLOUTS}" for key in (
+                  "actor_rollout_ref.rollout.micro_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size",
+                  "actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+                  "actor_rollout_ref.ref.log_prob_micro_batch_size", "critic.ppo_micro_batch_size"))]
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +50,14 @@ def test_grpo_step_with_search_on_smollm2(ray_cluster, smollm2_world: SearchWorl
     # Eager vLLM (tests/conftest.py, VLLM_ENGINES_IN_TESTS): torch.compile of SmolLM2 on vLLM-CPU made
     # this test 208 s, where the HF engine's step took 70 s.
     step, served = _run_with_search(smollm2_world, tmp_path, "grpo",
-                                    extra=["actor_rollout_ref.rollout.name=vllm", *LONG_PROMPTS,
+                                    extra=["actor_rollout_ref.rollout.name=vllm", *LONG_PROMPTS, *SMALL_STEP,
                                            "actor_rollout_ref.rollout.enforce_eager=true"])
     for prefix in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/"):
         _finite(step, prefix)
     assert step["actor/grad_nonfinite"] == 0
     assert step["response_length/mean"] > 0
     # Every search the rollout counted reached the server, and nothing else was sent.
-    assert served == round(step["env/number_of_valid_search"] * 4)
+    assert served == round(step["env/number_of_valid_search"] * SMALL_STEP_ROLLOUTS)
     assert step["env/search_failures"] == 0
     # The engine's sampling log-probs vs the actor's recomputation (fp32, one CPU, 135M params).
     assert step["rollout/log_prob_gap_max"] < 1e-2, step["rollout/log_prob_gap_max"]

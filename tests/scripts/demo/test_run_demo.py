@@ -53,7 +53,12 @@ def test_the_server_started_for_the_demo_is_stopped_afterwards(tmp_path: Path) -
         requests.get(url.replace("/retrieve", "/health"), timeout=2)
 
 
-def _check_outputs_and_evaluate_sh(summary, tmp_path: Path) -> None:
+def _joined(ray_cluster) -> dict[str, str]:
+    """evaluate.sh's environment to join the session's Ray (RAY_ADDRESS) instead of starting one of its own."""
+    return {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+
+
+def _check_outputs_and_evaluate_sh(summary, tmp_path: Path, ray_cluster) -> None:
     """The demo's summary, plot, HF export and metrics; then evaluate.sh reads its checkpoint."""
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     for key in ("val_em_before", "val_em_after", "wall_seconds", "checkpoint_dir", "hf_model_dir",
@@ -77,7 +82,7 @@ def _check_outputs_and_evaluate_sh(summary, tmp_path: Path) -> None:
         env = {**os.environ, "BASE_MODEL": summary.hf_model_dir, "DATA_DIR": str(data), "N_GPUS": "1",
                "OUTPUT_JSON": str(tmp_path / "eval.json"), "RETRIEVER_URL": url, "OMP_NUM_THREADS": "1",
                # evaluate.sh runs `python3` as a user with the venv activated would (CI does not activate it).
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **_joined(ray_cluster)}
         proc = subprocess.run(["bash", "scripts/nq_hotpotqa/evaluate.sh", "data.max_response_length=16",
                                "data.max_obs_length=128", "data.max_prompt_length=768",
                                "data.max_start_length=256", "max_turns=2"],
@@ -98,13 +103,13 @@ SHIPPED_MODEL_KEYS = ("demo.n_demos", "demo.sft_world_seeds", "demo.sft_steps", 
 
 
 def evaluate_sh(model_dir: str, tmp: Path, url: str, name: str, n_gpus: int = 1,
-                extra: tuple[str, ...] = ()) -> dict:
+                extra: tuple[str, ...] = (), env_extra: dict[str, str] | None = None) -> dict:
     """scripts/nq_hotpotqa/evaluate.sh on `model_dir` (the demo's lengths, its data and server): its JSON."""
     out = tmp / f"{name}.json"
     env = {**os.environ, "BASE_MODEL": model_dir, "DATA_DIR": str(tmp / "data"), "N_GPUS": str(n_gpus),
            "OUTPUT_JSON": str(out), "RETRIEVER_URL": url, "OMP_NUM_THREADS": "1",
            # evaluate.sh runs `python3` as a user with the venv activated would (CI does not activate it).
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **(env_extra or {})}
     proc = subprocess.run(["bash", "scripts/nq_hotpotqa/evaluate.sh", "data.max_response_length=40",
                            "data.max_obs_length=128", "data.max_prompt_length=768",
                            "data.max_start_length=256", "max_turns=2", *extra],
@@ -114,10 +119,11 @@ def evaluate_sh(model_dir: str, tmp: Path, url: str, name: str, n_gpus: int = 1,
 
 
 @pytest.mark.slow
-def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(tmp_path: Path) -> None:
+def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(ray_cluster, tmp_path: Path) -> None:
     """A LoRA run's hf/ export is the adapter; evaluate.sh on it reproduces the run's last validation EM,
     which differs from the run's EM before training (the base alone: the adapter starts as a no-op,
-    B = 0), so evaluate.sh applied the adapter. One evaluate.sh run (each takes a minute or two)."""
+    B = 0), so evaluate.sh applied the adapter. One evaluate.sh run (each takes a minute or two).
+    The demo and evaluate.sh join the session's Ray (ray_cluster) instead of each starting its own."""
     args = [a for a in tiny_args(tmp_path) if a.partition("=")[0] not in SHIPPED_MODEL_KEYS]
     summary = run_demo([*args, "actor_rollout_ref.model.lora_rank=8",
                         "actor_rollout_ref.model.lora_alpha=16",
@@ -135,7 +141,7 @@ def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(t
     # The demo's validation settings: its 2 workers, batch, rollout chunk and retrieval depth (greedy both).
     same = ("data.val_batch_size=16", "actor_rollout_ref.rollout.micro_batch_size=256", "retriever.topk=2")
     with retrieval_server(None, data / "bm25", data / "corpus.jsonl", 2, tmp_path / "srv.log") as url:
-        on_adapter = evaluate_sh(str(hf), tmp_path, url, "adapter", 2, same)
+        on_adapter = evaluate_sh(str(hf), tmp_path, url, "adapter", 2, same, _joined(ray_cluster))
         proc = subprocess.run(
             [sys.executable, "infer.py", "--question", "Who founded Tupemi Wenvios?", "--model_path", str(hf),
              "--retriever_url", url, "--topk", "2", "--max_turns", "2", "--device", "cpu", "--max_new_tokens", "16"],
@@ -163,13 +169,16 @@ _LOAD_DEPENDENT = ("timing", "perf/", "throughput")
 
 @pytest.mark.slow
 def test_two_tiny_demo_runs_with_the_same_seed_give_identical_numbers_idle_or_busy_and_evaluate_sh_reads_them(
-        tmp_path: Path) -> None:
+        ray_cluster, tmp_path: Path) -> None:
     """The tiny demo end to end (its outputs, and evaluate.sh on its checkpoint), then the same run again
-    beside a busy loop: every number but the timings identical. One test: each demo run is minutes."""
-    args = [*tiny_args(tmp_path), "trainer.total_training_steps=2"]
+    beside a busy loop: every number but the timings identical. One test: each demo run is minutes, most of
+    it starting Ray and the workers, so both runs and evaluate.sh join the session's Ray (ray_cluster; its
+    workers compute on one thread each, as the demo's own Ray's do), and the runs validate on one question per
+    kind (both sources)."""
+    args = [*tiny_args(tmp_path), "trainer.total_training_steps=2", "demo.n_val_per_kind=1"]
     first = run_demo(args)
     first_records = Path(first.metrics_path).read_text().splitlines()
-    _check_outputs_and_evaluate_sh(first, tmp_path)
+    _check_outputs_and_evaluate_sh(first, tmp_path, ray_cluster)
     # The second run shares the machine with a busy loop (one core of two): load must not matter.
     busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
     try:
