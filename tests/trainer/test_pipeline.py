@@ -150,42 +150,13 @@ def _assert_one_step_off_trains_each_batch_one_update_after_the_weights_that_sam
     assert len(set(reward.batches)) == 4      # four different batches, each trained once
 
 
-@pytest.mark.slow   # three pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
-def test_one_step_off_staleness_and_a_run_killed_mid_pipeline_resumes_without_training_a_batch_twice(
-        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
-    # 16 prompts, batch 4: one epoch of 4 distinct batches. The straight run is one_step_off's timeline
-    # (checkpointing every 2 steps changes nothing it trains). The second run checkpoints at step 2 and
-    # dies in step 3, with batch 4 already drawn and rolled out by the producer. The resumed run
-    # must train batches 3 and 4 (rolling them out again, with its weights), and nothing else.
-    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    extra = [*PIPELINE, "trainer.save_freq=2"]
-    straight, straight_reward = _run(tiny_model_dir, data, tmp_path / "straight", 4, 4, extra)
-    _assert_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(straight, straight_reward)
-    killed = RecordingReward(tok, fail_at=3)
-    with pytest.raises(RuntimeError, match="killed mid-pipeline"):
-        _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra, reward=killed)
-    assert ck.find_resume_dir(tmp_path / "resumed", "auto") == tmp_path / "resumed" / "global_step_2"
-    resumed, resumed_reward = _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra)
-    assert [h["step"] for h in resumed] == [3, 4]
-    trained = killed.batches[:2] + resumed_reward.batches
-    assert trained == straight_reward.batches
-    assert len(set(trained)) == 4
-    # the resumed run pushed the checkpoint's weights before its first rollout
-    assert resumed[0]["pipeline/policy_version"] == 2.0 and resumed[0]["pipeline/staleness"] == 0.0
-
-
-@pytest.mark.slow   # two pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
-def test_a_resumed_pipelined_run_gives_the_rollout_pool_the_checkpoints_weights_before_validating(
-        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+def _assert_validation_from_the_checkpoint_samples_with_its_weights(
+        model_dir: str, data: Any, ckpt: Path, extra: list[str]) -> None:
     # The checkpoint restores the train pool; the rollout pool starts from the model's own weights and
     # must get the checkpoint's before anything samples from it (here: +trainer.val_only validation).
-    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
-    extra = ["trainer.pipeline=one_step_off", "trainer.rollout_pool=1", "trainer.save_freq=2"]
-    _run(tiny_model_dir, data, tmp_path / "run", 2, 2, extra)
-    overrides = toy_overrides(tiny_model_dir, data, str(tmp_path / "run"), adv_estimator="grpo", steps=2, n_workers=2)
+    overrides = toy_overrides(model_dir, data, str(ckpt), adv_estimator="grpo", steps=4, n_workers=4)
     cfg = main_ppo.compose_config([*overrides, *extra, "+trainer.val_only=true"])
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = main_ppo.build_trainer(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
     try:
         trainer.init_workers()
@@ -198,7 +169,30 @@ def test_a_resumed_pipelined_run_gives_the_rollout_pool_the_checkpoints_weights_
         trainer.shutdown()
 
 
-# ---------------------------------------------------------------------------- config
+@pytest.mark.slow   # four pipelined runs: in CI's slow suite (the default suite's 15-minute goal)
+def test_one_step_off_staleness_and_a_killed_runs_checkpoint_validates_with_its_weights_and_resumes_without_training_a_batch_twice(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    # 16 prompts, batch 4: one epoch of 4 distinct batches. The straight run is one_step_off's timeline
+    # (checkpointing every 2 steps changes nothing it trains). The second run checkpoints at step 2 and
+    # dies in step 3, with batch 4 already drawn and rolled out by the producer. Validation alone from
+    # its checkpoint samples with the checkpoint's weights (val_only). The resumed run must train batches 3 and 4 (rolling them out again, with its weights), and nothing else.
+    data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    extra = [*PIPELINE, "trainer.save_freq=2"]
+    straight, straight_reward = _run(tiny_model_dir, data, tmp_path / "straight", 4, 4, extra)
+    _assert_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(straight, straight_reward)
+    killed = RecordingReward(tok, fail_at=3)
+    with pytest.raises(RuntimeError, match="killed mid-pipeline"):
+        _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra, reward=killed)
+    assert ck.find_resume_dir(tmp_path / "resumed", "auto") == tmp_path / "resumed" / "global_step_2"
+    _assert_validation_from_the_checkpoint_samples_with_its_weights(tiny_model_dir, data, tmp_path / "resumed", extra)
+    resumed, resumed_reward = _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra)
+    assert [h["step"] for h in resumed] == [3, 4]
+    trained = killed.batches[:2] + resumed_reward.batches
+    assert trained == straight_reward.batches
+    assert len(set(trained)) == 4
+    # the resumed run pushed the checkpoint's weights before its first rollout
+    assert resumed[0]["pipeline/policy_version"] == 2.0 and resumed[0]["pipeline/staleness"] == 0.0
 
 
 def _config(*overrides: str) -> Any:
