@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,21 @@ from scripts.bench.toy_task import toy_overrides
 from tests.conftest import free_port, free_port_pair
 from tests.multinode._local_ray import REPO, ray_env
 from tests.trainer._search_model import TOPK, build_bm25_retriever, write_corpus
-from tests.trainer.test_search_e2e import BATCH_SIZE, N_AGENT, SearchWorld
+from tests.trainer.test_search_e2e import BATCH_SIZE, N_AGENT, SearchWorld, serve_search_world
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
 SBATCH = REPO / "scripts" / "slurm" / "train_grpo.sbatch"
+
+
+@pytest.fixture(scope="module")
+def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SearchWorld]:
+    """This module's own search world (the warmed-up model and the question parquets; the jobs start their
+    own servers), instead of the package's: a test using a package-scoped fixture joins the package's xdist
+    group, which put these jobs on one worker after every two-node test (~1,500 s in a row)."""
+    with serve_search_world(tmp_path_factory.mktemp("slurm_search_world"), tiny_model_dir) as world:
+        yield world
 
 
 @pytest.fixture(scope="module")

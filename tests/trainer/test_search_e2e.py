@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -42,6 +43,38 @@ class SearchWorld:
     index_path: str = ""
 
 
+def _warmed_up_once(base_model_dir: str, retriever: Any, out_dir: Path, steps: int) -> Path:
+    """warm_up_searching_model's folder, copied to `out_dir` from the run's SEARCH_R1_CACHE where the same
+    warm-up was saved before (xdist workers share it; .ci/run's two suites share one): the 200 steps took
+    10-170 s a world, and the default suite, the slow suite's modules and the multinode package each built
+    the same one. Keyed by the base folder's bytes, the warm-up's source (corpus, questions, layout) and
+    the library versions, so a different model or warm-up never gets another's weights."""
+    import hashlib
+    import shutil
+
+    import bm25s
+    import torch
+    import transformers
+
+    from tests.conftest import RUN_CACHE, run_lock
+    from tests.trainer import _search_model
+
+    key = hashlib.sha256(f"{steps}|{torch.__version__}|{transformers.__version__}|{bm25s.__version__}".encode())
+    key.update(Path(_search_model.__file__).read_bytes())
+    for f in sorted(Path(base_model_dir).rglob("*")):
+        if f.is_file():
+            key.update(str(f.relative_to(base_model_dir)).encode() + b"\0" + f.read_bytes())
+    cached = RUN_CACHE / "search_warm_ups" / key.hexdigest()[:24]
+    with run_lock(f"warm_up_{cached.name}"):
+        if not cached.is_dir():
+            tmp = cached.with_name(cached.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            warm_up_searching_model(base_model_dir, retriever, tmp, steps=steps)
+            tmp.replace(cached)
+    shutil.copytree(cached, out_dir)
+    return out_dir
+
+
 @contextmanager
 def serve_search_world(root: Path, base_model_dir: str) -> Iterator[SearchWorld]:
     """A BM25 server over the tiny corpus, the model at `base_model_dir` warmed up to search it,
@@ -52,7 +85,7 @@ def serve_search_world(root: Path, base_model_dir: str) -> Iterator[SearchWorld]
     corpus = write_corpus(root / "corpus.jsonl")
     retriever = build_bm25_retriever(corpus, root / "index")
     # The warm-up reads the retriever directly, so the server's counters start at zero.
-    model_dir = warm_up_searching_model(base_model_dir, retriever, root / "model", steps=200)
+    model_dir = _warmed_up_once(base_model_dir, retriever, root / "model", steps=200)
     data = write_question_parquets(root / "data")
     with serve_in_background(create_app(retriever)) as url:
         yield SearchWorld(server_url=url, model_dir=str(model_dir), data=data, corpus_path=str(corpus),
