@@ -252,7 +252,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 # (the same model folder, inductor's cache warm) to 30 s (a new folder) more than an eager engine's ~8 s
 # on 2 cores; vLLM's own compile cache fails to load ("'function' object has no attribute
 # 'finalize_loading'"). The slow suite built ~20 engines. One test keeps the compiled engine, with the
-# actor's weights loaded into it: test_search_e2e_vllm.py::test_grpo_step_with_search_on_vllm.
+# actor's weights loaded into it: test_search_e2e_vllm.py::test_ppo_step_with_search_on_the_compiled_vllm_engine_in_async_mode.
 
 
 @pytest.fixture(scope="session")
