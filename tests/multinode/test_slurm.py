@@ -19,7 +19,7 @@ import re
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -112,16 +112,25 @@ def _ended(state: str) -> bool:
     return state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
 
 
+def _poll(env: dict[str, str], job_id: str, log: Path, done: Callable[[str, str], bool], timeout_s: float,
+          waited_for: str) -> tuple[str, str]:
+    """Poll the job's state and log every second until done(state, log text); (state, log text). Past
+    `timeout_s` the job is cancelled and the test fails, naming what it `waited_for`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state, text = _job(env, job_id)[0], (log.read_text() if log.exists() else "")
+        if done(state, text):
+            return state, text
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=env)
+            pytest.fail(f"job {job_id} still {state}, {waited_for} after {timeout_s:.0f}s (cancelled):\n{text[-4000:]}")
+        time.sleep(1)
+
+
 def _wait(env: dict[str, str], job_id: str, log: Path, timeout_s: float = 1500.0) -> tuple[int, str]:
     """Wait (polling every second) until Slurm has finished ending the job; (exit code, log). The exit
     code is the one `sbatch --wait` returns: the script's exit status, 1 if a signal ended it."""
-    deadline = time.monotonic() + timeout_s
-    while not _ended(state := _job(env, job_id)[0]):
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], env=env)
-            text = log.read_text() if log.exists() else ""
-            pytest.fail(f"job {job_id} still {state} after {timeout_s:.0f}s (cancelled):\n{text[-4000:]}")
-        time.sleep(1)
+    state, _ = _poll(env, job_id, log, lambda state, _: _ended(state), timeout_s, "not ended")
     code = _job(env, job_id)[1]
     assert re.fullmatch(r"\d+:\d+", code), f"job {job_id}: no ExitCode ({state})"
     status, signal = map(int, code.split(":"))
@@ -228,17 +237,12 @@ def test_a_job_hitting_its_time_limit_stops_ray_and_the_server(
     # PREFLIGHT=0: the config check before Ray starts (25 s on a loaded machine) plays no part here.
     job_id, log_file = _submit(dict(slurm_env, PREFLIGHT="0"), search_world, tiny_index, tmp_path,
                                ["trainer.total_training_steps=500", "trainer.total_epochs=500"])
-    deadline = time.monotonic() + 1200
-    while True:
-        text = log_file.read_text() if log_file.exists() else ""
-        if re.search(r"^step:1 - ", text, re.M):
-            break
-        state = _job(slurm_env, job_id)[0]
-        assert not _ended(state), f"job {job_id} ended ({state}) before its first step:\n{text[-4000:]}"
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], env=slurm_env)
-            pytest.fail(f"job {job_id}: no first step after 1200 s (cancelled):\n{text[-4000:]}")
-        time.sleep(1)
+    def stepped(text: str) -> bool:
+        return re.search(r"^step:1 - ", text, re.M) is not None
+
+    state, text = _poll(slurm_env, job_id, log_file, lambda state, text: stepped(text) or _ended(state), 1200,
+                        "no first step")
+    assert stepped(text), f"job {job_id} ended ({state}) before its first step:\n{text[-4000:]}"
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], env=slurm_env, check=True)
     _, log = _wait(slurm_env, job_id, log_file)
     assert _final_state(slurm_env, job_id) == "TIMEOUT", log[-4000:]
