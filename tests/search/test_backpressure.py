@@ -236,6 +236,13 @@ def test_a_thousand_concurrent_clients_are_all_answered(bound: int | None, serve
         # A bound of 8 turns away ~2,300 requests; on a loaded CI machine the default budget of 8
         # retries once left some unanswered behind Serve's proxy: the test gives them 16.
         args += ["--max_retries", "16"]
+    else:
+        # Serve's proxy (one process) answers the 1,000 clients' requests in turn: idle here its p99 is
+        # ~19 s (docs/retriever.md), but in CI the other xdist workers' vLLM and training runs share the
+        # 2 cores, and there the test took 302 s and 1,789 requests hit the bench's 60 s client timeout
+        # still queued behind the proxy. What this test asserts is that all are answered and the server
+        # ends alive with nothing pending, not a latency (the bench's figure): the clients wait 300 s.
+        args += ["--timeout", "300"]
     if serve == "none":
         result = main(args)
     else:   # its own process: this one may hold the session's Ray, and a process is in one Ray at a time
