@@ -34,7 +34,8 @@ from search_r1.search.ray_serve import local_handle
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 app, deadline = sys.argv[2], time.monotonic() + float(sys.argv[3])
 
-@ray.remote(num_cpus=0)
+# threaded: a health call still waiting (a slow first handle, a replica starting) does not queue the next poll's
+@ray.remote(num_cpus=0, max_concurrency=8)
 class Asker:                        # one per node: asks the replica of its node, through a handle kept open
     def __init__(self):
         self.handle = None
@@ -45,24 +46,28 @@ class Asker:                        # one per node: asks the replica of its node
 
 askers = {n["NodeID"]: Asker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
                                      ).remote() for n in ray.nodes() if n["Alive"]}
+# Each node's asker is polled on its own: a node whose answer is slow (its replica still starting, a loaded
+# machine) does not hold back the other node's polls.
+pending = {askers[node].health.remote(): node for node in askers}
 while time.monotonic() < deadline:
-    try:
-        health = dict(zip(askers, ray.get([a.health.remote() for a in askers.values()], timeout=30)))
-    except Exception as err:        # the application is not deployed yet
-        print(f"not yet: {type(err).__name__}"[:200], file=sys.stderr, flush=True)
-        time.sleep(0.5)
-        continue
-    busy = {node: h for node, h in health.items() if h["node_id"] == node and h["requests_in_flight"] > 0}
-    if busy:
-        node, h = next(iter(busy.items()))
-        for actor in state.actors().values():
-            if (actor["State"] == "ALIVE" and actor.get("ActorClassName", "").startswith(f"ServeReplica:{app}:")
-                    and (actor.get("Address") or {}).get("NodeID") == node):
-                ray.kill(ray.get_actor(actor["Name"], namespace="serve"), no_restart=True)
-                print("KILLED " + json.dumps({"node": node, "replica_id": h["replica_id"],
-                                              "in_flight": h["requests_in_flight"]}), flush=True)
-                sys.exit(0)
-    time.sleep(0.1)
+    ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+    for ref in ready:
+        node = pending.pop(ref)
+        try:
+            h = ray.get(ref)
+        except Exception as err:    # the application is not deployed yet
+            print(f"not yet: {type(err).__name__}"[:200], file=sys.stderr, flush=True)
+            time.sleep(0.2)
+            h = None
+        if h is not None and h["node_id"] == node and h["requests_in_flight"] > 0:
+            for actor in state.actors().values():
+                if (actor["State"] == "ALIVE" and actor.get("ActorClassName", "").startswith(f"ServeReplica:{app}:")
+                        and (actor.get("Address") or {}).get("NodeID") == node):
+                    ray.kill(ray.get_actor(actor["Name"], namespace="serve"), no_restart=True)
+                    print("KILLED " + json.dumps({"node": node, "replica_id": h["replica_id"],
+                                                  "in_flight": h["requests_in_flight"]}), flush=True)
+                    sys.exit(0)
+        pending[askers[node].health.remote()] = node
 print("NO_KILL", flush=True)
 """
 
@@ -116,8 +121,13 @@ def test_async_step_with_serve_has_a_replica_per_node_and_each_node_is_served_by
 
 def test_a_replica_killed_mid_rollout_is_replaced_and_every_search_is_answered(
         two_nodes: LocalRayCluster, search_world: SearchWorld, tmp_path: Path) -> None:
-    # every answer takes 4 s, so the probe finds a replica holding requests and kills it then
-    overrides = _serve_overrides(search_world, tmp_path, two_nodes, "+retriever.server_args.simulate_latency_ms=4000")
+    # every answer takes 60 s, so the probe finds a replica holding requests and kills it then. The rollout's
+    # searches come in about one round per row, so a replica holds requests for about one answer's time: at 4 s,
+    # 10 s and 30 s, a loaded machine (CI's three test workers on 2 cores; here, 4 busy loops beside the test)
+    # took tens of seconds a poll and the probe never saw a replica busy. The clients' timeout (30 s by default)
+    # is given room above the answers' 60 s.
+    overrides = _serve_overrides(search_world, tmp_path, two_nodes, "+retriever.server_args.simulate_latency_ms=60000",
+                                 "retriever.timeout=180")
     probe = subprocess.Popen([sys.executable, "-c", KILL_WHEN_BUSY, two_nodes.address, APP, "400"], cwd=REPO,
                              env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
