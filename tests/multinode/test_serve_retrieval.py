@@ -34,8 +34,7 @@ from search_r1.search.ray_serve import local_handle
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 app, deadline = sys.argv[2], time.monotonic() + float(sys.argv[3])
 
-# threaded: a health call still waiting (a slow first handle, a replica starting) does not queue the next poll's
-@ray.remote(num_cpus=0, max_concurrency=8)
+@ray.remote(num_cpus=0)
 class Asker:                        # one per node: asks the replica of its node, through a handle kept open
     def __init__(self):
         self.handle = None
