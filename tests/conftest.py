@@ -28,6 +28,14 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # write or read ~/.ray/auth_token, one file for all the test processes on the machine (the trainer's own
 # local start sets the same, verl/trainer/main_ppo.py _init_ray).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Every local Ray a test starts (the session's, the trainer's own, `ray start` nodes: they inherit this
+# environment) runs without what no test reads: the metrics every Ray process exports every few seconds, the
+# usage-stats report, and the two idle workers prestarted when the first driver connects (an idle Ray worker
+# costs ~0.6 s of CPU a minute). An idle local cluster then takes ~2.2 s of CPU a minute instead of ~4.4
+# (docs/testing.md "Parallel runs"), and the suite keeps one per xdist worker alive throughout.
+os.environ.setdefault("RAY_enable_metrics_collection", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # Under pytest-xdist (`-n N`, docs/testing.md "Parallel runs") N workers share the cores: each worker and
 # what it spawns (gloo ranks, CLI subprocesses, Ray workers) computes on one thread, as a serial run's own
 # process already does (test modules call torch.set_num_threads(1) when imported).
