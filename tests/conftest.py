@@ -31,8 +31,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Every local Ray a test starts (the session's, the trainer's own, `ray start` nodes: they inherit this
 # environment) runs without what no test reads: the metrics every Ray process exports every few seconds, the
 # usage-stats report, and the two idle workers prestarted when the first driver connects (an idle Ray worker
-# costs ~0.6 s of CPU a minute). An idle local cluster then takes ~2.2 s of CPU a minute instead of ~4.4
-# (docs/testing.md "Parallel runs"), and the suite keeps one per xdist worker alive throughout.
+# costs ~0.6 s of CPU a minute). An idle local cluster then takes about half the CPU (1.5 instead of 2.9 s a
+# minute; docs/testing.md "Parallel runs"), and the suite keeps one per xdist worker alive throughout.
 os.environ.setdefault("RAY_enable_metrics_collection", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
