@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+# Per-test CPU accounting when SEARCH_R1_TEST_CPU names a folder (tests/cpu_account.py; .ci/run's slow suite).
+from tests.cpu_account import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
