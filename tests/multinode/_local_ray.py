@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,11 @@ actors = [{"class": a.get("ActorClassName", ""), "name": a.get("Name", ""), "sta
            "node": (a.get("Address") or {}).get("NodeID")} for a in state.actors().values()]
 print("QUERY_JSON " + json.dumps({"nodes": nodes, "actors": actors}))
 """
+
+
+# What `ray start` prints once its node's raylet has registered with the GCS (ray/scripts/scripts.py, after
+# ray._private.node.Node has waited for the node's info in the GCS).
+STARTED = "Ray runtime started."
 
 
 def ray_env(**extra: str) -> dict[str, str]:
@@ -123,11 +127,6 @@ class LocalRayCluster:
                 self.port, self.client_port = free_port(), free_port()
                 self.address = f"127.0.0.1:{self.port}"
 
-    def gcs_listening(self) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.settimeout(1.0)
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
-
     def query(self, timeout_s: float = 120.0) -> dict:
         """Nodes and actors (dead ones too) as the cluster's GCS reports them, from a fresh driver."""
         try:
@@ -141,6 +140,9 @@ class LocalRayCluster:
         raise RuntimeError(f"cluster query failed (rc {out.returncode}): {out.stderr[-3000:]}")
 
     def wait_for_nodes(self, count: int, timeout_s: float = 120.0) -> list[dict]:
+        """The alive nodes, once `count` are. Each node's `ray start` prints STARTED once its raylet is in the
+        GCS (Ray's own wait), so its log is read every half second and the GCS is asked (a fresh driver
+        process, seconds of CPU on a busy machine) only when enough nodes say so."""
         deadline = time.monotonic() + timeout_s
         while True:
             for i, proc in enumerate(self.procs):
@@ -148,16 +150,21 @@ class LocalRayCluster:
                     raise RuntimeError(f"ray node {i} exited with {proc.returncode}: "
                                        + (self.root / f"node{i}.log").read_text()[-3000:])
             alive = []
-            if self.gcs_listening():
+            if self.started_nodes() >= count:
                 try:
                     alive = [n for n in self.query(timeout_s=60)["nodes"] if n["alive"]]
                 except RuntimeError:
                     pass            # the head's GCS is not answering yet
-            if len(alive) >= count:
-                return alive
+                if len(alive) >= count:
+                    return alive
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{len(alive)} of {count} ray nodes up after {timeout_s:g}s; logs in {self.root}")
-            time.sleep(2)
+            time.sleep(0.5 if self.started_nodes() < count else 2)
+
+    def started_nodes(self) -> int:
+        """How many nodes' `ray start` logs say the node is up."""
+        logs = (self.root / f"node{i}.log" for i in range(len(self.procs)))
+        return sum(1 for log in logs if log.exists() and STARTED in log.read_text(errors="replace"))
 
     def stop(self) -> None:
         """Stop the worker nodes, then the head; whatever survives a SIGTERM gets SIGKILL."""
