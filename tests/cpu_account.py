@@ -2,12 +2,13 @@
 
 The suite is CPU-bound on 2 cores (docs/testing.md "Parallel runs"), so a test's wall time under xdist says
 more about its neighbours than about itself. This records, for each test (setup, call and teardown
-together), the CPU its process tree used: the pytest process itself, the children it reaped (CLI
-subprocesses, spawned gloo ranks, a Ray it started and stopped) and the CPU of every descendant still alive
-(the session's Ray and the actors it reaped). Each process appends one JSON line a test to
-<folder>/<worker>.jsonl; the controller prints the tests that used the most CPU, and the CPU per file, at
-the end of the run. What escapes it: processes that left the tree (a daemonised `ray start` node's), so the
-multinode tests' figures are lower bounds.
+together), the CPU its process tree used: the pytest process itself plus every descendant (CLI
+subprocesses, spawned gloo ranks, the session's Ray and its actors), sampled once a second by a thread while
+the test runs. Sampling, not the kernel's count of reaped children: Ray's raylet does not wait for the
+actors it kills, so their CPU never reaches any parent's count. A process's last second, a process that
+lived under a second, and processes that left the tree (a daemonised `ray start` node's) are missed: the
+figures are lower bounds. Each process appends one JSON line a test to <folder>/<worker>.jsonl; the
+controller prints the tests that used the most CPU, and the CPU per file, at the end of the run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -26,22 +28,52 @@ CPU_DIR_VAR = "SEARCH_R1_TEST_CPU"
 SHOWN = 40   # the top tests printed at the end
 
 
-def tree_cpu_seconds() -> float:
-    """User + system CPU seconds of this process, its reaped children and every live descendant
-    (with the children those have reaped)."""
-    import psutil
+SAMPLE_S = 1.0   # how often a test's descendants are sampled (one scan of /proc: ~10-20 ms of CPU)
 
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        total += usage.ru_utime + usage.ru_stime
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            t = proc.cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
+
+class TreeSampler:
+    """The CPU (user + system) of this process's descendants while a test runs: each process (pid and
+    start time) at its first and its latest sample; one that existed when the test began counts from there."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, float], list[float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-account")
+
+    def sample(self, initial: bool = False) -> None:
+        import psutil
+
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                with proc.oneshot():
+                    key, times = (proc.pid, proc.create_time()), proc.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            cpu = times.user + times.system
+            if key in self.seen:
+                self.seen[key][1] = cpu
+            else:
+                self.seen[key] = [cpu if initial else 0.0, cpu]
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.sample()
+
+    def start(self) -> None:
+        self.sample(initial=True)
+        self._thread.start()
+
+    def stop(self) -> float:
+        """Stop sampling; the descendants' CPU seconds since start()."""
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return sum(last - first for first, last in self.seen.values())
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _folder() -> Path | None:
@@ -55,10 +87,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if folder is None:
         yield
         return
-    wall, cpu = time.monotonic(), tree_cpu_seconds()
+    sampler = TreeSampler()
+    wall, own = time.monotonic(), _self_cpu()
+    sampler.start()
     yield
+    descendants = sampler.stop()
     record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2),
-              "cpu_s": round(tree_cpu_seconds() - cpu, 2)}
+              "cpu_s": round(_self_cpu() - own + descendants, 2)}
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl", "a") as out:
         out.write(json.dumps(record) + "\n")

@@ -13,18 +13,26 @@ from tests.cpu_account import CPU_DIR_VAR, read_records, summary_lines
 REPO = Path(__file__).resolve().parents[1]
 
 # One test burns ~1 s of CPU in a child process it waits for, one in a grandchild it leaves running through the
-# test's end (a live descendant), and one sleeps (wall time, no CPU).
+# test's end (a live descendant), and one sleeps (wall time, no CPU). Each burner lives on for 2.5 s after
+# burning (a sample, once a second, sees what it burnt); the grandchild says when it has burnt (a file), so a
+# loaded machine only makes the test slower.
 TESTS = '''
-import subprocess, sys, time
-BURN = "import time\\nend = time.process_time() + 1.0\\nwhile time.process_time() < end: pass\\nimport sys; sys.stdout.flush(); time.sleep(%s)"
+import os, subprocess, sys, time
+BURN = "import sys, time\\nend = time.process_time() + 1.0\\nwhile time.process_time() < end: pass\\n" \\
+       "open(sys.argv[1], 'w').close()\\ntime.sleep(2.5)"
 
-def test_burns_in_a_reaped_child():
-    subprocess.run([sys.executable, "-c", BURN % 0], check=True)
+def test_burns_in_a_reaped_child(tmp_path):
+    subprocess.run([sys.executable, "-c", BURN, str(tmp_path / "burnt")], check=True)
 
-def test_burns_in_a_live_grandchild():
-    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]])",
-                             BURN % 3])
-    time.sleep(2.0)          # the grandchild has burnt its second by now and sleeps on, alive
+def test_burns_in_a_live_grandchild(tmp_path):
+    done = tmp_path / "burnt"
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', *sys.argv[1:]])",
+                             BURN.replace("2.5", "5"), str(done)])
+    deadline = time.monotonic() + 120
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.5)          # the grandchild has burnt its second and sleeps on, alive; a sample has seen it
+    assert done.exists() and proc.poll() is None
     test_burns_in_a_live_grandchild.proc = proc
 
 def test_sleeps():
