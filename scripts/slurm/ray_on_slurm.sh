@@ -11,7 +11,9 @@
 #    seconds with no Ray, worker or weights); a config that would not start fails the job here,
 #    before any Ray node or retrieval server is started;
 # 1. the Ray head on the first node (`srun -w <head> ray start --head --block`), then `ray start
-#    --address=<head>:<port> --block` on every other node (srun, one task per node);
+#    --address=<head>:<port> --block` on every other node (srun, one task per node); a head that
+#    exits with Ray's "timed out during startup" (its raylet missed Ray's fixed 30 s on a busy node)
+#    is started once more;
 # 2. waits until all $SLURM_NNODES nodes have joined (at most RAY_JOIN_TIMEOUT_S), else fails
 #    naming the nodes that did not;
 # 3. unless RETRIEVER_URL is set (a server you run yourself), runs retrieval_launch.sh on
@@ -122,6 +124,7 @@ cleanup() {
         pkill -KILL -f -- "$ray_tmp/session_" 2>/dev/null
         log "stopped the job's leftover Ray processes on $(hostname)"
     fi
+    rm -f "${head_out:-}"
     log "stopped"
     exit "$rc"
 }
@@ -174,8 +177,15 @@ node_args=(--block --temp-dir="$ray_tmp" --disable-usage-stats)
 [ -n "${GPUS_PER_NODE:-}" ] && node_args+=(--num-gpus="$GPUS_PER_NODE")
 [ -n "${RAY_CPUS_PER_NODE:-}" ] && node_args+=(--num-cpus="$RAY_CPUS_PER_NODE")
 log "job $SLURM_JOB_ID: ${#nodes[@]} node(s): ${nodes[*]}; Ray head on $head ($RAY_ADDRESS)"
-start_step "ray head" "$head" ray start --head --node-ip-address="$head_ip" --port="$port" \
-    --ray-client-server-port="$((port + 1))" --include-dashboard=false "${node_args[@]}"
+head_out=$(mktemp)
+start_head() {  # the head's output goes to the job log and to $head_out (read if it exits)
+    : >"$head_out"
+    start_step "ray head" "$head" ray start --head --node-ip-address="$head_ip" --port="$port" \
+        --ray-client-server-port="$((port + 1))" --include-dashboard=false "${node_args[@]}" \
+        > >(tee -a "$head_out") 2>&1
+}
+start_head
+head_starts=1
 
 steps_alive() {  # dies naming the first background step (Ray node, server) that has exited
     local i
@@ -206,8 +216,30 @@ EOF
     rm -f "$out"
 }
 
+head_timed_out() {  # the head's step has exited with Ray's own startup timeout in its output
+    kill -0 "${step_pids[0]}" 2>/dev/null && return 1
+    wait "${step_pids[0]}" 2>/dev/null || true
+    for _ in 1 2 3 4; do  # tee may still be writing the last lines
+        grep -q "timed out during startup" "$head_out" && return 0
+        sleep 0.5
+    done
+    return 1
+}
+
 deadline=$((SECONDS + join_timeout))
 until [ -n "$(ray_nodes_alive)" ]; do
+    # `ray start` waits a fixed 30 s for its raylet to register with the GCS; on a node busy enough to
+    # miss that it exits ("timed out during startup"). Such a head is started once more, after its
+    # processes are ended (they would hold the port). Any other exit (a port taken) fails the job at once.
+    if [ "$head_starts" -eq 1 ] && head_timed_out; then
+        log "the Ray head on $head timed out during startup (a busy node); starting it again"
+        on_node "$head" pkill -KILL -f -- "$ray_tmp/[s]ession_" || true
+        step_pids=()
+        step_names=()
+        start_head
+        head_starts=2
+        continue
+    fi
     steps_alive
     [ "$SECONDS" -lt "$deadline" ] || die "the Ray head on $head did not come up within ${join_timeout}s"
     sleep 3

@@ -3,7 +3,8 @@ slurmctld and slurmd (installing Debian's slurm-wlm if missing), then `sbatch
 scripts/slurm/train_grpo.sbatch` runs one GRPO step with search to completion: the job starts
 the Ray head with srun, the retrieval server (retrieval_launch.sh over a BM25 index of the tiny
 corpus), trains through train_grpo.sh, and stops everything. A second job that fails midway
-(after Ray and the server are up) must leave no Ray or server process behind; a job with a bad
+(after Ray and the server are up, its first Ray head having timed out during startup and been started
+again) must leave no Ray or server process behind; a job with a bad
 override fails in its preflight, before any Ray node or the server starts; a job timed out by Slurm
 mid-training, and one whose Ray head cannot start, leave nothing behind either. Each job is submitted
 with `sbatch` and polled every second (`sbatch --wait` polls at 2, 8, then every 32 s here).
@@ -209,13 +210,37 @@ def test_sbatch_with_retriever_serve_ray_searches_a_serve_replica_instead_of_a_s
     assert _leftovers(job_id) == []
 
 
+def _venv_whose_first_ray_head_times_out(root: Path) -> Path:
+    """A SEARCH_R1_VENV whose `ray` fails the first `ray start --head` as Ray does when its raylet misses
+    the fixed 30 s to register on a busy node (what a CI run met), and is the real `ray` otherwise."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    venv_bin = REPO / ".venv" / "bin"
+    for name in ("python", "python3"):   # exec'd by path, so the real venv's packages stay on sys.path
+        (bin_dir / name).write_text(f'#!/usr/bin/env bash\nexec {venv_bin / "python"} "$@"\n')
+    (bin_dir / "ray").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1 $2" = "start --head" ] && mkdir {root / "failed-once"} 2>/dev/null; then\n'
+        '    echo "Exception: The current node timed out during startup. This could happen because some of the '
+        'raylet failed to startup or the GCS has become overloaded." >&2\n'
+        "    exit 1\n"
+        "fi\n"
+        f'exec {venv_bin / "ray"} "$@"\n')
+    for path in bin_dir.iterdir():
+        path.chmod(0o755)
+    return root
+
+
 def test_a_job_failing_midway_leaves_no_ray_or_server_process(
         slurm_env: dict[str, str], search_world: SearchWorld, tiny_index: tuple[Path, Path], tmp_path: Path) -> None:
     # Preflight would catch the missing training data before anything starts (the next test's case);
     # with it off (PREFLIGHT=0), Ray and the retrieval server are up by the time the driver reads it.
+    # The job's first Ray head times out during startup (a fake `ray`): the script starts it once more.
+    venv = _venv_whose_first_ray_head_times_out(tmp_path / "venv")
     rc, job_id, log = _sbatch(dict(slurm_env, PREFLIGHT="0"), search_world, tiny_index, tmp_path,
-                              [f"data.train_files={tmp_path / 'missing.parquet'}"])
+                              [f"data.train_files={tmp_path / 'missing.parquet'}"], SEARCH_R1_VENV=str(venv))
     assert "preflight: " not in log, log[-4000:]
+    assert "timed out during startup (a busy node); starting it again" in log, log[-4000:]
     assert rc != 0, log[-4000:]
     assert "Ray cluster up: 1 node(s) joined" in log and "retrieval server up on" in log, log[-4000:]
     assert "missing.parquet" in log
