@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -247,8 +248,15 @@ def _train_ppo(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedPro
 
 
 def test_train_ppo_sh_with_the_7b_config_passes_preflight_without_search(tmp_path: Path) -> None:
-    proc, report, seconds = _train_ppo(tmp_path, "do_search=false")
+    # PYTHONPROFILEIMPORTTIME: every module the launcher's Python imports is named in its output
+    proc, report, seconds = _launch(tmp_path, "train_ppo.sh", "qwen2.5-7b", "do_search=false",
+                                    env={"N_GPUS": "8", "PYTHONPROFILEIMPORTTIME": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # preflight checks the config without the trainer's module or the batch type: verl.protocol imports
+    # tensordict, and with it torch._dynamo (~2 s of CPU of a ~7 s preflight)
+    imported = set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", proc.stdout + proc.stderr, re.M))
+    assert {"verl.trainer.preflight", "verl.trainer.run_config"} <= imported, sorted(imported)[:20]
+    assert not imported & {"verl.trainer.ppo.ray_trainer", "verl.protocol", "tensordict", "torch._dynamo"}
     assert "run_demo" not in proc.stdout and "preflight OK" in proc.stdout
     assert set(report) >= {"ok", "fits", "world_size", "errors", "memory_plan_gib", "largest_phase"}
     assert report["ok"] is True and report["fits"] is True and report["world_size"] == 8 and report["errors"] == []

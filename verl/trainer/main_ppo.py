@@ -34,15 +34,17 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from verl.trainer.config_check import check_cluster_settings, check_runtime, validate_config
 from verl.trainer.config_schema import ConfigError, check_override_keys, normalize_overrides, trainer_flag
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role, run_log_dir
 from verl.trainer.run_config import Pools, Protocol, Trainer
+
+if TYPE_CHECKING:   # the trainer's module (torch, tensordict) is imported by what builds one: preflight does not
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +229,7 @@ def record_replicas(config: DictConfig, app_name: str) -> None:
     import json
 
     from search_r1.search.ray_serve import replica_health, wait_until_running
+    from verl.trainer.ppo.ray_trainer import run_log_dir
 
     path = run_log_dir(config) / REPLICAS_FILE
     try:
@@ -310,6 +313,7 @@ def build_trainer(config: DictConfig, reward_fn: Any = None, val_reward_fn: Any 
     and pools; workers not yet spawned."""
     from transformers import AutoTokenizer
 
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, ResourcePoolManager, Role
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
     from verl.workers.rollout import resolve_rollout_name
 

@@ -20,13 +20,15 @@ unchanged too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from omegaconf import open_dict
 
-from verl.protocol import DataProto
 from verl.utils import ulysses
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 SP_KEY = "ulysses_sequence_parallel_size"
 
@@ -108,7 +110,7 @@ class SPGroups:
         parts: list[Any] = [None] * self.size
         dist.all_gather_object(parts, data, group=self.data_group)
         self._lengths = tuple(len(part) for part in parts)
-        gathered = DataProto.concat(parts)
+        gathered = type(data).concat(parts)
         gathered.meta_info = dict(data.meta_info)
         return gathered
 

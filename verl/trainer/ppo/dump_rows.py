@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from verl.protocol import DataProto
 from verl.utils import batch_keys as K
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 # Rewards a rollout leaves on a row (agent loops, tools, interactions), shown with the reward's parts.
 ROLLOUT_REWARDS = (K.TOOL_REWARDS, K.REWARD_SCORES, K.TURN_SCORES)

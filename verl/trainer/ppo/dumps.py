@@ -27,16 +27,18 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
 from verl.trainer.ppo.dump_rows import dump_rows, picked_rows, texts
 from verl.trainer.ppo.reward_shaping import reward_parts
 from verl.utils import batch_keys as K
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 logger = logging.getLogger(__name__)
 

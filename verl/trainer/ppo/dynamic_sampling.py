@@ -18,16 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
 from verl.trainer.ppo.reward_shaping import ACC, SCORE, SEQ_REWARD
 from verl.utils import batch_keys as K
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 SEQ_FINAL_REWARD = "seq_final_reward"
 METRICS = (ACC, SCORE, SEQ_REWARD, SEQ_FINAL_REWARD)
@@ -115,6 +117,8 @@ def concat_padded(parts: Sequence[DataProto], pad_token_id: int) -> DataProto:
     """Stack rolled-out batches whose prompt (left-padded) or response (right-padded) widths differ:
     each is padded to the widest prompt and response first. meta_info from the first; the rollout
     log-prob match flag holds only if it holds for every part."""
+    from verl.protocol import DataProto
+
     parts = [p for p in parts if len(p) > 0]
     if len(parts) <= 1:
         return parts[0] if parts else DataProto()

@@ -13,14 +13,16 @@ onto the prompt's samples.
 from __future__ import annotations
 
 from copy import deepcopy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
-from verl.protocol import DataProto
 from verl.trainer.ppo.reward_shaping import OverlongBuffer, score_rollouts
 from verl.utils import batch_keys as K
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 REMAX = "remax"
 # batch tensors passed to every estimator that names them (veRL's names)

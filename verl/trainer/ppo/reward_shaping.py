@@ -22,15 +22,17 @@ as a row nears the length at which it would be cut:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from verl.protocol import DataProto
 from verl.trainer.config_schema import ConfigError
 from verl.utils import batch_keys as K
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 # Per-row values the scoring writes into non_tensor_batch (veRL's reward_extra_info names).
 ACC, SCORE, SEQ_REWARD = "acc", "score", "seq_reward"
@@ -152,6 +154,8 @@ def score_rollouts(reward_fn: Any, batch: DataProto, shaping: OverlongBuffer, ma
         scores_BR, breakdowns = reward_fn(batch, return_breakdown=True)
     else:
         scores_BR = reward_fn(batch)
+    from verl.protocol import DataProto
+
     if isinstance(scores_BR, DataProto):
         scores_BR = scores_BR.batch[K.TOKEN_LEVEL_SCORES]
     scores_BR = loop_reward_scores(batch, scores_BR.float().clone())

@@ -10,14 +10,15 @@ batch carries, and the stop when too many searches failed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from verl.protocol import DataProto
 from verl.trainer.run_config import Protocol
 from verl.utils import batch_keys as K
-from verl.utils.dataset.rl_dataset import chat_template_kwargs
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 GEN_INPUT_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK, K.POSITION_IDS)
 # Tensors whose first P columns are the (left-padded) prompt.
@@ -143,6 +144,7 @@ def generation_config(config: DictConfig, world_size: int) -> Any:
     from search_r1.llm_agent.openai_endpoint.rollout import settings_dict
     from verl.trainer.config_agent import agent_settings
     from verl.trainer.config_open_tag import open_tag_settings
+    from verl.utils.dataset.rl_dataset import chat_template_kwargs
 
     data, rollout = config.data, config.actor_rollout_ref.rollout
     protocol = Protocol.from_config(config)

@@ -18,15 +18,16 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from verl.protocol import collate_fn
 from verl.utils import batch_keys as K
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class RLHFDataset(Dataset):
         self.return_raw_chat = bool(return_raw_chat)
         self.agent_name: list[str] | None = None
 
+        import pandas as pd  # here, not at import: preflight reads REQUIRED_COLUMNS without pandas
+
         frames = [self._read(str(f), prompt_key) for f in files]
         frame = pd.concat(frames, ignore_index=True)
         rows_read = len(frame)
@@ -248,6 +251,8 @@ class RLHFDataset(Dataset):
     def _read(path: str, prompt_key: str) -> pd.DataFrame:
         if not Path(path).exists():
             raise FileNotFoundError(f"RLHFDataset: parquet file not found: {path}")
+        import pandas as pd
+
         frame = pd.read_parquet(path)
         for column in (prompt_key, *REQUIRED_COLUMNS):
             if column not in frame.columns:
@@ -319,6 +324,8 @@ def build_dataloader(dataset: RLHFDataset, batch_size: int, train: bool, seed: i
     same position in the same epoch order.
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from verl.protocol import collate_fn
 
     if train:
         sampler = EpochShuffleSampler(len(dataset), seed) if shuffle else None

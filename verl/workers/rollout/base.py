@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl.protocol import DataProto
 from verl.utils import batch_keys as K
+
+if TYPE_CHECKING:   # verl.protocol imports tensordict (and with it torch._dynamo): preflight's config checks read
+    from verl.protocol import DataProto  # this module's settings without it
 
 
 class BaseRollout(ABC):
@@ -37,5 +39,7 @@ def prompt_and_response_batch(prompts: Any, responses: torch.Tensor, response_ma
         K.POSITION_IDS: torch.cat([position_ids, response_positions], dim=-1),
         K.ROLLOUT_LOG_PROBS: log_probs,
     }
+    from verl.protocol import DataProto
+
     return DataProto.from_dict(tensors=tensors, non_tensors=dict(prompts.non_tensor_batch),
                                meta_info=dict(prompts.meta_info))
