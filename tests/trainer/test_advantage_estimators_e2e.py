@@ -34,7 +34,7 @@ def test_one_remax_step_rolls_out_greedily_with_searches_and_trains_a_custom_los
     paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=3)
     with fake_search_server() as server:
         cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="remax",
-                                           n_agent=2, batch_size=4) + [
+                                           n_agent=2, batch_size=4, n_workers=1) + [
             "critic.model.path=null", "do_search=true", "max_turns=1", "actor_rollout_ref.actor.state_masking=true",
             "data.max_prompt_length=512", f"retriever.url={server['url']}/retrieve", "data.max_obs_length=160",
             f"custom_algorithms.path={EXAMPLE}", "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce_clipped_weight"])

@@ -157,7 +157,7 @@ def _served(url: str) -> int:
 def test_a_user_tool_and_agent_loop_train_through_run_ppo(ray_cluster, tool_world: ToolWorld, tmp_path: Path,
                                                           mode: str) -> None:
     overrides = toy_overrides(tool_world.model_dir, tool_world.data, str(tmp_path / "ckpt"), batch_size=2,
-                              n_agent=2, response_length=200) + [
+                              n_agent=2, response_length=200, n_workers=1) + [
         "do_search=true", "actor_rollout_ref.actor.state_masking=true", f"actor_rollout_ref.rollout.mode={mode}",
         "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_world.tool_config}",

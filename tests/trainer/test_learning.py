@@ -19,7 +19,7 @@ def test_grpo_lifts_the_reward_from_chance_to_almost_always(ray_cluster, tiny_mo
     paths = write_toy_parquets(tmp_path / "data", n_train=64, n_val=8)
     overrides = toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), adv_estimator="grpo",
                               steps=MAX_STEPS, batch_size=8, n_agent=8, response_length=16,
-                              val_before_train=True)
+                              val_before_train=True, n_workers=1)   # learning, not the split over workers
     cfg = compose_config([*overrides, "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.test_freq=1000"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     history = run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))

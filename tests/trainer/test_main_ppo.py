@@ -18,11 +18,13 @@ from verl.trainer.ppo.checkpointing import LATEST_FILE
 
 
 def _run(tiny_model_dir: str, tmp_path: Path, adv: str, extra: list[str],
-         val_before_train: bool = False, n_agent: int = 2) -> tuple[list[dict], Path]:
+         val_before_train: bool = False, n_agent: int = 2, n_workers: int = 2) -> tuple[list[dict], Path]:
+    """One run of the toy task; `n_workers=1` where the test is not about the batch split over workers
+    (a second worker process is ~9 s of CPU: its imports, model and gloo group)."""
     paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=3)
     ckpt = tmp_path / "ckpt"
     cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(ckpt), adv_estimator=adv,
-                                       val_before_train=val_before_train, n_agent=n_agent) + extra)
+                                       val_before_train=val_before_train, n_agent=n_agent, n_workers=n_workers) + extra)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     history = run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
     return history, ckpt
@@ -147,7 +149,7 @@ def test_grpo_with_search_masks_observations_and_reports_env_metrics(
                           ["do_search=true", "max_turns=1", "actor_rollout_ref.actor.state_masking=true",
                            "data.max_prompt_length=512", f"retriever.url={server['url']}/retrieve",
                            "retriever.max_failure_fraction=1.0", "retriever.max_retries=0",
-                           "data.max_obs_length=160"], val_before_train=True)
+                           "data.max_obs_length=160"], val_before_train=True, n_workers=1)
     val, step = history
     assert val["step"] == 0 and f"val/test_score/{TOY_DATA_SOURCE}" in val
     assert 1 <= val["val/env/number_of_actions/min"] <= val["val/env/number_of_actions/max"] <= 2
@@ -544,7 +546,8 @@ def test_one_grpo_step_with_rollout_correction_reports_weights_near_one(
     # weights average ~1, none is truncated at 2, and a generous rejection band rejects nothing.
     history, _ = _run(tiny_model_dir, tmp_path, "grpo", [
         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=sequence",
-        "algorithm.rollout_correction.rollout_rs_threshold=100", "algorithm.rollout_correction.rollout_token_veto_threshold=1e-6"])
+        "algorithm.rollout_correction.rollout_rs_threshold=100", "algorithm.rollout_correction.rollout_token_veto_threshold=1e-6"],
+        n_workers=1)
     (step,) = history
     _finite(step, "rollout_corr/")
     assert step["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)

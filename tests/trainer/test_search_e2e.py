@@ -250,7 +250,8 @@ def test_a_retrieval_server_that_dies_after_start_up_stops_the_run_at_the_first_
 
     monkeypatch.setattr(main_ppo, "wait_for_retriever", probe_then_stop_the_server)
     overrides = _search_overrides(search_world, tmp_path, "grpo",
-                                  [f"retriever.url={url}/retrieve", "retriever.max_retries=0"])
+                                  [f"retriever.url={url}/retrieve", "retriever.max_retries=0",
+                                   "trainer.n_gpus_per_node=1"])     # one worker: the failure is the driver's
     with pytest.raises(SearchFailureError) as info:
         run_ppo(compose_config(overrides))
     assert probed == [f"{url}/health"]
