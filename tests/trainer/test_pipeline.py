@@ -63,6 +63,10 @@ def _computed(metrics: dict) -> dict:
 
 
 PIPELINE = ["trainer.pipeline=one_step_off", "trainer.rollout_pool=2"]
+# One train and one rollout worker (2 workers in all) where the test is about the pipeline's timeline, not the
+# sharded push: the push from a 2-rank train pool into 2 engines is the sync-equality test's (each more worker
+# process is ~9 s of CPU).
+PIPELINE_1_1 = ["trainer.pipeline=one_step_off", "trainer.rollout_pool=1"]
 
 
 def test_one_step_off_waiting_for_each_sync_equals_sync_on_every_metric(
@@ -98,8 +102,8 @@ def test_bypass_mode_anchors_ppo_on_the_stale_sampler_without_an_old_log_prob_pa
     # algorithm.rollout_correction bypass mode: old log-probs are the engine's (the weights one update
     # behind), not recomputed; the pipeline's default token IS is then not applied (its ratios would be 1)
     data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
-    history, _ = _run(tiny_model_dir, data, tmp_path / "run", 4, 4,
-                      [*PIPELINE, "algorithm.rollout_correction.rollout_is=null",
+    history, _ = _run(tiny_model_dir, data, tmp_path / "run", 4, 2,
+                      [*PIPELINE_1_1, "algorithm.rollout_correction.rollout_is=null",
                        "algorithm.rollout_correction.bypass_old_logprob_for_rollout=true"])
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     for h in history:
@@ -154,7 +158,7 @@ def _assert_validation_from_the_checkpoint_samples_with_its_weights(
         model_dir: str, data: Any, ckpt: Path, extra: list[str]) -> None:
     # The checkpoint restores the train pool; the rollout pool starts from the model's own weights and
     # must get the checkpoint's before anything samples from it (here: +trainer.val_only validation).
-    overrides = toy_overrides(model_dir, data, str(ckpt), adv_estimator="grpo", steps=4, n_workers=4)
+    overrides = toy_overrides(model_dir, data, str(ckpt), adv_estimator="grpo", steps=4, n_workers=2)
     cfg = main_ppo.compose_config([*overrides, *extra, "+trainer.val_only=true"])
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = main_ppo.build_trainer(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
@@ -178,15 +182,15 @@ def test_one_step_off_staleness_and_a_killed_runs_checkpoint_validates_with_its_
     # its checkpoint samples with the checkpoint's weights (val_only). The resumed run must train batches 3 and 4 (rolling them out again, with its weights), and nothing else.
     data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    extra = [*PIPELINE, "trainer.save_freq=2"]
-    straight, straight_reward = _run(tiny_model_dir, data, tmp_path / "straight", 4, 4, extra)
+    extra = [*PIPELINE_1_1, "trainer.save_freq=2"]
+    straight, straight_reward = _run(tiny_model_dir, data, tmp_path / "straight", 4, 2, extra)
     _assert_one_step_off_trains_each_batch_one_update_after_the_weights_that_sampled_it(straight, straight_reward)
     killed = RecordingReward(tok, fail_at=3)
     with pytest.raises(RuntimeError, match="killed mid-pipeline"):
-        _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra, reward=killed)
+        _run(tiny_model_dir, data, tmp_path / "resumed", 4, 2, extra, reward=killed)
     assert ck.find_resume_dir(tmp_path / "resumed", "auto") == tmp_path / "resumed" / "global_step_2"
     _assert_validation_from_the_checkpoint_samples_with_its_weights(tiny_model_dir, data, tmp_path / "resumed", extra)
-    resumed, resumed_reward = _run(tiny_model_dir, data, tmp_path / "resumed", 4, 4, extra)
+    resumed, resumed_reward = _run(tiny_model_dir, data, tmp_path / "resumed", 4, 2, extra)
     assert [h["step"] for h in resumed] == [3, 4]
     trained = killed.batches[:2] + resumed_reward.batches
     assert trained == straight_reward.batches
@@ -266,7 +270,7 @@ def test_one_step_off_with_dynamic_sampling_trains_only_varying_groups_within_th
     data = write_toy_parquets(tmp_path / "data", n_train=16, n_val=2)
     reward = FirstTokenParity(AutoTokenizer.from_pretrained(tiny_model_dir))
     history, _ = _run(tiny_model_dir, data, tmp_path / "run", 2, 2, [
-        *PIPELINE[:1], "trainer.rollout_pool=1", "algorithm.filter_groups.enable=true", "data.gen_batch_size=8",
+        *PIPELINE_1_1, "algorithm.filter_groups.enable=true", "data.gen_batch_size=8",
         "algorithm.filter_groups.max_num_gen_batches=12"], reward=reward)
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
