@@ -17,7 +17,8 @@ from verl.trainer.ppo import checkpointing as ck
 
 
 def _train(model_dir: str, data, root: Path, steps: int) -> list[dict]:
-    overrides = toy_overrides(model_dir, data, str(root / "ckpt"), adv_estimator="grpo", steps=steps)
+    # one worker: the driver writes the dumps and the checkpoint's step (a second worker is ~9 s of CPU a run)
+    overrides = toy_overrides(model_dir, data, str(root / "ckpt"), adv_estimator="grpo", steps=steps, n_workers=1)
     cfg = main_ppo.compose_config([
         *overrides, "trainer.save_freq=2", "trainer.test_freq=1",
         f"trainer.rollout_data_dir={root / 'dumps' / 'rollout'}",

@@ -233,7 +233,8 @@ def test_run_ppo_validates_with_two_samples_per_prompt(ray_cluster, tiny_model_d
     from verl.trainer.main_ppo import run_ppo
 
     paths = write_toy_parquets(tmp_path / "data", n_train=8, n_val=3)
-    cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), val_before_train=True) + [
+    cfg = compose_config(toy_overrides(tiny_model_dir, paths, str(tmp_path / "ckpt"), val_before_train=True,
+                                       n_workers=1) + [   # one worker: the driver scores and reports the samples
         "+trainer.val_only=true", "actor_rollout_ref.rollout.val_kwargs.n=2",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

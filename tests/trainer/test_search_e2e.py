@@ -209,8 +209,8 @@ def test_ppo_step_with_search_against_a_real_server_trains_actor_and_critic(
 @pytest.mark.slow   # a run_ppo step with search (test_main_ppo has GRPO with KL loss): in CI's slow suite (the default suite's 15-minute goal)
 def test_grpo_step_with_search_against_a_real_server_uses_kl_loss_and_no_critic(
         ray_cluster, search_world: SearchWorld, tmp_path: Path) -> None:
-    step, served = _run_with_search(search_world, tmp_path, "grpo",
-                                    extra=[f"trainer.rollout_data_dir={tmp_path / 'rollout'}"])
+    step, served = _run_with_search(search_world, tmp_path, "grpo",   # one worker: the split is the PPO step's
+                                    extra=[f"trainer.rollout_data_dir={tmp_path / 'rollout'}", "trainer.n_gpus_per_node=1"])
     _assert_searched_against_the_server(step, served)
     _finite(step, "actor/kl_loss")
     assert not any(k.startswith(("critic/values", "critic/vf_loss")) for k in step)
@@ -319,7 +319,7 @@ def test_dapo_dynamic_sampling_filters_groups_and_generates_again(ray_cluster, s
         return scores
 
     overrides = _search_overrides(search_world, tmp_path, "grpo", [
-        "data.train_batch_size=1", "data.gen_batch_size=1",
+        "data.train_batch_size=1", "data.gen_batch_size=1", "trainer.n_gpus_per_node=1",   # the driver filters
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size=2",
         "actor_rollout_ref.rollout.micro_batch_size=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size=2",
         "actor_rollout_ref.ref.log_prob_micro_batch_size=2",
