@@ -71,7 +71,9 @@ def test_a_grpo_step_and_a_pipelined_run_sampling_with_the_weights_it_was_sent_o
     # Two runs (a GRPO step with KL loss on colocated workers; a pipelined run, below), each validating
     # its initial weights greedily first (val_before_train) on an eager vLLM engine: the two
     # validations, in two runs, give the same score (the former test ran two val_only runs for that).
-    grpo_val, [grpo], served = _run_validated(vllm_search_world, tmp_path / "grpo", "grpo", VLLM, [1])
+    # One colocated worker, as the pipelined run has one rollout worker: each validation is one engine's.
+    grpo_val, [grpo], served = _run_validated(vllm_search_world, tmp_path / "grpo", "grpo",
+                                              [*VLLM, "trainer.n_gpus_per_node=1"], [1])
     _assert_searched_against_the_server(grpo, served)
     _finite(grpo, "actor/kl_loss")
     # vLLM's sampling log-probs vs the actor's recomputation over policy tokens (fp32, one CPU).
