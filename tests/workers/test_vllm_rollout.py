@@ -55,8 +55,8 @@ def _config(model_dir: str, name: str, tensor_model_parallel_size: int = 1):
     return cfg.actor_rollout_ref
 
 
-def _group(cfg) -> tuple[RayWorkerGroup, RayResourcePool]:
-    pool = RayResourcePool([2], use_gpu=False)
+def _group(cfg, workers: int = 2) -> tuple[RayWorkerGroup, RayResourcePool]:
+    pool = RayResourcePool([workers], use_gpu=False)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg, role="actor_rollout"))
     wg.init_model()
     return wg, pool
@@ -148,7 +148,8 @@ def test_greedy_ids_agree_across_hf_vllm_and_tensor_parallel_vllm_before_and_aft
 
 
 def test_sampled_log_probs_match_the_actors_recomputation(vllm_model_dir: str, ray_cluster) -> None:
-    wg, pool = _group(_config(vllm_model_dir, "vllm"))
+    # one worker: the match is each engine's with its own actor (a second worker and engine: ~15 s of CPU)
+    wg, pool = _group(_config(vllm_model_dir, "vllm"), workers=1)
     try:
         out = wg.generate_sequences(_prompts(vllm_model_dir, do_sample=True))
         rollout_lp = out.batch[K.ROLLOUT_LOG_PROBS]
