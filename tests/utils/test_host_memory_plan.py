@@ -113,6 +113,13 @@ def test_checkpoint_save_stages_the_dcp_shards_and_rank_0s_hf_export_file() -> N
     assert save["actor DCP write staging (2 tensors of a shard x 8 ranks)"] == 8 * 2 * -(-4 * shape.vocab_size
                                                                                        * shape.hidden_size // 16)
     assert hf_max_shard_bytes() == 1024 * 2 ** 20
+    import inspect
+
+    from verl.utils.checkpoint import FSDPCheckpointManager
+
+    # the bound the checkpoint manager exports with
+    assert inspect.signature(FSDPCheckpointManager.__init__).parameters["hf_max_shard_mb"].default * 2 ** 20 \
+        == hf_max_shard_bytes()
     export = "rank 0: HF export file staged (hf_max_shard_mb + one tensor)"
     assert save[export] == 1024 * 2 ** 20 + 2 * shape.vocab_size * shape.hidden_size
     no_export = plan_host_memory(_cfg(*OFFLOADED, "trainer.save_hf_model=false"))

@@ -48,7 +48,6 @@ mmap'd files (reclaimable).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,11 +98,10 @@ def stored_bytes(config: dict[str, Any]) -> int:
 
 
 def hf_max_shard_bytes() -> int:
-    """The HF export's safetensors file bound: FSDPCheckpointManager's `hf_max_shard_mb` (MiB)."""
-    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+    """The HF export's safetensors file bound (FSDPCheckpointManager's default `hf_max_shard_mb`), in bytes."""
+    from verl.utils.checkpoint.hf_export import HF_MAX_SHARD_MB
 
-    mb = inspect.signature(FSDPCheckpointManager.__init__).parameters["hf_max_shard_mb"].default
-    return int(mb * 1024 ** 2)
+    return int(HF_MAX_SHARD_MB * 1024 ** 2)
 
 
 @dataclass(frozen=True)

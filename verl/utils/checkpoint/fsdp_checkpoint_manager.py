@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from verl.utils.checkpoint.hf_export import export_hf_model
+from verl.utils.checkpoint.hf_export import HF_MAX_SHARD_MB, export_hf_model
 
 DCP_DIR = "dcp"
 
@@ -60,7 +60,7 @@ class FSDPCheckpointManager:
     """Save / load model + optimizer shards (DCP) and per-rank scheduler + RNG state."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler: Any = None, tokenizer: Any = None, hf_max_shard_mb: float = 1024,
+                 lr_scheduler: Any = None, tokenizer: Any = None, hf_max_shard_mb: float = HF_MAX_SHARD_MB,
                  lora: Any = None, base_model_path: str | None = None) -> None:
         self.model = model
         # LoRA (a verl.utils.lora.LoraSpec): the HF export is the adapter (PEFT's files) over base_model_path

@@ -39,6 +39,9 @@ from torch import nn
 from verl.utils.checkpoint.name_map import NameMap
 
 INDEX_NAME = "model.safetensors.index.json"
+# The safetensors file bound of an HF export (MiB): FSDPCheckpointManager's default, and what the host memory
+# plan stages on rank 0 (verl/utils/host_memory_plan.py reads it here, without the checkpoint manager).
+HF_MAX_SHARD_MB = 1024
 
 
 def _rank() -> int:
@@ -129,7 +132,7 @@ class _ShardWriter:
 
 
 def export_hf_model(module: nn.Module, tokenizer: Any, out_dir: str, dtype: torch.dtype | None = None,
-                    max_shard_mb: float = 1024, state: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+                    max_shard_mb: float = HF_MAX_SHARD_MB, state: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Write `module` (FSDP2 or plain) to `out_dir` in HF format, floating tensors in
     `export_dtype(module, dtype)`. Every rank must call this. `state`: (checkpoint name, tensor)
     to write instead of the module's state dict (a LoRA model's merged weights, verl/utils/lora.py)."""
