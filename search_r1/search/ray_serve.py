@@ -284,11 +284,25 @@ def deploy(settings: ServeSettings) -> str:
         "No trainer worker was started.")
 
 
+# Serve's controller waits 5 s for a new proxy to be ready and 10 s for a running one to answer its
+# health check, and restarts a proxy that fails three checks in a row. A proxy serving a thousand
+# clients on a saturated node answers neither in time: the controller killed it mid-load, and while
+# the new one started, clients were refused (ConnectError). The controller gets these instead (an
+# exported value of the same variable wins); the threshold of three is Ray's.
+PROXY_CHECK_TIMEOUTS_S = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 30.0,
+                          "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": 30.0}
+
+
+def controller_env() -> dict[str, str]:
+    """The Serve controller's environment variables: ``PROXY_CHECK_TIMEOUTS_S`` unless exported."""
+    return {name: os.environ.get(name, f"{value:g}") for name, value in PROXY_CHECK_TIMEOUTS_S.items()}
+
+
 def start_serve(serve: Any, http_port: int | None) -> None:
     """``serve.start``: no HTTP proxy, or one on the head at 127.0.0.1:`http_port` (as the standalone
-    server binds by default; the rollout reaches replicas through handles). Serve's controller gives a
-    new proxy 5 s (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S) to come up, kills a slower one (a loaded
-    node: its imports alone can take longer) and starts another with a longer wait, while
+    server binds by default; the rollout reaches replicas through handles), its controller given
+    ``controller_env()``. A controller with Ray's 5 s for a new proxy to come up kills a slower one (a
+    loaded node: its imports alone can take longer) and starts another with a longer wait, while
     ``serve.start``, waiting on the first, raises its death. Then it is called once more: it connects to
     the controller now running, and ``deploy`` waits for the proxy to route the application."""
     import ray
@@ -297,6 +311,7 @@ def start_serve(serve: Any, http_port: int | None) -> None:
         kwargs: dict[str, Any] = {"proxy_location": "Disabled"}
     else:
         kwargs = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port}}
+    kwargs["controller_options"] = {"runtime_env": {"env_vars": controller_env()}}
     try:
         serve.start(**kwargs)
     except (ray.exceptions.RayActorError, TimeoutError) as err:

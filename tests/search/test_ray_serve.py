@@ -8,6 +8,7 @@ import asyncio
 import pickle
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +16,10 @@ import requests
 
 from search_r1.search.client import RetrievalBadRequest
 from search_r1.search.ray_serve import (
+    PROXY_CHECK_TIMEOUTS_S,
     ServeSettings,
     check_server_args,
+    controller_env,
     deploy,
     local_handle,
     proxy_routes,
@@ -113,14 +116,33 @@ def test_serve_start_is_tried_again_once_when_its_first_http_proxy_dies_before_i
 
     serve = _ServeStartingSlowProxies(deaths=1)
     start_serve(serve, 8123)
-    expected = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8123}}
+    controller = {"runtime_env": {"env_vars": controller_env()}}
+    expected = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8123},
+                "controller_options": controller}
     assert serve.calls == [expected, expected]
     serve = _ServeStartingSlowProxies(deaths=0)
     start_serve(serve, None)
-    assert serve.calls == [{"proxy_location": "Disabled"}]
+    assert serve.calls == [{"proxy_location": "Disabled", "controller_options": controller}]
     # a second death is not Serve restarting a slow proxy: it is raised
     with pytest.raises(ray.exceptions.ActorDiedError):
         start_serve(_ServeStartingSlowProxies(deaths=2), 8123)
+
+
+def test_serve_s_controller_gives_a_busy_proxy_the_longer_checks_and_an_exported_value_wins(
+        served: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray's 5 s / 10 s got the proxy of the 1,000-client load test killed mid-load in CI (its clients
+    # then refused for longer than their retries): the controller that runs must hold the longer ones.
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    pid = ray.get(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE).get_pid.remote())
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    env = dict(item.split("=", 1) for item in environ if "=" in item)
+    assert {name: float(env[name]) for name in PROXY_CHECK_TIMEOUTS_S} == PROXY_CHECK_TIMEOUTS_S
+    assert min(PROXY_CHECK_TIMEOUTS_S.values()) >= 30
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "90")
+    assert controller_env() == {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+                                "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "90"}
 
 
 def test_the_clients_pick_the_transport_by_url_and_travel_by_pickle() -> None:
