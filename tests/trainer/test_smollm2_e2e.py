@@ -22,10 +22,12 @@ pytestmark = pytest.mark.slow
 
 # SmolLM2's chat template wraps the Search-R1 prompt (~300 of its tokens) in a system turn.
 LONG_PROMPTS = ["data.max_start_length=512", "data.max_prompt_length=1024", "data.max_obs_length=200"]
-# The step's size (its time is the update's and the rollout's tokens): one question x a GRPO group of 2, one
-# row on each of the 2 workers (so the engines still get FSDP-gathered weights), 24 tokens a turn.
+# The step's size (its time is the update's and the rollout's tokens): one question x a GRPO group of 2 on one
+# worker (the test does not compare worker splits; two FSDP ranks into vLLM engines are test_vllm_rollout's
+# and test_vllm_multiturn's), 24 tokens a turn.
 SMALL_STEP_ROLLOUTS = 2
-SMALL_STEP = ["data.train_batch_size=1", "data.val_batch_size=1", "actor_rollout_ref.rollout.n_agent=2",
+SMALL_STEP = ["trainer.n_gpus_per_node=1", "data.train_batch_size=1", "data.val_batch_size=1",
+              "actor_rollout_ref.rollout.n_agent=2",
               "data.max_response_length=24",
               *(f"{key}={SMALL_STEP_ROLLOUTS}" for key in (
                   "actor_rollout_ref.rollout.micro_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size",

@@ -258,6 +258,7 @@ def test_tiny_browse_demo_runs_end_to_end(tmp_path: Path) -> None:
     """`run_demo demo.world=browse` at a tiny size from the shipped browse warm start: snippets from
     the server it starts, opens in the sampled rollouts, opens per question in the summary."""
     args = [f"demo.data_dir={tmp_path / 'data'}", f"demo.output_dir={tmp_path / 'out'}", "demo.world=browse",
+            "trainer.n_gpus_per_node=1",
             "demo.n_val_per_kind=2", "demo.n_train=64", "trainer.total_training_steps=1",
             "data.train_batch_size=8", "data.val_batch_size=16", "actor_rollout_ref.rollout.n_agent=4",
             "actor_rollout_ref.rollout.temperature=1.0",

@@ -28,7 +28,9 @@ def test_tiny_openai_agent_demo_trains_a_step_through_the_endpoint(tmp_path: Pat
         # the session's Ray instead of starting one. The async agents run in the workers, which must be started
         # after the demo has set SEARCH_R1_RETRIEVAL_URL: that run starts its own Ray, as the demo does.
         request.getfixturevalue("ray_cluster")
-    args = [a for a in tiny_args(tmp_path) if not a.startswith("data.max_response_length=")] + [
+    # async on the demo's two workers: each serves its own rows' agents
+    workers = 2 if mode == "async" else 1
+    args = [a for a in tiny_args(tmp_path, workers) if not a.startswith("data.max_response_length=")] + [
         *(a for a in TINY_TOOL if not a.startswith("demo.protocol=")), "demo.agent=openai",
         f"actor_rollout_ref.rollout.mode={mode}", ONE_PER_KIND]
     summary = run_demo(args)

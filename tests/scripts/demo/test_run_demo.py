@@ -23,8 +23,11 @@ from tests.conftest import free_port
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def tiny_args(tmp: Path) -> list[str]:
+def tiny_args(tmp: Path, workers: int = 1) -> list[str]:
+    """The demo at a tiny size on `workers` trainer workers: one unless the split over workers is the test's
+    subject (the demo ships two; a second worker is ~9 s of CPU a run)."""
     return [
+        f"trainer.n_gpus_per_node={workers}",
         f"demo.data_dir={tmp / 'data'}", f"demo.output_dir={tmp / 'out'}", "demo.n_demos=64",
         "demo.sft_world_seeds=101,102", "demo.sft_steps=2,1", "demo.sft_batch_size=8", "demo.hidden_size=32",
         "demo.num_layers=1", "demo.num_heads=2", "demo.intermediate_size=64", "demo.vocab_size=600",
@@ -138,10 +141,10 @@ def test_tiny_lora_demo_exports_an_adapter_that_evaluate_sh_and_infer_py_apply(r
     assert (Path(base) / "config.json").exists()
 
     data = tmp_path / "data"
-    # The demo's validation settings: its 2 workers, batch, rollout chunk and retrieval depth (greedy both).
+    # The run's validation settings: its one worker, batch, rollout chunk and retrieval depth (greedy both).
     same = ("data.val_batch_size=16", "actor_rollout_ref.rollout.micro_batch_size=256", "retriever.topk=2")
     with retrieval_server(None, data / "bm25", data / "corpus.jsonl", 2, tmp_path / "srv.log") as url:
-        on_adapter = evaluate_sh(str(hf), tmp_path, url, "adapter", 2, same, _joined(ray_cluster))
+        on_adapter = evaluate_sh(str(hf), tmp_path, url, "adapter", 1, same, _joined(ray_cluster))
         proc = subprocess.run(
             [sys.executable, "infer.py", "--question", "Who founded Tupemi Wenvios?", "--model_path", str(hf),
              "--retriever_url", url, "--topk", "2", "--max_turns", "2", "--device", "cpu", "--max_new_tokens", "16"],
@@ -175,12 +178,15 @@ def test_two_tiny_demo_runs_with_the_same_seed_give_identical_numbers_idle_or_bu
     it starting Ray and the workers, so both runs and evaluate.sh join the session's Ray (ray_cluster; its
     workers compute on one thread each, as the demo's own Ray's do), and the runs validate on one question per
     kind (both sources)."""
-    args = [*tiny_args(tmp_path), "trainer.total_training_steps=2", "demo.n_val_per_kind=1"]
+    # the demo's two workers: the runs must agree rank by rank
+    args = [*tiny_args(tmp_path, workers=2), "trainer.total_training_steps=2", "demo.n_val_per_kind=1"]
     first = run_demo(args)
     first_records = Path(first.metrics_path).read_text().splitlines()
     _check_outputs_and_evaluate_sh(first, tmp_path, ray_cluster)
-    # The second run shares the machine with a busy loop (one core of two): load must not matter.
-    busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    # The second run shares the machine with a busy loop (a core of an idle machine): load must not
+    # matter. At nice 19 it yields to the run and to whatever else runs (CI's other test workers),
+    # where at nice 0 it took a core from them and its CPU counted as this test's.
+    busy = subprocess.Popen(["nice", "-n", "19", "sh", "-c", "while :; do :; done"])
     try:
         second = run_demo(args)   # same data folder: the build is reused, RL starts afresh
     finally:
