@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.multinode._local_ray import LocalRayCluster
-from tests.trainer.test_search_e2e import SearchWorld, serve_search_world
+from tests.trainer.test_search_e2e import ROLLOUTS, SearchWorld, serve_search_world
 
 
 @pytest.fixture(scope="package")
@@ -22,13 +22,23 @@ def search_world(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="package")
 def one_node_step(search_world: SearchWorld, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The reference step, run once for the package: one GRPO step with search against the HTTP server,
-    both workers on one local node the driver starts (test_two_ray_nodes.py and test_serve_retrieval.py
-    compare their steps with it; each ran it itself before, ~40 s of the slow suite each)."""
-    from tests.multinode.test_two_ray_nodes import _driver, _overrides, _step
+    """The reference step, run once for the package: one sync GRPO step with search, both workers on one
+    local node the driver starts, the retriever on Ray Serve there (retriever.serve=ray: the driver's
+    generation manager searches through a handle to the node's one replica). test_two_ray_nodes.py's
+    two-node step against the standalone HTTP server must equal it on every metric: node placement and
+    the retriever's transport both leave the math alone (a step with each alone cost ~50 s of CPU more)."""
+    from tests.multinode.test_serve_retrieval import _answered, _replicas, _serve_overrides
+    from tests.multinode.test_two_ray_nodes import _driver, _step
 
     out = tmp_path_factory.mktemp("one_node")
-    return _step(out, _driver(_overrides(search_world, out, nnodes=1, workers_per_node=2)))
+    overrides = [o for o in _serve_overrides(search_world, out, None)
+                 if not o.startswith(("trainer.ray_address=", "trainer.nnodes=", "trainer.n_gpus_per_node=",
+                                      "actor_rollout_ref.rollout.mode="))]
+    step = _step(out, _driver(overrides + ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"]))
+    replicas = _replicas(out)
+    assert len(replicas) == 1
+    assert sum(_answered(r) for r in replicas.values()) == round(step["env/number_of_valid_search"] * ROLLOUTS)
+    return step
 
 
 @pytest.fixture(scope="module")

@@ -148,24 +148,3 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_every_search_is_answered(
     nodes = {n["id"] for n in two_nodes.query()["nodes"] if n["alive"]}
     assert set(replicas) == nodes
     assert killed[0]["replica_id"] not in {r["replica_id"] for r in replicas.values()}
-
-
-def test_a_sync_step_with_the_retriever_on_serve_equals_the_step_against_the_http_server(
-        search_world: SearchWorld, one_node_step: dict, tmp_path: Path) -> None:
-    # One node, a local Ray the driver starts; sync rollout: the driver's generation manager searches
-    # (through a handle to the replica on its node). Same seed and data: the same rollouts, searches,
-    # rewards and update as against the standalone HTTP server (one_node_step).
-    from tests.multinode.test_two_ray_nodes import MACHINE_METRICS
-
-    http_step, serve = one_node_step, tmp_path / "serve"
-    serve_overrides = [o for o in _serve_overrides(search_world, serve, None)
-                       if not o.startswith(("trainer.ray_address=", "trainer.nnodes=", "trainer.n_gpus_per_node=",
-                                            "actor_rollout_ref.rollout.mode="))]
-    serve_step = _step(serve, _driver(serve_overrides + ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"]))
-    replicas = _replicas(serve)
-    assert len(replicas) == 1
-    assert sum(_answered(r) for r in replicas.values()) == round(serve_step["env/number_of_valid_search"] * ROLLOUTS)
-    keys = sorted(k for k in http_step if not k.startswith(MACHINE_METRICS))
-    assert keys == sorted(k for k in serve_step if not k.startswith(MACHINE_METRICS))
-    assert http_step["env/number_of_valid_search"] > 0 and "actor/grad_norm" in keys
-    assert {k: (http_step[k], serve_step[k]) for k in keys if http_step[k] != serve_step[k]} == {}

@@ -1,7 +1,8 @@
 """Two real Ray nodes on this machine (a head and a second `ray start --address=...`, each with
 its own raylet and 2 CPUs): the driver joins with trainer.ray_address and places one worker
 per node; one GRPO step with search against a real BM25 server gives the same numbers as the
-same step with both workers on one (local) node.
+same step with both workers on one (local) node searching the same index on Ray Serve
+(conftest.py's one_node_step).
 
 The driver runs as `python -m verl.trainer.main_ppo` in a subprocess: the test process may
 already hold the session's local Ray (tests/conftest.py), and a process is in one Ray at a time.
@@ -62,7 +63,8 @@ def _step(out: Path, proc: subprocess.CompletedProcess) -> dict:
 
 def test_grpo_step_with_search_on_two_ray_nodes_matches_one_node(
         two_nodes: LocalRayCluster, search_world: SearchWorld, one_node_step: dict, tmp_path: Path) -> None:
-    # The reference (one_node_step): both workers on one node, a local Ray the driver starts itself.
+    # The reference (one_node_step): both workers on one node, a local Ray the driver starts itself, the
+    # retriever on Serve there (the same FastAPI app and index as the HTTP server this run searches).
     one_step = one_node_step
     two = tmp_path / "two_nodes"
     before = _queries_answered(search_world.server_url)
