@@ -55,7 +55,9 @@ def _one_run(settings: Any, paths: dict[str, Path], url: str, out: Path, pipelin
             f"actor_rollout_ref.actor.ppo_mini_batch_size={args.train_batch_size * 5}",
             f"actor_rollout_ref.actor.ppo_micro_batch_size={args.train_batch_size * 5}",
             f"trainer.pipeline={pipeline}", *args.override]
-    if pipeline != "sync":
+    if pipeline == "sync":
+        user.append(f"trainer.n_gpus_per_node={args.sync_workers}")
+    else:
         user += [f"trainer.n_gpus_per_node={args.pipeline_workers}", f"trainer.rollout_pool={args.rollout_pool}"]
     if pipeline == "async":
         user.append(f"trainer.max_staleness={args.max_staleness}")
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_host_cpu_util": round(piped_util, 3),
         "overlap_ceiling": round(1.0 / sync_util, 3) if sync_util > 0 else None,
         "steps": args.steps, "repeats": args.repeats, "train_batch_size": args.train_batch_size,
-        "sync_workers": 2, "pipeline_workers": args.pipeline_workers, "rollout_pool": args.rollout_pool,
+        "sync_workers": args.sync_workers, "pipeline_workers": args.pipeline_workers, "rollout_pool": args.rollout_pool,
         "runs": runs,
     }
 
@@ -128,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
     parser.add_argument("--train_batch_size", type=int, default=8,
                         help="prompts a step, 5 rollouts each (the demo trains on 32)")
+    parser.add_argument("--sync_workers", type=int, default=2, help="worker processes of a sync run (the demo's 2)")
     parser.add_argument("--pipeline_workers", type=int, default=3,
-                        help="worker processes of a pipelined run (sync runs the demo's 2): on CPU the rollout "
-                             "process mostly waits, so 2 train + 1 rollout share the 2 cores sync uses")
+                        help="worker processes of a pipelined run: on CPU the rollout process mostly waits, so "
+                             "2 train + 1 rollout share the 2 cores sync's 2 workers use")
     parser.add_argument("--rollout_pool", type=int, default=1, help="of them, the rollout pool's")
     parser.add_argument("--workdir", default=None, help="world, index and runs (default: a temporary folder)")
     parser.add_argument("--override", action="append", default=[], help="one more trainer override (repeatable)")

@@ -20,9 +20,9 @@ def test_the_offpolicy_bench_prints_both_modes_figures_at_a_retrieval_latency(tm
         [sys.executable, "-m", "scripts.bench.offpolicy", "--pipeline", "one_step_off", "--retrieval_latency_ms", "150",
          # the smallest run that shows every figure: 3 steps (the push of step 1's weights happens
          # before batch 3 is rolled out, and s_per_step is over the steps after the first), one run of
-         # each mode, 2 prompts x 5 (10 rollouts: they divide over sync's 2 workers), and the pipeline
-         # on 1 train + 1 rollout worker (the bench's default 2 + 1 starts one more process)
-         "--steps", "3", "--repeats", "1", "--train_batch_size", "2", "--pipeline_workers", "2",
+         # each mode, 2 prompts x 5, sync on one worker and the pipeline on 1 train + 1 rollout worker
+         # (the bench's defaults, 2 and 2 + 1, start two more processes: ~9 s of CPU each, and more a step)
+         "--steps", "3", "--repeats", "1", "--train_batch_size", "2", "--sync_workers", "1", "--pipeline_workers", "2",
          "--workdir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -30,6 +30,7 @@ def test_the_offpolicy_bench_prints_both_modes_figures_at_a_retrieval_latency(tm
     assert result["retrieval_latency_ms"] == 150.0 and result["pipeline"] == "one_step_off"
     assert result["speedup"] == pytest.approx(result["sync_s_per_step"] / result["pipeline_s_per_step"], rel=0.01)
     assert [r["pipeline"] for r in result["runs"]] == ["sync", "one_step_off"]
+    assert (result["sync_workers"], result["pipeline_workers"]) == (1, 2)
     assert result["max_staleness_seen"] == 1.0
     assert 0 < result["sync_host_cpu_util"] <= 1 and 0 < result["pipeline_host_cpu_util"] <= 1
     assert result["overlap_ceiling"] == pytest.approx(1 / result["sync_host_cpu_util"], rel=0.01)
