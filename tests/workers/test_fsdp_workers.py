@@ -51,8 +51,8 @@ def trainer_config(model_dir: str, offload: bool = False):
     return cfg
 
 
-def make_group(worker_cls, **init_kwargs) -> tuple[RayWorkerGroup, RayResourcePool]:
-    pool = RayResourcePool([2], use_gpu=False)
+def make_group(worker_cls, workers: int = 2, **init_kwargs) -> tuple[RayWorkerGroup, RayResourcePool]:
+    pool = RayResourcePool([workers], use_gpu=False)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(worker_cls, **init_kwargs))
     wg.init_model()
     return wg, pool

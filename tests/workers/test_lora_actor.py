@@ -170,9 +170,10 @@ def test_lora_actor_trains_only_the_adapter_and_the_reference_is_the_base(vllm_m
         close_group(wg, pool)
         wg = None
 
-        # lora_adapter_path: a new run starts from the saved adapter.
+        # lora_adapter_path: a new run starts from the saved adapter. One worker: the fingerprint sums full
+        # (gathered) parameters, alike on any world size; a 2-rank load is test_lora_fsdp.py's.
         cfg2 = lora_config(tiny_model_dir, **{"actor_rollout_ref.model.lora_adapter_path": str(hf)})
-        group2 = make_group(ActorRolloutRefWorker, config=cfg2.actor_rollout_ref, role="actor_rollout")
+        group2 = make_group(ActorRolloutRefWorker, workers=1, config=cfg2.actor_rollout_ref, role="actor_rollout")
         resumed = group2[0].get_state_fingerprint()[0]
         for name, value in saved.items():
             assert resumed[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
