@@ -23,6 +23,7 @@ own node's replica. ``ray[serve]`` is the extra ``serve`` (``pip install -e .[se
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -311,7 +312,12 @@ def start_serve(serve: Any, http_port: int | None) -> None:
         kwargs: dict[str, Any] = {"proxy_location": "Disabled"}
     else:
         kwargs = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port}}
-    kwargs["controller_options"] = {"runtime_env": {"env_vars": controller_env()}}
+    # serve.start takes controller_options from Ray 2.60 on (requirements allow >= 2.40): an older Serve
+    # keeps Ray's checks rather than failing on the keyword
+    if "controller_options" in inspect.signature(serve.start).parameters:
+        kwargs["controller_options"] = {"runtime_env": {"env_vars": controller_env()}}
+    else:
+        logger.info("this Ray's serve.start takes no controller_options: Serve's proxy keeps Ray's checks (5 s / 10 s)")
     try:
         serve.start(**kwargs)
     except (ray.exceptions.RayActorError, TimeoutError) as err:

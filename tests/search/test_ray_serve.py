@@ -103,12 +103,21 @@ class _ServeStartingSlowProxies:
         self.deaths = deaths
         self.calls: list[dict[str, Any]] = []
 
-    def start(self, **kwargs: Any) -> None:
+    def start(self, proxy_location: str, http_options: dict | None = None, controller_options: dict | None = None
+              ) -> None:
         import ray
 
-        self.calls.append(kwargs)
+        given = {"proxy_location": proxy_location, "http_options": http_options, "controller_options": controller_options}
+        self.calls.append({k: v for k, v in given.items() if v is not None})
         if len(self.calls) <= self.deaths:
             raise ray.exceptions.ActorDiedError()
+
+
+class _ServeBefore260(_ServeStartingSlowProxies):
+    """``ray.serve`` of a Ray the requirements allow (>= 2.40) whose ``start`` has no ``controller_options``."""
+
+    def start(self, proxy_location: str, http_options: dict | None = None) -> None:   # type: ignore[override]
+        super().start(proxy_location, http_options)
 
 
 def test_serve_start_is_tried_again_once_when_its_first_http_proxy_dies_before_it_is_ready() -> None:
@@ -123,6 +132,10 @@ def test_serve_start_is_tried_again_once_when_its_first_http_proxy_dies_before_i
     serve = _ServeStartingSlowProxies(deaths=0)
     start_serve(serve, None)
     assert serve.calls == [{"proxy_location": "Disabled", "controller_options": controller}]
+    # an older Serve gets no controller_options (a TypeError there would stop every retriever.serve=ray run)
+    older = _ServeBefore260(deaths=0)
+    start_serve(older, 8123)
+    assert older.calls == [{"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8123}}]
     # a second death is not Serve restarting a slow proxy: it is raised
     with pytest.raises(ray.exceptions.ActorDiedError):
         start_serve(_ServeStartingSlowProxies(deaths=2), 8123)
