@@ -31,10 +31,7 @@ def one_node_step(search_world: SearchWorld, tmp_path_factory: pytest.TempPathFa
     from tests.multinode.test_two_ray_nodes import _driver, _step
 
     out = tmp_path_factory.mktemp("one_node")
-    overrides = [o for o in _serve_overrides(search_world, out, None)
-                 if not o.startswith(("trainer.ray_address=", "trainer.nnodes=", "trainer.n_gpus_per_node=",
-                                      "actor_rollout_ref.rollout.mode="))]
-    step = _step(out, _driver(overrides + ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"]))
+    step = _step(out, _driver(_serve_overrides(search_world, out, None, nnodes=1, workers_per_node=2, mode="sync")))
     replicas = _replicas(out)
     assert len(replicas) == 1
     assert sum(_answered(r) for r in replicas.values()) == round(step["env/number_of_valid_search"] * ROLLOUTS)

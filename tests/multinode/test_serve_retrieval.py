@@ -71,11 +71,13 @@ print("NO_KILL", flush=True)
 """
 
 
-def _serve_overrides(world: SearchWorld, out: Path, cluster: LocalRayCluster | None, *extra: str) -> list[str]:
-    """An async GRPO step on the two nodes with retriever.serve=ray (without a cluster: its settings only)."""
+def _serve_overrides(world: SearchWorld, out: Path, cluster: LocalRayCluster | None, *extra: str, nnodes: int = 2,
+                     workers_per_node: int = 1, mode: str = "async") -> list[str]:
+    """A GRPO step (async by default) on `nnodes` x `workers_per_node` with retriever.serve=ray, joining
+    `cluster` (without one: a local Ray the driver starts)."""
     joined = [] if cluster is None else [f"trainer.ray_address={cluster.address}", "trainer.ray_wait_s=60"]
-    return _overrides(world, out, nnodes=2, workers_per_node=1) + joined + [
-        "actor_rollout_ref.rollout.mode=async",
+    return _overrides(world, out, nnodes=nnodes, workers_per_node=workers_per_node) + joined + [
+        f"actor_rollout_ref.rollout.mode={mode}",
         # the url of the test's own server must not be used: point it nowhere
         "retriever.url=http://127.0.0.1:9/retrieve",
         "retriever.serve=ray", "retriever.health_wait_s=240",

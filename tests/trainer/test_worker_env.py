@@ -119,3 +119,22 @@ def test_a_worker_sees_the_worker_env_the_users_own_values_win_and_torch_read_th
                         NCCL_DEBUG="INFO", PYTORCH_ALLOC_CONF="expandable_segments:False")
     assert seen == {**WORKER_ENV, "NCCL_DEBUG": "INFO", "PYTORCH_ALLOC_CONF": f"expandable_segments:False,{ROUND}",
                     "torch": f"expandable_segments:False,{ROUND}"}    # set before torch read it, in the worker
+
+
+def test_an_hf_runs_workers_get_the_worker_env_without_the_pinned_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real start above is a vLLM run's; an HF run's (no level-1 sleep) is read from the arguments
+    # _init_ray gives ray.init, so that the test costs no second local Ray.
+    import ray
+
+    from verl.trainer.main_ppo import _init_ray, compose_config
+
+    for key in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "RAY_AUTH_MODE", *WORKER_ENV):   # restored after
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    config = compose_config(["trainer.device=cpu", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf",
+                             "actor_rollout_ref.model.lora_rank=8"])
+    assert _init_ray(config, use_gpu=False)
+    assert [c["runtime_env"] for c in calls] == [{"env_vars": {**WORKER_ENV, "NCCL_DEBUG": "INFO"}}]
