@@ -35,7 +35,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # environment) runs without what no test reads: the metrics every Ray process exports every few seconds, the
 # usage-stats report, and the two idle workers prestarted when the first driver connects (an idle Ray worker
 # costs ~0.6 s of CPU a minute). An idle local cluster then takes about half the CPU (1.5 instead of 2.9 s a
-# minute; docs/testing.md "Parallel runs"), and the suite keeps one per xdist worker alive throughout.
+# minute; docs/testing.md "Parallel runs"), and each xdist worker keeps one up through its Ray tests.
 os.environ.setdefault("RAY_enable_metrics_collection", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
@@ -209,6 +209,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     if nextitem is not None and nextitem.module is item.module:
         return
+    _stop_idle_session_ray(item, nextitem)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -217,17 +218,31 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
                                        "after this module's tests; destroyed"))
 
 
+def _stop_idle_session_ray(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Between modules: stop this worker's session Ray (`ray_cluster`) when the next test does not use it.
+    The tests that use it are handed out first (below), so a worker's Ray would otherwise idle (~1.3 s of
+    CPU a minute) from its last Ray test to the end of the run; a later test that needs it starts it again.
+    Only where a module ends, so that no module-scoped fixture still holds actors of the stopped cluster."""
+    if nextitem is None or "ray_cluster" in nextitem.fixturenames:
+        return
+    for fixturedef in item.session._fixturemanager.getfixturedefs("ray_cluster", item) or ():
+        if fixturedef.scope == "session" and fixturedef.cached_result is not None:
+            fixturedef.finish(item._request)   # its teardown (ray.shutdown()); the next request starts it anew
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On an xdist worker under `--dist loadgroup` (the README's command): the tests that share a package-,
     module- or class-scoped fixture go to one worker, so the fixture is built once as in a serial run; a
     test that names its own `xdist_group` keeps it. Everything else is spread test by test. Work is handed
-    out in this order: the tests that start Ray workers or a vLLM engine, the longest of the suite, first,
-    so that none of them is left running alone on one worker at the end while the others idle."""
+    out in this order: the tests that use the session's Ray, then those that start a vLLM engine (the
+    longest of the suite) first, so that none of them is left running alone on one worker at the end while
+    the others idle."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker or not _grouping(config) or not os.environ.get(_GROUPS_DIR_VAR):
         return
-    items.sort(key=lambda item: not (item.get_closest_marker("vllm") or "ray_cluster" in item.fixturenames))
+    # the session's Ray first (so a worker's Ray stops once, after its last Ray test), then vLLM engines
+    items.sort(key=lambda item: ("ray_cluster" not in item.fixturenames, not item.get_closest_marker("vllm")))
     groups = {item.nodeid: group for item in items if (group := _group_of(item)) is not None}
     path = Path(os.environ[_GROUPS_DIR_VAR]) / f"{worker}.json"
     path.with_suffix(".tmp").write_text(json.dumps(groups))
@@ -278,7 +293,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster shared by the session's tests (logical CPUs > physical on purpose)."""
+    """A local Ray cluster shared by the session's tests (logical CPUs > physical on purpose); stopped after
+    a worker's last module that uses it (`_stop_idle_session_ray`), started again if a later test asks."""
     import ray
 
     if not ray.is_initialized():
