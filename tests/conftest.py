@@ -222,8 +222,12 @@ def _stop_idle_session_ray(item: pytest.Item, nextitem: pytest.Item | None) -> N
     """Between modules: stop this worker's session Ray (`ray_cluster`) when the next test does not use it.
     The tests that use it are handed out first (below), so a worker's Ray would otherwise idle (~1.3 s of
     CPU a minute) from its last Ray test to the end of the run; a later test that needs it starts it again.
-    Only where a module ends, so that no module-scoped fixture still holds actors of the stopped cluster."""
+    Only where a module ends, so that no module-scoped fixture still holds actors of the stopped cluster; and
+    only where that order holds (an xdist worker under `--dist loadgroup`): in a serial run the Ray tests are
+    spread over the run, and each would start it again (seconds each)."""
     if nextitem is None or "ray_cluster" in nextitem.fixturenames:
+        return
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not _grouping(item.config):
         return
     for fixturedef in item.session._fixturemanager.getfixturedefs("ray_cluster", item) or ():
         if fixturedef.scope == "session" and fixturedef.cached_result is not None:
