@@ -1,7 +1,10 @@
-"""Checkpoints: atomic step folders, keep-last-K, resume modes, and an exact resume of training."""
+"""Checkpoints: atomic step folders, keep-last-K, resume modes, and an exact resume of training, also from
+the checkpoint before a corrupt newest one (the manifest check, through run_ppo)."""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,7 @@ from transformers import AutoTokenizer
 from scripts.bench.toy_task import ContainsTokenReward, toy_overrides, write_toy_parquets
 from verl.trainer import main_ppo
 from verl.trainer.ppo import checkpointing as ck
+from verl.utils.checkpoint.manifest import MANIFEST_FILE, CorruptCheckpointError, verify_manifest
 
 # Metrics that depend on the clock, not on the computation.
 CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/")
@@ -73,26 +77,55 @@ def _train(model_dir: str, data, ckpt: Path, steps: int, extra: list[str] = ()) 
     return main_ppo.run_ppo(cfg, reward_fn=ContainsTokenReward(tok), val_reward_fn=ContainsTokenReward(tok))
 
 
+def _truncate(path: Path) -> None:
+    """Half the file is left, as a full disk or a node crashing mid-write leaves it."""
+    os.truncate(path, path.stat().st_size // 2)
+
+
 def _computed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(CLOCK_PREFIXES)}
 
 
-@pytest.mark.slow   # four PPO runs: in CI's slow suite (the default suite's 15-minute goal)
-def test_two_steps_then_resume_matches_three_steps_exactly(ray_cluster, tiny_model_dir: str, tmp_path: Path) -> None:
+@pytest.mark.slow   # five PPO runs (two fail at load): in CI's slow suite (the default suite's 15-minute goal)
+def test_two_steps_then_resume_matches_three_steps_exactly_and_a_corrupt_newest_checkpoint_falls_back(
+        ray_cluster, tiny_model_dir: str, tmp_path: Path, caplog) -> None:
     # 8 prompts, batch 4: step 3 starts a new epoch, so the resumed sampler must also get the
     # next epoch's order right. PPO: actor, critic, optimizers, LR schedule and worker RNG all matter.
     data = write_toy_parquets(tmp_path / "data", n_train=8, n_val=2)
     straight = _train(tiny_model_dir, data, tmp_path / "straight", steps=3)
-    first = _train(tiny_model_dir, data, tmp_path / "resumed", steps=2)
-    assert ck.find_resume_dir(tmp_path / "resumed", "auto") == tmp_path / "resumed" / "global_step_2"
-    second = _train(tiny_model_dir, data, tmp_path / "resumed", steps=3)
-
-    assert [h["step"] for h in straight] == [1, 2, 3]
-    assert [h["step"] for h in first] == [1, 2] and [h["step"] for h in second] == [3]
+    ckpt = tmp_path / "resumed"
+    first = _train(tiny_model_dir, data, ckpt, steps=2)
+    assert ck.find_resume_dir(ckpt, "auto") == ckpt / "global_step_2"
+    assert [h["step"] for h in straight] == [1, 2, 3] and [h["step"] for h in first] == [1, 2]
     assert _computed(first[1]) == _computed(straight[1])
-    assert _computed(second[0]) == _computed(straight[2])
-    assert [p.name for p in ck.list_checkpoints(tmp_path / "resumed")] == ["global_step_2", "global_step_3"]
+
+    # The newest checkpoint is corrupt (rank 1's shard half written, as a full disk leaves it): auto
+    # resume says so, falls back to step 1, and steps 2 and 3 trained again are the straight run's.
+    bad = ckpt / "global_step_2" / "actor" / "dcp" / "__1_0.distcp"
+    _truncate(bad)
+    with caplog.at_level(logging.WARNING, logger=ck.__name__):
+        second = _train(tiny_model_dir, data, ckpt, steps=3)
+    assert str(bad) in caplog.text and "resuming from" in caplog.text
+    assert [h["step"] for h in second] == [2, 3]
+    assert _computed(second[0]) == _computed(straight[1])
+    assert _computed(second[1]) == _computed(straight[2])
+    assert [p.name for p in ck.list_checkpoints(ckpt)] == ["global_step_2", "global_step_3"]
+    assert verify_manifest(ckpt / "global_step_2").intact   # the re-save replaced the corrupt folder
 
     # val_only on the finished run: loads the latest checkpoint, validates, trains nothing
-    val = _train(tiny_model_dir, data, tmp_path / "resumed", steps=3, extra=["+trainer.val_only=true"])
+    val = _train(tiny_model_dir, data, ckpt, steps=3, extra=["+trainer.val_only=true"])
     assert len(val) == 1 and val[0]["step"] == 3 and any(k.startswith("val/test_score/") for k in val[0])
+
+    # Nothing intact left: the run stops naming each corrupt file.
+    for step in (2, 3):
+        _truncate(ckpt / f"global_step_{step}" / "actor" / "dcp" / "__0_0.distcp")
+    with pytest.raises(CorruptCheckpointError, match="no intact checkpoint") as info:
+        _train(tiny_model_dir, data, ckpt, steps=3)
+    assert str(ckpt / "global_step_2" / "actor" / "dcp" / "__0_0.distcp") in str(info.value)
+
+    # As saved before manifests: resumed unverified, the workers' load fails and the error says so.
+    for step in (2, 3):
+        (ckpt / f"global_step_{step}" / MANIFEST_FILE).unlink()
+    with pytest.raises(RuntimeError, match="a worker failed to load it") as info:
+        _train(tiny_model_dir, data, ckpt, steps=3)
+    assert str(ckpt / "global_step_3") in str(info.value) and "no manifest.json" in str(info.value)
